@@ -1,0 +1,4 @@
+"""Setuptools entry point; all metadata lives in setup.cfg."""
+import setuptools
+
+setuptools.setup()

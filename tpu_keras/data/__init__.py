@@ -1,0 +1,1 @@
+"""Input pipelines and the TFDS builders that work offline."""

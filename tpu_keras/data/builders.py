@@ -1,0 +1,55 @@
+"""The offline TFDS builders, and a way to prepare them that several hosts can share.
+
+Importing this module registers `stdlib_bytes` and `digits` with TFDS.
+"""
+import contextlib
+import fcntl
+import os
+
+import tensorflow_datasets as tfds
+
+from tpu_keras.data.digits import Digits
+from tpu_keras.data.stdlib_bytes import StdlibBytes
+
+OFFLINE_BUILDERS = {"stdlib_bytes": StdlibBytes, "digits": Digits}
+LOCK_FILENAME = ".prepare.lock"
+
+
+@contextlib.contextmanager
+def _exclusive(data_dir: str):
+    """Holds an flock on data_dir.
+
+    TFDS writes into a temporary folder and renames it at the end, but the
+    second of two concurrent renames fails because the target then exists, so
+    preparers must take turns. flock only coordinates processes of one machine;
+    a remote data_dir (gs://...) is left unlocked and must be prepared by one host.
+    """
+    if "://" in data_dir:
+        yield
+        return
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, LOCK_FILENAME), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def prepare(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
+    """Returns the builder for a TFDS name such as "stdlib_bytes/ctx128" or "digits".
+
+    Our offline builders are generated on first use; any other name is returned
+    unprepared, exactly as `tfds.builder` gives it.
+    """
+    dataset_name, _ = tfds.core.naming.parse_builder_name_kwargs(name)
+    if dataset_name.namespace or dataset_name.name not in OFFLINE_BUILDERS:
+        return tfds.builder(name, data_dir=data_dir)
+    with _exclusive(os.fspath(data_dir)):
+        # Built inside the lock, so it reads what another process just wrote.
+        builder = tfds.builder(name, data_dir=data_dir)
+        # Returns at once when the data is already there. try_download_gcs=False:
+        # always generate, never fetch a same-named dataset from gs://tfds-data.
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    return builder

@@ -1,0 +1,232 @@
+"""Simulates a multi-host pod on one machine by running one process per host.
+
+    python -m tpu_keras.launch --hosts=2 --devices_per_host=4 -- python train.py
+
+Each host gets the environment a real pod worker would see (TF_CONFIG, its
+index, the coordinator address) plus TPU_KERAS_VIRTUAL_DEVICES, which makes
+the cluster module split the CPU into that many logical devices. So the same
+multi-worker code path can be exercised on a laptop or in CI. Output is merged
+with a "[host i] " prefix; if one host fails, or the timeout passes, every host
+is stopped, so a broken run never leaves orphans or hangs its peers forever.
+
+Deliberately imports nothing heavy (no TensorFlow): it must start instantly.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app
+from absl import flags
+
+from tpu_keras.errors import UserError
+
+flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
+flags.DEFINE_integer("devices_per_host", 1,
+                     "Logical CPU devices per host (TPU_KERAS_VIRTUAL_DEVICES).")
+flags.DEFINE_float("timeout", 3600, "Seconds before all hosts are killed (exit 124).")
+flags.DEFINE_enum("backend", "tf", ["tf"],
+                  "Engine the hosts use; only 'tf' (TF_CONFIG) exists today.")
+
+FLAGS = flags.FLAGS
+
+GRACE_SECONDS = 5.0  # Between SIGTERM and SIGKILL: time for hosts to flush logs.
+TIMEOUT_EXIT_CODE = 124  # Same convention as coreutils `timeout`.
+_POLL_SECONDS = 0.1
+_PRINT_LOCK = threading.Lock()  # One whole line at a time, from any thread.
+
+
+class _Terminated(Exception):
+    """Raised in the main thread when the launcher itself gets SIGTERM."""
+
+
+def _log(message):
+    """Prints one launcher line (stderr, so stdout holds only host output)."""
+    with _PRINT_LOCK:
+        sys.stdout.flush()
+        print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
+def _free_ports(count):
+    """Returns `count` distinct free ports on 127.0.0.1.
+
+    All sockets stay bound until every port is known, so none repeats.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _host_env(index, workers, devices_per_host, coordinator):
+    """The environment one simulated host would see on a real pod."""
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)  # One host: no TF_CONFIG, so single-host strategy.
+    if len(workers) > 1:
+        env["TF_CONFIG"] = json.dumps({
+            "cluster": {"worker": workers},
+            "task": {"type": "worker", "index": index},
+        })
+    env.update(
+        TPU_KERAS_VIRTUAL_DEVICES=str(devices_per_host),
+        TPU_KERAS_HOST_INDEX=str(index),
+        TPU_KERAS_NUM_HOSTS=str(len(workers)),
+        TPU_KERAS_COORDINATOR=coordinator,
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _stream(pipe, prefix):
+    """Copies a child's output to stdout, whole prefixed lines at a time."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            with _PRINT_LOCK:
+                sys.stdout.write(f"{prefix}{line}\n")
+                sys.stdout.flush()
+
+
+def _exit_code(proc):
+    """The child's exit code (-N if killed by signal N), or None if running.
+
+    Does not reap the child: a zombie keeps its PID, and so its process
+    group id, reserved, so signalling that group later can only reach
+    processes this launcher started, never a recycled PID.
+    """
+    if not hasattr(os, "waitid"):  # Not Linux: fall back to reaping.
+        return proc.poll()
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _signal_group(proc, signum):
+    """Signals the process group the child leads (it and its subprocesses)."""
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # Already gone.
+
+
+def _stop(procs):
+    """SIGTERM every host's group, then SIGKILL whatever outlives the grace."""
+    for proc in procs:
+        if proc.returncode is None:  # Not reaped yet, so the group id is ours.
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < deadline and any(_exit_code(p) is None for p in procs):
+        time.sleep(_POLL_SECONDS)
+    for proc in procs:
+        if proc.returncode is None:
+            _signal_group(proc, signal.SIGKILL)
+
+
+def _wait(procs, deadline, timeout):
+    """Waits for all hosts; returns 0, the first failure's code, or 124."""
+    while True:
+        codes = [_exit_code(p) for p in procs]
+        for index, code in enumerate(codes):
+            if code not in (None, 0):
+                how = f"exit code {code}" if code > 0 else f"signal {-code}"
+                _log(f"host {index} failed with {how}; stopping all hosts")
+                return code if code > 0 else 1
+        if all(code == 0 for code in codes):
+            return 0
+        if time.monotonic() >= deadline:
+            _log(f"timed out after {timeout:g} s; stopping all hosts")
+            return TIMEOUT_EXIT_CODE
+        time.sleep(_POLL_SECONDS)
+
+
+def _raise_terminated(signum, frame):
+    del signum, frame
+    raise _Terminated()
+
+
+def launch(command, hosts, devices_per_host, timeout=3600.0):
+    """Runs `command` once per simulated host and returns the launcher's exit code.
+
+    0 if every host exits 0; the first failing host's code (or 1) after
+    stopping the others; 124 on timeout; 128+signal if interrupted.
+    Raises UserError for bad arguments.
+    """
+    if not command:
+        raise UserError("no command given; put it after '--', e.g. "
+                        "python -m tpu_keras.launch --hosts=2 -- python train.py")
+    if hosts < 1:
+        raise UserError(f"--hosts must be >= 1, got {hosts}")
+    if devices_per_host < 1:
+        raise UserError(f"--devices_per_host must be >= 1, got {devices_per_host}")
+    if timeout <= 0:
+        raise UserError(f"--timeout must be > 0 seconds, got {timeout:g}")
+
+    ports = _free_ports(hosts + 1)
+    workers = [f"127.0.0.1:{port}" for port in ports[:hosts]]
+    coordinator = f"127.0.0.1:{ports[-1]}"
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:  # Signal handlers can only be set from the main thread.
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    procs, readers, code = [], [], 1
+    start = time.monotonic()
+    try:
+        for index in range(hosts):
+            procs.append(subprocess.Popen(
+                command,
+                env=_host_env(index, workers, devices_per_host, coordinator),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True))  # Own process group: stoppable as a unit.
+            reader = threading.Thread(
+                target=_stream, args=(procs[-1].stdout, f"[host {index}] "), daemon=True)
+            reader.start()
+            readers.append(reader)
+        code = _wait(procs, start + timeout, timeout)
+    except OSError as error:  # E.g. the command does not exist.
+        _log(f"cannot start {command[0]!r}: {error.strerror or error}")
+        code = 127
+    except KeyboardInterrupt:
+        _log("interrupted; stopping all hosts")
+        code = 128 + signal.SIGINT
+    except _Terminated:
+        _log("got SIGTERM; stopping all hosts")
+        code = 128 + signal.SIGTERM
+    finally:
+        try:
+            if code != 0:
+                _stop(procs)
+            for proc in procs:
+                proc.wait()  # Reap.
+            for reader in readers:
+                reader.join(timeout=GRACE_SECONDS)  # Grandchildren may hold the pipe.
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+    if code == 0:
+        _log(f"all hosts succeeded (hosts={hosts}, devices_per_host={devices_per_host}) "
+             f"in {time.monotonic() - start:.1f} s")
+    return code
+
+
+def main(argv):
+    """absl entry point: everything after '--' is the command."""
+    try:
+        return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout)
+    except UserError as error:
+        print(f"launch: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,101 @@
+"""Train/test functions for `model.fit` that work under every tf.distribute strategy.
+
+Keras 3's TensorFlow trainer breaks in two places once there is more than one
+replica (DESIGN.md facts 1 and 3):
+
+* its `steps_per_execution` loop runs `strategy.run` inside a `tf.cond` on an
+  `Optional`, which fails under a multi-device MirroredStrategy
+  (keras-team/keras#19246);
+* under MultiWorkerMirroredStrategy it reduces a PerReplica *input batch* to
+  build the model, and reduces scalar metrics along axis 0
+  (keras-team/keras#20585).
+
+`distributed_steps(model)` replaces the three trainer hooks involved with one
+mechanism that holds for every strategy: build the model's metrics and
+optimizer from one replica's batch before anything is traced, then run the
+host loop in cross-replica context - one unconditional step, then
+`steps_per_execution - 1` more that stop when the iterator runs dry - and
+average each scalar over replicas with `strategy.reduce(..., axis=None)`.
+"""
+
+import types
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+_HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build")
+
+
+def distributed_steps(model: keras.Model) -> keras.Model:
+    """Gives `model` step functions that work under any strategy; returns it.
+
+    Call it once, on a model built inside `strategy.scope()`, before `fit`.
+    Compiling again keeps the fix.
+    """
+    for hook in _HOOKS:
+        setattr(model, hook, types.MethodType(globals()[hook], model))
+    return model
+
+
+def make_train_function(self, force=False):
+    if self.train_function is None or force:
+        self.train_function = _host_loop(self, self.train_step)
+    return self.train_function
+
+
+def make_test_function(self, force=False):
+    if self.test_function is None or force:
+        self.test_function = _host_loop(self, self.test_step)
+    return self.test_function
+
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """Creates metric and optimizer variables before any step is traced.
+
+    Variables created lazily inside the host loop's control flow are what
+    breaks tracing under MirroredStrategy, so the build always happens here,
+    from the first replica's share of the first batch.
+    """
+    strategy = self.distribute_strategy
+    if iterator is not None:
+        for _, _, batches in iterator:
+            data_batch = tf.nest.map_structure(
+                lambda x: strategy.experimental_local_results(x)[0], next(batches))
+            break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+def _host_loop(model, step_fn):
+    """Runs up to `steps_per_execution` steps per call to the host."""
+    strategy = model.distribute_strategy
+    if model.jit_compile and not model.run_eagerly:
+        if strategy.num_replicas_in_sync == 1:
+            step_fn = tf.function(step_fn, jit_compile=True, reduce_retracing=True)
+        else:
+            # XLA around the whole `strategy.run` fails (keras-team/keras#19005).
+            logging.warning("jit_compile is applied on one replica only for now; "
+                            "running %d replicas without XLA",
+                            strategy.num_replicas_in_sync)
+
+    def one_step(batch):
+        outputs = strategy.run(step_fn, args=(batch,))
+        return tf.nest.map_structure(lambda v: _mean_over_replicas(strategy, v), outputs)
+
+    def steps(iterator):
+        outputs = one_step(next(iterator))
+        for _ in tf.range(model.steps_per_execution - 1):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            outputs = one_step(batch.get_value())
+        return outputs
+
+    return steps if model.run_eagerly else tf.function(steps, reduce_retracing=True)
+
+
+def _mean_over_replicas(strategy, value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.reduce("MEAN", value, axis=None)
+    return value
