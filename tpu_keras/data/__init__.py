@@ -1,1 +1,3 @@
-"""Input pipelines and the TFDS builders that work offline."""
+"""Input pipelines: TFDS (and our offline builders) to per-replica batches."""
+
+from tpu_keras.data.pipeline import build

@@ -1,0 +1,39 @@
+"""A byte-level GPT on the Python standard library's own source, fully offline.
+
+    python -m tpu_keras.train --config=configs/lm_stdlib.py --workdir=/tmp/lm
+    python -m tpu_keras.train --config=configs/lm_stdlib.py:tiny --workdir=/tmp/lm_tiny
+
+Variants: '' (a few minutes on a 2-core CPU, validation < 3.2 bits per byte)
+and 'tiny' (seconds; for tests and for checking a cluster end to end).
+"""
+
+from tpu_keras.config import defaults
+
+
+def get_config(arg=None):
+    config = defaults()
+    config.data.name = "stdlib_bytes/ctx128"
+    config.data.preprocess = "next_token"
+    config.model = dict(name="gpt", vocab_size=256, context_length=128,
+                        width=128, depth=2, num_heads=4, mlp_ratio=4)
+
+    config.train.batch_size = 32
+    config.train.steps = 800
+    config.train.learning_rate = 3e-3
+    config.train.warmup_steps = 50
+    config.train.jit_compile = True   # XLA fuses the small ops: ~1.5x on this CPU
+    config.train.eval_every = 400
+    config.train.eval_steps = 50
+    config.checkpoint.every_steps = 200
+    config.log.every_steps = 100
+
+    if arg == "tiny":
+        config.data.name = "stdlib_bytes/ctx64"
+        config.model.update(context_length=64, width=32, depth=1, num_heads=2)
+        config.train.update(batch_size=16, steps=20, warmup_steps=5, eval_every=10,
+                            eval_steps=2, steps_per_execution=5, jit_compile=False)
+        config.checkpoint.every_steps = 10
+        config.log.every_steps = 10
+    elif arg:
+        raise ValueError(f"unknown variant {arg!r} of lm_stdlib; use '' or 'tiny'")
+    return config

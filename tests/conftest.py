@@ -1,0 +1,36 @@
+"""Helpers to run the toolkit the way users do: as bounded subprocesses.
+
+Every device layout runs in its own process (TensorFlow fixes its devices at
+start-up), and every process is bounded by a timeout.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(args, *, timeout=300, env=None, check=True):
+    """Runs `args` from the repo root; returns the CompletedProcess (text, merged output)."""
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("TF_CONFIG", None)
+    result = subprocess.run(args, cwd=REPO, env=full_env, timeout=timeout, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout[-4000:]}")
+    return result
+
+
+def train(config, workdir, *overrides, timeout=300, check=True, env=None):
+    return run([sys.executable, "-m", "tpu_keras.train", f"--config={config}",
+                f"--workdir={workdir}", *overrides], timeout=timeout, check=check, env=env)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One TFDS data_dir for the session, so each offline dataset is prepared once."""
+    return str(tmp_path_factory.mktemp("tensorflow_datasets"))

@@ -1,0 +1,118 @@
+"""End-to-end runs of `python -m tpu_keras.train` on the offline datasets."""
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run, train
+
+LM_TINY = "configs/lm_stdlib.py:tiny"
+
+
+def logged_steps(output):
+    return [int(s) for s in re.findall(r"step (\d+)/\d+ \|", output)]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, data_dir):
+    workdir = tmp_path_factory.mktemp("lm_tiny")
+    result = train(LM_TINY, workdir, f"--config.data.data_dir={data_dir}")
+    return workdir, result.stdout
+
+
+def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
+    workdir, output = tiny_run
+    assert logged_steps(output) == [10, 20]
+    assert re.search(r"val_bits_per_byte [\d.]+ .*tokens_per_second [\d,]+", output)
+    assert (workdir / "config.json").exists()
+    assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+    assert (workdir / "checkpoints" / "ckpt-20.index").exists()
+    assert (workdir / "export" / "saved_model.pb").exists()
+
+
+def test_export_predicts_like_the_keras_model(tiny_run):
+    workdir, _ = tiny_run
+    code = f"""
+import numpy as np, tensorflow as tf
+from ml_collections import config_flags
+import sys; sys.path.insert(0, "configs")
+import lm_stdlib
+from tpu_keras import models
+config = lm_stdlib.get_config("tiny")
+model = models.build(config.model)
+tf.train.Checkpoint(model=model).restore(r"{workdir}/checkpoints/ckpt-20").expect_partial()
+tokens = np.random.default_rng(0).integers(0, 256, (3, config.model.context_length)).astype("int32")
+exported = tf.saved_model.load(r"{workdir}/export")
+np.testing.assert_allclose(exported.serve(tokens).numpy(), model(tokens).numpy(), atol=1e-5)
+print("MATCH", float(np.abs(model(tokens).numpy()).sum()))
+"""
+    result = run([sys.executable, "-c", code])
+    assert "MATCH" in result.stdout
+
+
+def test_rerun_on_same_workdir_continues_the_step_count(tiny_run, data_dir):
+    workdir, _ = tiny_run
+    result = train(LM_TINY, workdir, "--config.train.steps=30", f"--config.data.data_dir={data_dir}")
+    assert "resumed from" in result.stdout and "at step 20" in result.stdout
+    assert logged_steps(result.stdout) == [30]
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, data_dir):
+    args = [sys.executable, "-m", "tpu_keras.train", f"--config={LM_TINY}",
+            f"--workdir={tmp_path}", f"--config.data.data_dir={data_dir}",
+            "--config.train.steps=200"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not glob.glob(str(tmp_path / "checkpoints" / "ckpt-*.index")):
+            assert process.poll() is None and time.time() < deadline, "no checkpoint was written"
+            time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    saved = max(int(re.search(r"ckpt-(\d+)", p).group(1))
+                for p in glob.glob(str(tmp_path / "checkpoints" / "ckpt-*.index")))
+    assert saved < 200, "the run finished before it could be killed"
+
+    result = train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}",
+                   "--config.train.steps=200")
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", result.stdout).group(1))
+    assert resumed_at >= saved
+    assert logged_steps(result.stdout)[0] == resumed_at + 10
+
+
+def test_four_virtual_devices_train_with_four_replicas(tmp_path, data_dir):
+    result = train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}",
+                   "--config.cluster.virtual_devices=4")
+    assert "mirrored strategy: 4 replica(s) on 1 host(s)" in result.stdout
+    assert logged_steps(result.stdout) == [10, 20]
+
+
+def test_two_hosts_train_four_replicas_and_end_with_identical_weights(tmp_path, data_dir):
+    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
+                  "--timeout=400", "--", sys.executable, "-m", "tpu_keras.train",
+                  f"--config={LM_TINY}", f"--workdir={tmp_path}",
+                  f"--config.data.data_dir={data_dir}"], timeout=450)
+    for host in (0, 1):
+        assert re.search(rf"\[host {host}\].*multi_worker strategy: 4 replica\(s\) on 2 host\(s\)",
+                         result.stdout)
+    fingerprints = dict(re.findall(r"\[host (\d)\].*weights fingerprint: (\S+)", result.stdout))
+    assert len(fingerprints) == 2 and fingerprints["0"] == fingerprints["1"], fingerprints
+    assert (tmp_path / "checkpoints" / "ckpt-20.index").exists()
+    assert not (tmp_path / "tmp").exists() or not os.listdir(tmp_path / "tmp")
+
+
+def test_digits_reaches_95_percent_validation_accuracy(tmp_path, data_dir):
+    result = train("configs/digits.py", tmp_path, f"--config.data.data_dir={data_dir}")
+    accuracy = float(re.findall(r"val_accuracy ([\d.]+)", result.stdout)[-1])
+    print("digits val_accuracy", accuracy)
+    assert accuracy >= 0.95

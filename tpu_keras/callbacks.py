@@ -1,0 +1,57 @@
+"""One log line and a set of TensorBoard scalars per log interval.
+
+`fit` runs with one Keras "epoch" per log interval, so epoch boundaries are
+where the step, the loss, the last validation and the throughput are known.
+"""
+
+import time
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+
+class IntervalLogger(keras.callbacks.Callback):
+    def __init__(self, *, steps_per_interval: int, total_steps: int, global_batch: int,
+                 tokens_per_example: int = 0, summary_dir: str | None = None):
+        super().__init__()
+        self._steps, self._total = steps_per_interval, total_steps
+        self._batch, self._tokens = global_batch, tokens_per_example
+        self._writer = tf.summary.create_file_writer(summary_dir) if summary_dir else None
+        self._start = None
+        self._train_seconds = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start, self._train_seconds = time.perf_counter(), None
+
+    def on_test_begin(self, logs=None):
+        # Validation time is not training throughput.
+        if self._start is not None and self._train_seconds is None:
+            self._train_seconds = time.perf_counter() - self._start
+
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = self._train_seconds or (time.perf_counter() - self._start)
+        step = (epoch + 1) * self._steps
+        scalars = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
+        scalars["examples_per_second"] = self._steps * self._batch / seconds
+        if self._tokens:
+            scalars["tokens_per_second"] = scalars["examples_per_second"] * self._tokens
+        logging.info("step %d/%d | %s", step, self._total,
+                     " | ".join(f"{k} {_fmt(v)}" for k, v in scalars.items()))
+        if self._writer:
+            with self._writer.as_default(step=step):
+                for name, value in scalars.items():
+                    tf.summary.scalar(name, value)
+            self._writer.flush()
+
+
+def _is_number(value):
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _fmt(value):
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"

@@ -1,0 +1,56 @@
+"""Save and restore the model, the optimizer and the step; resume where a run stopped.
+
+Uses `tf.train.CheckpointManager`, which writes distributed variables
+correctly under every strategy. Every host must call `save` (TensorFlow
+requires it under MultiWorkerMirroredStrategy); only the chief writes to the
+shared `DIR/checkpoints`, the others to a private folder that is removed.
+"""
+
+import os
+import shutil
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+
+class Checkpointer:
+    def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3):
+        self.shared_dir = os.path.join(workdir, "checkpoints")
+        self._own_dir = (self.shared_dir if cluster.is_chief
+                         else os.path.join(workdir, "tmp", f"host{cluster.host_index}"))
+        self._model = model
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        self._manager = tf.train.CheckpointManager(self._checkpoint, self._own_dir, max_to_keep=keep)
+
+    @property
+    def step(self) -> int:
+        return int(self._model.optimizer.iterations.numpy())
+
+    def restore_latest(self) -> int:
+        """Restores the newest checkpoint in the shared folder, if any; returns the step."""
+        latest = tf.train.latest_checkpoint(self.shared_dir)
+        if latest:
+            self._checkpoint.restore(latest).assert_existing_objects_matched()
+            logging.info("resumed from %s at step %d", latest, self.step)
+        return self.step
+
+    def save(self) -> None:
+        path = self._manager.save(checkpoint_number=self.step)
+        if self._own_dir != self.shared_dir:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+        else:
+            logging.info("saved checkpoint %s", path)
+
+
+class SaveEvery(keras.callbacks.Callback):
+    """Saves at every `every_steps` boundary of a run whose epochs are log intervals."""
+
+    def __init__(self, checkpointer: Checkpointer, every_steps: int, total_steps: int):
+        super().__init__()
+        self._checkpointer, self._every, self._total = checkpointer, every_steps, total_steps
+
+    def on_epoch_end(self, epoch, logs=None):
+        step = self._checkpointer.step
+        if step % self._every == 0 or step >= self._total:
+            self._checkpointer.save()

@@ -1,0 +1,89 @@
+"""The config schema: every section and key a run may set, with its default.
+
+Config files under `configs/` start from `defaults()` and change values;
+`check()` then rejects any key the schema does not know, naming the closest
+one, so a typo never silently falls back to a default. The `model` section is
+free-form here and checked against the chosen builder's arguments instead.
+"""
+
+import ml_collections
+
+from tpu_keras.errors import UserError, closest
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The full schema. Each config file overrides what it needs."""
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    # Where to run. strategy: auto | tpu | multi_worker | mirrored | one_device.
+    config.cluster = dict(
+        strategy="auto",
+        tpu="",               # TPU name, or 'local' on a TPU VM
+        zone="",
+        project="",
+        virtual_devices=0,    # >1 splits the CPU into that many replicas
+    )
+
+    # What to read: a TFDS name (ours are prepared offline on first use).
+    config.data = dict(
+        name="",
+        data_dir="~/tensorflow_datasets",
+        train_split="train",
+        eval_split="validation",
+        preprocess="",        # see tpu_keras.data.preprocess.PREPROCESSORS
+        shuffle_buffer=10_000,
+    )
+
+    # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.
+    config.model = dict(name="")
+
+    config.train = dict(
+        batch_size=64,        # global: split evenly over all replicas
+        steps=1000,
+        optimizer="adamw",    # any keras.optimizers name
+        learning_rate=1e-3,   # peak, reached after warmup_steps
+        warmup_steps=100,
+        min_learning_rate_ratio=0.1,  # cosine decays to this fraction of the peak
+        weight_decay=0.01,
+        clipnorm=1.0,         # 0 disables gradient clipping
+        eval_every=200,       # steps between validations
+        eval_steps=0,         # 0: the whole eval split
+        steps_per_execution=10,  # steps per host call
+        jit_compile=False,
+    )
+
+    config.checkpoint = dict(
+        every_steps=200,
+        keep=3,
+    )
+
+    config.log = dict(
+        every_steps=50,       # one log line, and TensorBoard scalars, per interval
+    )
+    return config
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+    """Raises a one-line UserError for unknown keys or inconsistent intervals."""
+    _check_keys(config, defaults(), "")
+    train, log = config.train, config.log
+    for name, every in (("train.eval_every", train.eval_every),
+                        ("checkpoint.every_steps", config.checkpoint.every_steps)):
+        if every % log.every_steps:
+            raise UserError(f"{name}={every} must be a multiple of log.every_steps={log.every_steps}")
+    if log.every_steps % train.steps_per_execution:
+        raise UserError(f"log.every_steps={log.every_steps} must be a multiple of "
+                        f"train.steps_per_execution={train.steps_per_execution}")
+    if train.steps % log.every_steps:
+        raise UserError(f"train.steps={train.steps} must be a multiple of "
+                        f"log.every_steps={log.every_steps}")
+
+
+def _check_keys(config, schema, prefix):
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            raise UserError(f"unknown config key {path!r}{closest(key, schema.keys())}")
+        if key != "model" and isinstance(schema[key], ml_collections.ConfigDict):
+            _check_keys(value, schema[key], f"{path}.")
