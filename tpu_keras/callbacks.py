@@ -12,30 +12,38 @@ import tensorflow as tf
 
 
 class IntervalLogger(keras.callbacks.Callback):
+    """Logs step, metrics and throughput at the end of every interval.
+
+    Throughput is timed from the end of the interval's first host call to the
+    end of its last, so tracing, XLA compilation and validation never count
+    as training time.
+    """
+
     def __init__(self, *, steps_per_interval: int, total_steps: int, global_batch: int,
                  tokens_per_example: int = 0, summary_dir: str | None = None):
         super().__init__()
         self._steps, self._total = steps_per_interval, total_steps
         self._batch, self._tokens = global_batch, tokens_per_example
         self._writer = tf.summary.create_file_writer(summary_dir) if summary_dir else None
-        self._start = None
-        self._train_seconds = None
+        self._clock = None  # (time, steps done) at the end of the first host call
+        self._last = None   # (time, steps done) at the end of the latest host call
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start, self._train_seconds = time.perf_counter(), None
+        self._clock = self._last = None
 
-    def on_test_begin(self, logs=None):
-        # Validation time is not training throughput.
-        if self._start is not None and self._train_seconds is None:
-            self._train_seconds = time.perf_counter() - self._start
+    def on_train_batch_end(self, batch, logs=None):
+        self._last = (time.perf_counter(), batch + 1)
+        if self._clock is None:
+            self._clock = self._last
 
     def on_epoch_end(self, epoch, logs=None):
-        seconds = self._train_seconds or (time.perf_counter() - self._start)
         step = (epoch + 1) * self._steps
         scalars = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
-        scalars["examples_per_second"] = self._steps * self._batch / seconds
-        if self._tokens:
-            scalars["tokens_per_second"] = scalars["examples_per_second"] * self._tokens
+        (start, start_steps), (end, end_steps) = self._clock, self._last
+        if end_steps > start_steps:
+            scalars["examples_per_second"] = (end_steps - start_steps) * self._batch / (end - start)
+            if self._tokens:
+                scalars["tokens_per_second"] = scalars["examples_per_second"] * self._tokens
         logging.info("step %d/%d | %s", step, self._total,
                      " | ".join(f"{k} {_fmt(v)}" for k, v in scalars.items()))
         if self._writer:

@@ -2,8 +2,8 @@
 
     python -m tpu_keras.launch --hosts=2 --devices_per_host=4 -- python train.py
 
-Each host gets the environment a real pod worker would see (TF_CONFIG, its
-index, the coordinator address) plus TPU_KERAS_VIRTUAL_DEVICES, which makes
+Each host gets the environment a real pod worker would see (TF_CONFIG and
+its index) plus TPU_KERAS_VIRTUAL_DEVICES, which makes
 the cluster module split the CPU into that many logical devices. So the same
 multi-worker code path can be exercised on a laptop or in CI. Output is merged
 with a "[host i] " prefix; if one host fails, or the timeout passes, every host
@@ -30,8 +30,6 @@ flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
 flags.DEFINE_integer("devices_per_host", 1,
                      "Logical CPU devices per host (TPU_KERAS_VIRTUAL_DEVICES).")
 flags.DEFINE_float("timeout", 3600, "Seconds before all hosts are killed (exit 124).")
-flags.DEFINE_enum("backend", "tf", ["tf"],
-                  "Engine the hosts use; only 'tf' (TF_CONFIG) exists today.")
 
 FLAGS = flags.FLAGS
 
@@ -69,7 +67,7 @@ def _free_ports(count):
             sock.close()
 
 
-def _host_env(index, workers, devices_per_host, coordinator):
+def _host_env(index, workers, devices_per_host):
     """The environment one simulated host would see on a real pod."""
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)  # One host: no TF_CONFIG, so single-host strategy.
@@ -82,7 +80,6 @@ def _host_env(index, workers, devices_per_host, coordinator):
         TPU_KERAS_VIRTUAL_DEVICES=str(devices_per_host),
         TPU_KERAS_HOST_INDEX=str(index),
         TPU_KERAS_NUM_HOSTS=str(len(workers)),
-        TPU_KERAS_COORDINATOR=coordinator,
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -173,9 +170,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0):
     if timeout <= 0:
         raise UserError(f"--timeout must be > 0 seconds, got {timeout:g}")
 
-    ports = _free_ports(hosts + 1)
-    workers = [f"127.0.0.1:{port}" for port in ports[:hosts]]
-    coordinator = f"127.0.0.1:{ports[-1]}"
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(hosts)]
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:  # Signal handlers can only be set from the main thread.
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -185,7 +180,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0):
         for index in range(hosts):
             procs.append(subprocess.Popen(
                 command,
-                env=_host_env(index, workers, devices_per_host, coordinator),
+                env=_host_env(index, workers, devices_per_host),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True))  # Own process group: stoppable as a unit.
             reader = threading.Thread(
