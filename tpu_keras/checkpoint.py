@@ -13,6 +13,8 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tpu_keras.errors import UserError
+
 
 class Checkpointer:
     def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3):
@@ -31,7 +33,12 @@ class Checkpointer:
         """Restores the newest checkpoint in the shared folder, if any; returns the step."""
         latest = tf.train.latest_checkpoint(self.shared_dir)
         if latest:
-            self._checkpoint.restore(latest).assert_existing_objects_matched()
+            try:
+                self._checkpoint.restore(latest).assert_existing_objects_matched()
+            except (AssertionError, ValueError, tf.errors.OpError) as error:
+                reason = str(error).strip().splitlines()[0][:200]
+                raise UserError(f"the checkpoint {latest} does not fit this model ({reason}); "
+                                "use a new --workdir for a different model") from None
             logging.info("resumed from %s at step %d", latest, self.step)
         return self.step
 

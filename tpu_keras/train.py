@@ -5,7 +5,7 @@ fit -> export. Running the same command on the same workdir resumes from the
 latest checkpoint.
 """
 
-import json
+import logging as std_logging
 import os
 import re
 import sys
@@ -82,6 +82,10 @@ def train(config, workdir: str):
         callbacks=[logger, checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)],
         verbose=1 if sys.stdout.isatty() else 0)
 
+    final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
+    if final:
+        headline = f"val_{builder.headline}"
+        logging.info("done at step %d: %s %.4g", saver.step, headline, final.get(headline, float("nan")))
     # Equal on every host of a synchronous run: a cheap check that hosts agree.
     logging.info("weights fingerprint: %.12e", sum(float(np.sum(w, dtype=np.float64))
                                                   for w in model.get_weights()))
@@ -132,7 +136,7 @@ def _parse_flags(argv):
 
 def _own_info_only(record) -> bool:
     """Keeps the log readable: INFO lines from tpu_keras, warnings from everyone."""
-    return record.levelno >= logging.WARNING or "tpu_keras" in record.pathname
+    return record.levelno >= std_logging.WARNING or "tpu_keras" in record.pathname
 
 
 def _exit_with(message: str):
@@ -146,7 +150,7 @@ def main(argv):
     if _CONFIG.value is None or _WORKDIR.value is None:
         _exit_with("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     logging.set_verbosity(logging.INFO)
-    logging.get_absl_handler().addFilter(_own_info_only)
+    logging.get_absl_handler().python_handler.addFilter(_own_info_only)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
     try:
