@@ -25,14 +25,21 @@ def defaults() -> ml_collections.ConfigDict:
         virtual_devices=0,    # >1 splits the CPU into that many replicas
     )
 
-    # What to read: a TFDS name (ours are prepared offline on first use).
+    # What to read: a TFDS name (ours are prepared offline on first use), or
+    # TFRecord files by glob with a feature spec such as {'x': 'float32[4]'}.
     config.data = dict(
         name="",
         data_dir="~/tensorflow_datasets",
-        train_split="train",
+        files="",
+        features={},
+        train_split="train",  # TFDS split names take slices: 'train[:90%]'
         eval_split="validation",
         preprocess="",        # see tpu_keras.data.preprocess.PREPROCESSORS
+        inputs="x",           # feature names used by preprocess='features'
+        targets="y",
         shuffle_buffer=10_000,
+        deterministic=True,   # False lets tf.data reorder for speed
+        service_address="",   # a tf.data service dispatcher, e.g. grpc://host:5050
     )
 
     # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.
@@ -80,10 +87,14 @@ def check(config: ml_collections.ConfigDict) -> None:
                         f"log.every_steps={log.every_steps}")
 
 
+# Sections whose keys are not fixed by the schema: a builder's arguments, a feature spec.
+_FREE_FORM = ("model", "data.features")
+
+
 def _check_keys(config, schema, prefix):
     for key, value in config.items():
         path = f"{prefix}{key}"
         if key not in schema:
             raise UserError(f"unknown config key {path!r}{closest(key, schema.keys())}")
-        if key != "model" and isinstance(schema[key], ml_collections.ConfigDict):
+        if path not in _FREE_FORM and isinstance(schema[key], ml_collections.ConfigDict):
             _check_keys(value, schema[key], f"{path}.")

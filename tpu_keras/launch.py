@@ -30,6 +30,9 @@ flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
 flags.DEFINE_integer("devices_per_host", 1,
                      "Logical CPU devices per host (TPU_KERAS_VIRTUAL_DEVICES).")
 flags.DEFINE_float("timeout", 3600, "Seconds before all hosts are killed (exit 124).")
+flags.DEFINE_bool("data_service", False,
+                  "Start a local tf.data service (dispatcher + worker) for the hosts; "
+                  "its address reaches them as TPU_KERAS_DATA_SERVICE.")
 
 FLAGS = flags.FLAGS
 
@@ -67,9 +70,11 @@ def _free_ports(count):
             sock.close()
 
 
-def _host_env(index, workers, devices_per_host):
+def _host_env(index, workers, devices_per_host, service_address):
     """The environment one simulated host would see on a real pod."""
     env = dict(os.environ)
+    if service_address:
+        env["TPU_KERAS_DATA_SERVICE"] = service_address
     env.pop("TF_CONFIG", None)  # One host: no TF_CONFIG, so single-host strategy.
     if len(workers) > 1:
         env["TF_CONFIG"] = json.dumps({
@@ -153,7 +158,26 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def launch(command, hosts, devices_per_host, timeout=3600.0):
+def _start_data_service(timeout):
+    """Starts `python -m tpu_keras.data.service`; returns (process, address)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tpu_keras.data.service"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    ready = {}
+    reader = threading.Thread(target=lambda: ready.update(line=proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    line = ready.get("line", b"").decode().split()
+    if len(line) != 2 or line[0] != "ready":
+        _stop([proc])
+        proc.wait()
+        raise UserError("the local tf.data service did not start; run "
+                        "`python -m tpu_keras.data.service` to see why")
+    _log(f"tf.data service at {line[1]}")
+    return proc, line[1]
+
+
+def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False):
     """Runs `command` once per simulated host and returns the launcher's exit code.
 
     0 if every host exits 0; the first failing host's code (or 1) after
@@ -171,6 +195,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0):
         raise UserError(f"--timeout must be > 0 seconds, got {timeout:g}")
 
     workers = [f"127.0.0.1:{port}" for port in _free_ports(hosts)]
+    service, service_address = _start_data_service(min(timeout, 120)) if data_service else (None, "")
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:  # Signal handlers can only be set from the main thread.
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -180,7 +205,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0):
         for index in range(hosts):
             procs.append(subprocess.Popen(
                 command,
-                env=_host_env(index, workers, devices_per_host),
+                env=_host_env(index, workers, devices_per_host, service_address),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True))  # Own process group: stoppable as a unit.
             reader = threading.Thread(
@@ -201,7 +226,9 @@ def launch(command, hosts, devices_per_host, timeout=3600.0):
         try:
             if code != 0:
                 _stop(procs)
-            for proc in procs:
+            if service:
+                _stop([service])
+            for proc in procs + ([service] if service else []):
                 proc.wait()  # Reap.
             for reader in readers:
                 reader.join(timeout=GRACE_SECONDS)  # Grandchildren may hold the pipe.
@@ -217,7 +244,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0):
 def main(argv):
     """absl entry point: everything after '--' is the command."""
     try:
-        return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout)
+        return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
+                      FLAGS.data_service)
     except UserError as error:
         print(f"launch: error: {error}", file=sys.stderr)
         return 2

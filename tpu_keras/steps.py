@@ -59,6 +59,10 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     """
     strategy = self.distribute_strategy
     if iterator is not None:
+        # Keras resets the epoch iterator right after this call; resetting before
+        # matters too: fit's cached validation iterator may be spent, because a
+        # distributed dataset reports per-replica batches as its cardinality.
+        iterator.reset()
         for _, _, batches in iterator:
             data_batch = tf.nest.map_structure(
                 lambda x: strategy.experimental_local_results(x)[0], next(batches))

@@ -1,7 +1,7 @@
 """Train a model from a config: `python -m tpu_keras.train --config=configs/x.py --workdir=DIR`.
 
-Reads top to bottom as the run goes: config -> cluster -> data -> model ->
-fit -> export. Running the same command on the same workdir resumes from the
+Reads top to bottom as the run goes: config -> cluster -> model -> checkpoint
+-> data -> fit -> export. Running the same command on the same workdir resumes from the
 latest checkpoint.
 """
 
@@ -42,23 +42,10 @@ def train(config, workdir: str):
             f.write(config.to_json_best_effort(indent=2))
     keras.utils.set_random_seed(config.seed)
 
-    # ----- data ----------------------------------------------------------------
-    train_cfg = config.train
-    train_data, _ = data.build(config.data, cluster, train_cfg.batch_size, training=True,
-                               seed=config.seed)
-    eval_data, eval_steps = data.build(config.data, cluster, train_cfg.batch_size,
-                                       training=False, seed=config.seed)
-    if train_cfg.eval_steps:
-        eval_steps = min(eval_steps, train_cfg.eval_steps)
-
     # ----- model ---------------------------------------------------------------
+    train_cfg = config.train
     model = models.build(config.model, cluster.strategy)
-    with cluster.strategy.scope():
-        model.compile(optimizer=_optimizer(train_cfg), loss=builder.loss(),
-                      metrics=builder.metrics(),
-                      steps_per_execution=train_cfg.steps_per_execution,
-                      jit_compile=train_cfg.jit_compile)
-        model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots
+    compile_model(model, builder, train_cfg, cluster.strategy)
     logging.info("model: %s with %s parameters", config.model.name, f"{model.count_params():,}")
 
     # ----- checkpoints ---------------------------------------------------------
@@ -68,6 +55,13 @@ def train(config, workdir: str):
     if start_step % interval:
         raise UserError(f"checkpoint at step {start_step} is not on a log.every_steps={interval} "
                         "boundary; keep log.every_steps as it was when the run started")
+
+    # ----- data ----------------------------------------------------------------
+    # Built after the restore so a resumed run continues in the epoch it left.
+    train_data, _ = data.build(config.data, cluster, train_cfg.batch_size, training=True,
+                               seed=config.seed, start_step=start_step)
+    eval_data, eval_steps = data.build(config.data, cluster, train_cfg.batch_size,
+                                       training=False, max_eval_steps=train_cfg.eval_steps)
 
     # ----- fit -----------------------------------------------------------------
     logger = callbacks.IntervalLogger(
@@ -96,6 +90,17 @@ def train(config, workdir: str):
         model.export(export_dir, verbose=False)
         logging.info("exported SavedModel to %s", export_dir)
     return history
+
+
+def compile_model(model, builder, train_cfg, strategy):
+    """Compiles `model` as `train` does, with optimizer variables already built."""
+    with strategy.scope():
+        model.compile(optimizer=_optimizer(train_cfg), loss=builder.loss(),
+                      # Weighted, so padded eval rows (weight 0) do not count.
+                      weighted_metrics=builder.metrics(),
+                      steps_per_execution=train_cfg.steps_per_execution,
+                      jit_compile=train_cfg.jit_compile)
+        model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots
 
 
 def _optimizer(train_cfg):

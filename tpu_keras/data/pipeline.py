@@ -1,29 +1,40 @@
 """The one place where a split is divided per host and a batch per replica.
 
-`build()` returns a distributed dataset made with
-`strategy.distribute_datasets_from_function`: TensorFlow calls our
-`dataset_fn` once per input pipeline (one per host), with an `InputContext`
-that says which pipeline it is and how many replicas it feeds.
+`build()` returns a dataset made with `strategy.distribute_datasets_from_function`:
+TensorFlow calls `dataset_fn` once per input pipeline (one per host) with an
+`InputContext`. Each host reads its share (see `sharding`), and every batch
+it yields goes to one of its replicas.
+
+Training sees each example exactly once per epoch: an epoch is a seeded
+shuffle of the host's share, cut to the number of steps every host can fill.
+Evaluation sees every example exactly once: the last batches are padded to
+the static shape with rows of weight 0.
 """
 
 import os
 
 from absl import logging
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
-from tpu_keras.data import builders
+from tpu_keras.data import sharding, sources
 from tpu_keras.data.preprocess import PREPROCESSORS
 from tpu_keras.errors import UserError, closest
 
 AUTOTUNE = tf.data.AUTOTUNE
+# Set by `python -m tpu_keras.launch --data_service` for its hosts.
+SERVICE_ENV = "TPU_KERAS_DATA_SERVICE"
+_ENDLESS = 2 ** 62
 
 
-def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0):
-    """Returns `(distributed_dataset, steps)` for the train or eval split.
+def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
+          start_step: int = 0, max_eval_steps: int = 0):
+    """Returns `(distributed_dataset, steps)`.
 
-    Training data repeats forever (steps is None); eval data gives exactly
-    `steps` global batches on every host, so no host waits on another.
+    For training, `steps` is the number of steps in one epoch and the data
+    repeats forever, starting at `start_step` (so a resumed run continues
+    where it stopped); for evaluation it is the number of steps that covers
+    the whole split, or `max_eval_steps` if that is smaller (the same batches
+    every time).
     """
     if global_batch % cluster.num_replicas:
         raise UserError(
@@ -32,49 +43,88 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0):
     if config.preprocess not in PREPROCESSORS:
         raise UserError(f"data.preprocess={config.preprocess!r} is not one of "
                         f"{sorted(PREPROCESSORS)}{closest(config.preprocess, PREPROCESSORS)}")
-    builder = _builder(config.name, os.path.expanduser(config.data_dir))
-    split = config.train_split if training else config.eval_split
-    if split not in builder.info.splits:
-        raise UserError(f"dataset {config.name!r} has no split {split!r}; it has "
-                        f"{sorted(builder.info.splits)}")
-    num_files = builder.info.splits[split].num_shards
-    steps = None if training else builder.info.splits[split].num_examples // global_batch
+    preprocess = PREPROCESSORS[config.preprocess](config)
+    service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
+    source = sources.open_source(config, config.train_split if training else config.eval_split)
+    plan = sharding.plan(source, cluster.num_hosts)
+    per_replica = global_batch // cluster.num_replicas
+    per_host = global_batch // cluster.num_hosts
+    steps = plan.train_steps(per_host) if training else plan.eval_steps(per_host)
+    if not training and max_eval_steps:
+        steps = min(steps, max_eval_steps)
     if steps == 0:
-        raise UserError(f"split {split!r} of {config.name!r} has fewer examples than one "
-                        f"global batch of {global_batch}; use a smaller train.batch_size")
+        raise UserError(f"{source.name} gives each host fewer than {per_host} examples, one "
+                        f"batch; use a smaller train.batch_size or more data")
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        per_replica = context.get_per_replica_batch_size(global_batch)
-        by_file = num_files >= context.num_input_pipelines
-        read_config = tfds.ReadConfig(
-            input_context=context if by_file else None,
-            shuffle_seed=seed + context.input_pipeline_id,
-            interleave_cycle_length=min(16, num_files))
-        ds = builder.as_dataset(split=split, shuffle_files=training, read_config=read_config)
-        if not by_file:
-            ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
-        ds = ds.map(PREPROCESSORS[config.preprocess], num_parallel_calls=AUTOTUNE)
+        host = context.input_pipeline_id
         if training:
-            ds = ds.repeat().shuffle(config.shuffle_buffer, seed=seed + context.input_pipeline_id)
+            ds = _epochs(plan, host, config.deterministic, steps * per_host, seed,
+                         config.shuffle_buffer, start_step, steps)
+            ds = ds.map(preprocess, num_parallel_calls=AUTOTUNE)
         else:
-            # Repeating before `take` keeps every host at exactly `steps` batches.
-            ds = ds.repeat()
+            examples = plan.read(host, config.deterministic)
+            ds = _padded(examples.map(preprocess, num_parallel_calls=AUTOTUNE), steps * per_host)
         ds = ds.batch(per_replica, drop_remainder=True)
-        if not training:
-            ds = ds.take(steps)
-        return ds.prefetch(AUTOTUNE)
+        if service_address:
+            # OFF: the service runs this host's pipeline as it is, so the
+            # sharding above (and exactly-once) holds unchanged.
+            ds = ds.apply(tf.data.experimental.service.distribute(
+                processing_mode=tf.data.experimental.service.ShardingPolicy.OFF,
+                service=service_address))
+        options = tf.data.Options()
+        options.deterministic = config.deterministic
+        return ds.with_options(options).prefetch(AUTOTUNE)
 
-    logging.info("data: %s[%s] from %d file(s), global batch %d over %d replica(s)",
-                 config.name, split, num_files, global_batch, cluster.num_replicas)
+    logging.info("data: %s, global batch %d = %d replica(s) x %d, %d steps per %s%s",
+                 source.name, global_batch, cluster.num_replicas, per_replica, steps,
+                 "epoch" if training else "evaluation",
+                 f", through the tf.data service at {service_address}" if service_address else "")
     return cluster.strategy.distribute_datasets_from_function(dataset_fn), steps
 
 
-def _builder(name: str, data_dir: str):
-    if not name:
-        raise UserError("data.name is empty; set it to a TFDS name such as 'stdlib_bytes' or 'digits'")
-    try:
-        return builders.prepare(name, data_dir)
-    except tfds.core.registered.DatasetNotFoundError:
-        known = sorted(builders.OFFLINE_BUILDERS) + ["any TFDS dataset prepared under data.data_dir"]
-        raise UserError(f"unknown dataset {name!r}{closest(name.split('/')[0], tfds.list_builders())}; "
-                        f"use one of {known}") from None
+def epoch_seeds(seed: int, host: int, epoch):
+    """Stateless seeds of one epoch: (file order, same on all hosts; example order, per host)."""
+    epoch = tf.cast(epoch, tf.int64)
+    return (tf.stack([tf.constant(seed, tf.int64), epoch]),
+            tf.stack([tf.constant(seed * 1_000_003 + host + 1, tf.int64), epoch]))
+
+
+def _epochs(plan, host, deterministic, epoch_size, seed, buffer, start_step, steps_per_epoch):
+    """Endless epochs of `epoch_size` examples, each shuffled anew from (seed, host, epoch).
+
+    The shuffle is stateless, so epoch k is the same whether a run reaches it
+    or resumes in it.
+    """
+    def one_epoch(epoch):
+        file_seed, example_seed = epoch_seeds(seed, host, epoch)
+        examples = plan.read(host, deterministic, order_seed=file_seed)
+        return _block_shuffle(examples, buffer, example_seed).take(epoch_size)
+
+    first_epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    epochs = tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(one_epoch)
+    return epochs.skip(step_in_epoch * (epoch_size // steps_per_epoch))
+
+
+def _block_shuffle(examples, block_size, seed):
+    """Permutes each run of `block_size` examples by a stateless shuffle."""
+    def permute(index, block):
+        count = tf.shape(tf.nest.flatten(block)[0])[0]
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(count), tf.stack([seed[0] + index, seed[1]]))
+        return tf.data.Dataset.from_tensor_slices(
+            tf.nest.map_structure(lambda t: tf.gather(t, order), block))
+    return examples.batch(block_size).enumerate().flat_map(permute)
+
+
+def _padded(examples, size):
+    """Adds weight 1 to every target and pads with weight-0 copies of zeros to `size`.
+
+    Weights have the targets' shape (one per token for a language model), so
+    Keras's weighted metrics count real targets only.
+    """
+    weighted = examples.map(lambda x, y: (x, y, tf.ones_like(y, tf.float32)))
+    zeros = tf.nest.map_structure(lambda spec: tf.zeros(spec.shape, spec.dtype),
+                                  weighted.element_spec)
+    padding = tf.data.Dataset.from_tensors(zeros).repeat()
+    return weighted.concatenate(padding).take(size)

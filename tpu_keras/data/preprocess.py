@@ -1,26 +1,38 @@
-"""Turn one decoded TFDS example into the `(inputs, targets)` a model trains on.
+"""Turn one decoded example into the `(inputs, targets)` a model trains on.
 
 Named here so a config can pick one with `data.preprocess`; each runs inside
-`Dataset.map(num_parallel_calls=AUTOTUNE)`.
+`Dataset.map(num_parallel_calls=AUTOTUNE)`. A preprocessor is made from the
+`data` config section, so generic ones can name the features they use.
 """
 
 import tensorflow as tf
 
 
-def next_token(example):
+def next_token(config):
     """A byte sequence of length L+1 -> (first L bytes, the L bytes after each)."""
-    tokens = tf.cast(example["tokens"], tf.int32)
-    return tokens[:-1], tokens[1:]
+    del config
+
+    def preprocess(example):
+        tokens = tf.cast(example["tokens"], tf.int32)
+        return tokens[:-1], tokens[1:]
+    return preprocess
 
 
 def _image_classification(scale):
-    def preprocess(example):
-        return tf.cast(example["image"], tf.float32) / scale, example["label"]
-    return preprocess
+    def make(config):
+        del config
+        return lambda example: (tf.cast(example["image"], tf.float32) / scale, example["label"])
+    return make
+
+
+def features(config):
+    """(example[data.inputs], example[data.targets]): for TFRecord files of your own."""
+    return lambda example: (example[config.inputs], example[config.targets])
 
 
 PREPROCESSORS = {
     "next_token": next_token,
     "digits_image": _image_classification(16.0),   # sklearn digits hold 0..16
     "image": _image_classification(255.0),          # mnist, cifar10, ...
+    "features": features,
 }

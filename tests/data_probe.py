@@ -1,0 +1,37 @@
+"""Runs on each simulated host: builds the toolkit's training pipeline over TFRecord
+files whose examples carry a unique id, and prints which ids each of this host's
+replicas received in the first epochs. Used by test_data.py, via the launcher.
+
+    python tests/data_probe.py GLOB GLOBAL_BATCH EPOCHS SEED
+"""
+
+import json
+import sys
+
+from absl import logging
+import ml_collections
+
+import tpu_keras
+from tpu_keras import config as config_lib, data
+
+
+def main(pattern, global_batch, epochs, seed):
+    logging.set_verbosity(logging.INFO)  # the sharding decision is logged at INFO
+    cluster = tpu_keras.connect(ml_collections.ConfigDict({"strategy": "auto"}))
+    config = config_lib.defaults().data
+    config.update(files=pattern, features={"id": "int64", "x": "float32[2]"},
+                  preprocess="features", inputs="x", targets="id", shuffle_buffer=64)
+    dataset, steps = data.build(config, cluster, global_batch, training=True, seed=seed)
+    batches = iter(dataset)
+    seen = [[[] for _ in range(cluster.replicas_per_host)] for _ in range(epochs)]
+    for epoch in range(epochs):
+        for _ in range(steps):
+            _, ids = next(batches)
+            for replica, local in enumerate(cluster.strategy.experimental_local_results(ids)):
+                seen[epoch][replica].extend(int(i) for i in local.numpy())
+    print("PROBE " + json.dumps({"host": cluster.host_index, "hosts": cluster.num_hosts,
+                                 "steps": steps, "seen": seen}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

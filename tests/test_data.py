@@ -1,0 +1,130 @@
+"""The input pipeline: exactly-once sharding per host and replica, padded
+evaluation, determinism and the tf.data service."""
+
+import json
+import re
+import sys
+
+import pytest
+import tensorflow as tf
+
+from conftest import REPO, run
+
+EXAMPLE_STRIDE = 100_000  # id = file * EXAMPLE_STRIDE + row: the id names its file
+
+
+def write_files(directory, rows_per_file):
+    """TFRecord files of examples {'id', 'x'}; returns the glob and all ids."""
+    ids = []
+    for file, rows in enumerate(rows_per_file):
+        with tf.io.TFRecordWriter(str(directory / f"part-{file:03d}.tfrecord")) as writer:
+            for row in range(rows):
+                example_id = file * EXAMPLE_STRIDE + row
+                ids.append(example_id)
+                writer.write(tf.train.Example(features=tf.train.Features(feature={
+                    "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[example_id])),
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=[row, 1.0])),
+                })).SerializeToString())
+    return str(directory / "part-*.tfrecord"), ids
+
+
+def probe(pattern, hosts, devices, global_batch, epochs=1, seed=0, data_service=False):
+    """Runs tests/data_probe.py on every host; returns (per-host reports, output)."""
+    result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
+                  f"--devices_per_host={devices}", "--timeout=240",
+                  *(["--data_service"] if data_service else []), "--",
+                  sys.executable, str(REPO / "tests" / "data_probe.py"), pattern,
+                  str(global_batch), str(epochs), str(seed)], timeout=300)
+    reports = [json.loads(line) for line in re.findall(r"PROBE (.*)", result.stdout)]
+    assert sorted(r["host"] for r in reports) == list(range(hosts))
+    return sorted(reports, key=lambda r: r["host"]), result.stdout
+
+
+def ids_of_epoch(reports, epoch):
+    return [i for r in reports for replica in r["seen"][epoch] for i in replica]
+
+
+@pytest.mark.parametrize("hosts, devices", [(1, 1), (1, 4), (2, 2), (4, 1)])
+@pytest.mark.parametrize("rows_per_file", [[96] * 8, [101] * 8], ids=["divides", "remainder"])
+def test_each_example_exactly_once_per_epoch(tmp_path, hosts, devices, rows_per_file):
+    pattern, all_ids = write_files(tmp_path, rows_per_file)
+    global_batch = 32
+    reports, output = probe(pattern, hosts, devices, global_batch)
+    seen = ids_of_epoch(reports, 0)
+    assert len(seen) == len(set(seen)), "an example was seen twice"
+    assert set(seen) <= set(all_ids)
+    missing = len(all_ids) - len(seen)
+    if len(all_ids) % global_batch == 0:
+        assert missing == 0
+    else:
+        assert missing < global_batch
+    for report in reports:  # every replica got whole batches, and the same number
+        assert {len(replica) for replica in report["seen"][0]} == {
+            report["steps"] * global_batch // (hosts * devices)}
+        # By file: host h reads files h, h + H, ... and nothing else.
+        files = {i // EXAMPLE_STRIDE for replica in report["seen"][0] for i in replica}
+        assert files <= set(range(report["host"], len(rows_per_file), hosts))
+    assert "by file" in output and "by example" not in output
+
+
+def test_fewer_files_than_hosts_falls_back_to_examples_and_warns(tmp_path):
+    pattern, all_ids = write_files(tmp_path, [128])
+    reports, output = probe(pattern, hosts=2, devices=1, global_batch=16)
+    seen = ids_of_epoch(reports, 0)
+    assert sorted(seen) == sorted(all_ids)
+    assert re.search(r"sharding .* by example: 1 file\(s\) for 2 hosts, so each host reads all "
+                     r"128 examples to keep 64 \(2\.0x over-read\)", output)
+
+
+def test_same_seed_same_order_and_each_epoch_reshuffled(tmp_path):
+    pattern, all_ids = write_files(tmp_path, [64] * 4)
+    first, _ = probe(pattern, hosts=1, devices=1, global_batch=16, epochs=2, seed=7)
+    again, _ = probe(pattern, hosts=1, devices=1, global_batch=16, epochs=2, seed=7)
+    other, _ = probe(pattern, hosts=1, devices=1, global_batch=16, epochs=1, seed=8)
+    epoch0, epoch1 = ids_of_epoch(first, 0), ids_of_epoch(first, 1)
+    assert epoch0 == ids_of_epoch(again, 0) and epoch1 == ids_of_epoch(again, 1)
+    assert sorted(epoch0) == sorted(epoch1) == sorted(all_ids)
+    assert epoch0 != epoch1
+    assert ids_of_epoch(other, 0) != epoch0
+    assert epoch0 != sorted(epoch0)  # shuffled at all
+
+
+def test_tf_data_service_feeds_the_same_examples(tmp_path):
+    pattern, all_ids = write_files(tmp_path, [96] * 4)
+    local, _ = probe(pattern, hosts=2, devices=1, global_batch=32)
+    served, output = probe(pattern, hosts=2, devices=1, global_batch=32, data_service=True)
+    assert re.search(r"\[host [01]\].*through the tf.data service at grpc://", output)
+    assert [r["steps"] for r in served] == [r["steps"] for r in local]
+    assert sorted(ids_of_epoch(served, 0)) == sorted(ids_of_epoch(local, 0)) == sorted(all_ids)
+
+
+DIGITS_EVAL = """
+import sys, numpy as np, keras
+sys.path.insert(0, "configs")
+import digits
+import tpu_keras
+from tpu_keras import data, models
+from tpu_keras.data.digits import TEST_EVERY, load_digits
+config = digits.get_config()
+config.data.data_dir = sys.argv[1]
+cluster = tpu_keras.connect({"virtual_devices": 4})
+model = models.build(config.model, cluster.strategy)
+with cluster.strategy.scope():
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  weighted_metrics=["accuracy"], steps_per_execution=4)
+train, _ = data.build(config.data, cluster, 64, training=True)
+model.fit(train, steps_per_epoch=40, epochs=1, verbose=0)
+evaluation, steps = data.build(config.data, cluster, 64, training=False)
+toolkit = model.evaluate(evaluation, steps=steps, verbose=0, return_dict=True)["accuracy"]
+images, labels = load_digits()
+test = np.arange(len(labels)) % TEST_EVERY == 0
+numpy = (model.predict(images[test] / 16.0, verbose=0).argmax(-1) == labels[test]).mean()
+print("EVAL", int(test.sum()), steps, toolkit, numpy)
+"""
+
+
+def test_evaluation_counts_every_example_once(data_dir):
+    result = run([sys.executable, "-c", DIGITS_EVAL, data_dir])
+    count, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+)", result.stdout).groups()
+    assert int(count) == 360 and int(steps) == 6  # 360 = 5 x 64 + 40: the last batch is padded
+    assert float(toolkit) == pytest.approx(float(numpy), abs=1e-6)

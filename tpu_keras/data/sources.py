@@ -1,0 +1,120 @@
+"""Where examples come from: file slices plus a decoder.
+
+A TFDS split (sliced or not, e.g. `train[:90%]`) and a glob of TFRecord
+files both reduce to the same thing: a list of `(file, skip, take)` slices of
+serialized examples and a function that decodes one. The sharding policy then
+works on files and counts alone, whatever the source.
+"""
+
+import dataclasses
+import glob as globlib
+import os
+import re
+from typing import Callable
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tpu_keras.data import builders
+from tpu_keras.errors import UserError, closest
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSlice:
+    path: str
+    skip: int
+    take: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    name: str
+    files: tuple[FileSlice, ...]
+    decode: Callable[[tf.Tensor], dict]
+
+    @property
+    def num_examples(self) -> int:
+        return sum(f.take for f in self.files)
+
+    def read(self, files, deterministic: bool, order_seed=None) -> tf.data.Dataset:
+        """Decoded examples of `files`, read and decoded in parallel.
+
+        `order_seed` (a shape [2] tensor) permutes the files statelessly, so an
+        epoch's file order depends on nothing but the seed.
+        """
+        files = list(files)
+        columns = (tf.constant([f.path for f in files]),
+                   tf.constant([f.skip for f in files], tf.int64),
+                   tf.constant([f.take for f in files], tf.int64))
+        if order_seed is not None:
+            order = tf.random.experimental.stateless_shuffle(tf.range(len(files)), order_seed)
+            columns = tuple(tf.gather(column, order) for column in columns)
+        slices = tf.data.Dataset.from_tensor_slices(columns)
+        records = slices.interleave(
+            lambda path, skip, take: tf.data.TFRecordDataset(path).skip(skip).take(take),
+            cycle_length=min(16, len(files)), num_parallel_calls=AUTOTUNE,
+            deterministic=deterministic)
+        return records.map(self.decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+
+
+def open_source(config, split: str) -> Source:
+    """The source named by `data.name` (TFDS) or `data.files` (TFRecord glob)."""
+    if config.name and config.files:
+        raise UserError("set either data.name (a TFDS dataset) or data.files (a TFRecord "
+                        "glob), not both")
+    if config.files:
+        return tfrecord_source(config.files, dict(config.features))
+    return tfds_source(config.name, split, os.path.expanduser(config.data_dir))
+
+
+def tfds_source(name: str, split: str, data_dir: str) -> Source:
+    if not name:
+        raise UserError("data.name and data.files are both empty; set data.name to a TFDS "
+                        "name such as 'stdlib_bytes' or 'digits', or data.files to a glob")
+    try:
+        builder = builders.prepare(name, data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        known = sorted(builders.OFFLINE_BUILDERS) + ["any TFDS dataset prepared under data.data_dir"]
+        raise UserError(f"unknown dataset {name!r}{closest(name.split('/')[0], tfds.list_builders())}; "
+                        f"use one of {known}") from None
+    try:
+        split_info = builder.info.splits[split]
+    except (KeyError, ValueError) as error:
+        raise UserError(f"dataset {name!r} has no split {split!r} ({error}); it has "
+                        f"{sorted(builder.info.splits)}, and slices such as 'train[:90%]'") from None
+    files = tuple(FileSlice(f.filename, f.skip, f.take) for f in split_info.file_instructions)
+    return Source(f"{name}[{split}]", files, builder.info.features.deserialize_example)
+
+
+_SPEC = re.compile(r"^(\w+)(?:\[([\d, ]*)\])?$")
+
+
+def tfrecord_source(pattern: str, features: dict) -> Source:
+    """TFRecord files of tf.train.Examples; `features` maps names to 'int64', 'float32[4]', ..."""
+    paths = sorted(globlib.glob(os.path.expanduser(pattern)))
+    if not paths:
+        raise UserError(f"data.files={pattern!r} matches no file")
+    if not features:
+        raise UserError("data.features is empty; map each feature to a type such as "
+                        "'int64' or 'float32[8,8]'")
+    spec = {}
+    for key, text in features.items():
+        match = _SPEC.match(str(text))
+        if not match or match.group(1) not in ("int64", "float32", "string"):
+            raise UserError(f"data.features.{key}={text!r} is not 'int64', 'float32' or "
+                            "'string', optionally with a shape such as 'float32[8,8]'")
+        shape = [int(d) for d in match.group(2).split(",")] if match.group(2) else []
+        spec[key] = tf.io.FixedLenFeature(shape, tf.dtypes.as_dtype(match.group(1)))
+    files = tuple(FileSlice(p, 0, _count_records(p)) for p in paths)
+    return Source(pattern, files, lambda record: tf.io.parse_single_example(record, spec))
+
+
+def _count_records(path: str) -> int:
+    """Counts the records of one file; raises a UserError if it is corrupt."""
+    try:
+        return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64),
+                                                        lambda n, _: n + 1))
+    except tf.errors.DataLossError:
+        raise UserError(f"{path} is not a readable TFRecord file (corrupt or truncated)") from None
