@@ -59,8 +59,8 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         host = context.input_pipeline_id
         if training:
-            ds = _epochs(plan, host, config.deterministic, steps * per_host, seed,
-                         config.shuffle_buffer, start_step, steps)
+            ds = _epochs(plan, host, config.deterministic, per_host, steps, seed,
+                         config.shuffle_buffer, start_step)
             ds = ds.map(preprocess, num_parallel_calls=AUTOTUNE)
         else:
             examples = plan.read(host, config.deterministic)
@@ -83,35 +83,40 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
     return cluster.strategy.distribute_datasets_from_function(dataset_fn), steps
 
 
-def epoch_seeds(seed: int, host: int, epoch):
-    """Stateless seeds of one epoch: (file order, same on all hosts; example order, per host)."""
+def _epoch_seeds(seed: int, host: int, epoch):
+    """Stateless seeds of one epoch: file order (the same on every host), example order."""
     epoch = tf.cast(epoch, tf.int64)
     return (tf.stack([tf.constant(seed, tf.int64), epoch]),
             tf.stack([tf.constant(seed * 1_000_003 + host + 1, tf.int64), epoch]))
 
 
-def _epochs(plan, host, deterministic, epoch_size, seed, buffer, start_step, steps_per_epoch):
-    """Endless epochs of `epoch_size` examples, each shuffled anew from (seed, host, epoch).
+def _epochs(plan, host, deterministic, per_host, steps_per_epoch, seed, buffer, start_step):
+    """Endless epochs of `steps_per_epoch` host batches, each shuffled anew from
+    (seed, host, epoch).
 
     The shuffle is stateless, so epoch k is the same whether a run reaches it
     or resumes in it.
     """
     def one_epoch(epoch):
-        file_seed, example_seed = epoch_seeds(seed, host, epoch)
+        file_seed, example_seed = _epoch_seeds(seed, host, epoch)
         examples = plan.read(host, deterministic, order_seed=file_seed)
-        return _block_shuffle(examples, buffer, example_seed).take(epoch_size)
+        return _block_shuffle(examples, buffer, example_seed).take(steps_per_epoch * per_host)
 
     first_epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     epochs = tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(one_epoch)
-    return epochs.skip(step_in_epoch * (epoch_size // steps_per_epoch))
+    return epochs.skip(step_in_epoch * per_host)
 
 
 def _block_shuffle(examples, block_size, seed):
-    """Permutes each run of `block_size` examples by a stateless shuffle."""
+    """Permutes each run of `block_size` examples by a stateless shuffle.
+
+    Like a shuffle buffer of that size in memory and mixing, but a function
+    of `seed` alone, which `Dataset.shuffle` inside `flat_map` cannot be.
+    """
     def permute(index, block):
         count = tf.shape(tf.nest.flatten(block)[0])[0]
         order = tf.random.experimental.stateless_shuffle(
-            tf.range(count), tf.stack([seed[0] + index, seed[1]]))
+            tf.range(count), tf.random.experimental.stateless_fold_in(seed, index))
         return tf.data.Dataset.from_tensor_slices(
             tf.nest.map_structure(lambda t: tf.gather(t, order), block))
     return examples.batch(block_size).enumerate().flat_map(permute)
