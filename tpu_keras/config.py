@@ -37,7 +37,8 @@ def defaults() -> ml_collections.ConfigDict:
         preprocess="",        # see tpu_keras.data.preprocess.PREPROCESSORS
         inputs="x",           # feature names used by preprocess='features'
         targets="y",
-        shuffle_buffer=10_000,
+        shuffle_buffer=10_000,  # examples shuffled together (in memory)
+        cache=False,          # keep each host's decoded examples in memory
         deterministic=True,   # False lets tf.data reorder for speed
         service_address="",   # a tf.data service dispatcher, e.g. grpc://host:5050
     )

@@ -1,8 +1,8 @@
 """The one place where a split is divided per host and a batch per replica.
 
 `build()` returns a dataset made with `strategy.distribute_datasets_from_function`:
-TensorFlow calls `dataset_fn` once per input pipeline (one per host) with an
-`InputContext`. Each host reads its share (see `sharding`), and every batch
+TensorFlow calls the function from `dataset_fn()` once per input pipeline (one
+per host) with an `InputContext`. Each host reads its share (see `sharding`), and every batch
 it yields goes to one of its replicas.
 
 Training sees each example exactly once per epoch: an epoch is a seeded
@@ -28,7 +28,15 @@ _ENDLESS = 2 ** 62
 
 def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
           start_step: int = 0, max_eval_steps: int = 0):
-    """Returns `(distributed_dataset, steps)`.
+    """Returns `(distributed_dataset, steps)`; see `dataset_fn` for the arguments."""
+    fn, steps = dataset_fn(config, cluster, global_batch, training=training, seed=seed,
+                           start_step=start_step, max_eval_steps=max_eval_steps)
+    return cluster.strategy.distribute_datasets_from_function(fn), steps
+
+
+def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
+               start_step: int = 0, max_eval_steps: int = 0):
+    """Returns `(fn, steps)`: `fn(InputContext)` builds one host's tf.data pipeline.
 
     For training, `steps` is the number of steps in one epoch and the data
     repeats forever, starting at `start_step` (so a resumed run continues
@@ -56,16 +64,15 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
         raise UserError(f"{source.name} gives each host fewer than {per_host} examples, one "
                         f"batch; use a smaller train.batch_size or more data")
 
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    def host_dataset(context: tf.distribute.InputContext) -> tf.data.Dataset:
         host = context.input_pipeline_id
         if training:
-            ds = _epochs(plan, host, config.deterministic, per_host, steps, seed,
-                         config.shuffle_buffer, start_step)
-            ds = ds.map(preprocess, num_parallel_calls=AUTOTUNE)
+            ds = _epochs(plan, host, config, preprocess, per_replica, per_host // per_replica,
+                         steps, seed, start_step)
         else:
             examples = plan.read(host, config.deterministic)
             ds = _padded(examples.map(preprocess, num_parallel_calls=AUTOTUNE), steps * per_host)
-        ds = ds.batch(per_replica, drop_remainder=True)
+            ds = ds.batch(per_replica, drop_remainder=True)
         if service_address:
             # OFF: the service runs this host's pipeline as it is, so the
             # sharding above (and exactly-once) holds unchanged.
@@ -80,7 +87,7 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
                  source.name, global_batch, cluster.num_replicas, per_replica, steps,
                  "epoch" if training else "evaluation",
                  f", through the tf.data service at {service_address}" if service_address else "")
-    return cluster.strategy.distribute_datasets_from_function(dataset_fn), steps
+    return host_dataset, steps
 
 
 def _epoch_seeds(seed: int, host: int, epoch):
@@ -90,36 +97,47 @@ def _epoch_seeds(seed: int, host: int, epoch):
             tf.stack([tf.constant(seed * 1_000_003 + host + 1, tf.int64), epoch]))
 
 
-def _epochs(plan, host, deterministic, per_host, steps_per_epoch, seed, buffer, start_step):
-    """Endless epochs of `steps_per_epoch` host batches, each shuffled anew from
-    (seed, host, epoch).
+def _epochs(plan, host, config, preprocess, per_replica, replicas, steps_per_epoch, seed,
+            start_step):
+    """Endless epochs of `steps_per_epoch` x `replicas` batches of `per_replica`
+    examples, each epoch shuffled anew from (seed, host, epoch).
 
     The shuffle is stateless, so epoch k is the same whether a run reaches it
-    or resumes in it.
+    or resumes in it. Preprocessing runs on whole blocks. With `data.cache`
+    the preprocessed blocks are kept in memory after the first epoch (for
+    splits that fit); the file order is then fixed and only the example order
+    changes.
     """
+    def blocks(order_seed=None):
+        examples = plan.read(host, config.deterministic, order_seed=order_seed)
+        return examples.batch(config.shuffle_buffer).map(preprocess, num_parallel_calls=AUTOTUNE)
+
+    cached = blocks().cache() if config.cache else None
+
     def one_epoch(epoch):
         file_seed, example_seed = _epoch_seeds(seed, host, epoch)
-        examples = plan.read(host, deterministic, order_seed=file_seed)
-        return _block_shuffle(examples, buffer, example_seed).take(steps_per_epoch * per_host)
+        epoch_blocks = cached if cached is not None else blocks(file_seed)
+        examples = _shuffle_blocks(epoch_blocks, example_seed)
+        return examples.rebatch(per_replica, drop_remainder=True).take(steps_per_epoch * replicas)
 
     first_epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     epochs = tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(one_epoch)
-    return epochs.skip(step_in_epoch * per_host)
+    return epochs.skip(step_in_epoch * replicas)
 
 
-def _block_shuffle(examples, block_size, seed):
-    """Permutes each run of `block_size` examples by a stateless shuffle.
+def _shuffle_blocks(blocks, seed):
+    """Permutes the examples inside each block by a stateless shuffle.
 
-    Like a shuffle buffer of that size in memory and mixing, but a function
-    of `seed` alone, which `Dataset.shuffle` inside `flat_map` cannot be.
+    Like a shuffle buffer of the block's size in memory and mixing, but a
+    function of `seed` alone, which `Dataset.shuffle` inside `flat_map` cannot
+    be; and it stays batched, so no per-example work is added.
     """
     def permute(index, block):
         count = tf.shape(tf.nest.flatten(block)[0])[0]
         order = tf.random.experimental.stateless_shuffle(
             tf.range(count), tf.random.experimental.stateless_fold_in(seed, index))
-        return tf.data.Dataset.from_tensor_slices(
-            tf.nest.map_structure(lambda t: tf.gather(t, order), block))
-    return examples.batch(block_size).enumerate().flat_map(permute)
+        return tf.nest.map_structure(lambda t: tf.gather(t, order), block)
+    return blocks.enumerate().map(permute, num_parallel_calls=AUTOTUNE)
 
 
 def _padded(examples, size):

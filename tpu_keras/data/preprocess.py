@@ -1,8 +1,9 @@
-"""Turn one decoded example into the `(inputs, targets)` a model trains on.
+"""Turn decoded examples into the `(inputs, targets)` a model trains on.
 
-Named here so a config can pick one with `data.preprocess`; each runs inside
-`Dataset.map(num_parallel_calls=AUTOTUNE)`. A preprocessor is made from the
-`data` config section, so generic ones can name the features they use.
+Named here so a config can pick one with `data.preprocess`. Each works on one
+example or on a batch of them alike (training maps it over whole batches,
+which is several times cheaper than per example). A preprocessor is made from
+the `data` config section, so generic ones can name the features they use.
 """
 
 import tensorflow as tf
@@ -14,7 +15,7 @@ def next_token(config):
 
     def preprocess(example):
         tokens = tf.cast(example["tokens"], tf.int32)
-        return tokens[:-1], tokens[1:]
+        return tokens[..., :-1], tokens[..., 1:]
     return preprocess
 
 
