@@ -128,3 +128,17 @@ def test_evaluation_counts_every_example_once(data_dir):
     count, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+)", result.stdout).groups()
     assert int(count) == 360 and int(steps) == 6  # 360 = 5 x 64 + 40: the last batch is padded
     assert float(toolkit) == pytest.approx(float(numpy), abs=1e-6)
+
+
+def test_training_run_through_the_tf_data_service(tmp_path, data_dir):
+    def train_steps(*launch_flags):
+        result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--timeout=240",
+                      *launch_flags, "--", sys.executable, "-m", "tpu_keras.train",
+                      "--config=configs/digits.py:tiny", f"--workdir={tmp_path / str(launch_flags)}",
+                      f"--config.data.data_dir={data_dir}"], timeout=300)
+        return result.stdout, [int(s) for s in re.findall(r"\[host 0\].*step (\d+)/20 \|", result.stdout)]
+
+    served, served_steps = train_steps("--data_service")
+    local, local_steps = train_steps()
+    assert re.search(r"\[host 0\].*digits\[train\].*through the tf.data service", served)
+    assert served_steps == local_steps == [10, 20]
