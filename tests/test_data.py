@@ -142,3 +142,28 @@ def test_training_run_through_the_tf_data_service(tmp_path, data_dir):
     local, local_steps = train_steps()
     assert re.search(r"\[host 0\].*digits\[train\].*through the tf.data service", served)
     assert served_steps == local_steps == [10, 20]
+
+
+SLICED = """
+import sys
+from absl import logging
+logging.set_verbosity(logging.INFO)
+sys.path.insert(0, "configs")
+import digits, tpu_keras
+from tpu_keras import data
+config = digits.get_config()
+config.data.update(data_dir=sys.argv[1], train_split="train[:50%]", eval_split="train[50%:]")
+cluster = tpu_keras.connect({})
+_, train_steps = data.build(config.data, cluster, 64, training=True)
+_, eval_steps = data.build(config.data, cluster, 64, training=False)
+print("STEPS", train_steps, eval_steps)
+"""
+
+
+def test_tfds_split_slicing(data_dir):
+    result = run([sys.executable, "-c", SLICED, data_dir])
+    # 1437 examples: TFDS gives the first half 718 (11 full batches of 64) and
+    # the second half 719 (12 batches, the last one padded).
+    assert re.search(r"sharding digits\[train\[:50%\]\] by file: 4 file\(s\) over 1 host\(s\), 718 ",
+                     result.stdout)
+    assert "STEPS 11 12" in result.stdout
