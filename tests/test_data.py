@@ -167,3 +167,23 @@ def test_tfds_split_slicing(data_dir):
     assert re.search(r"sharding digits\[train\[:50%\]\] by file: 4 file\(s\) over 1 host\(s\), 718 ",
                      result.stdout)
     assert "STEPS 11 12" in result.stdout
+
+
+TFRECORD_SPLITS = """
+import sys, tpu_keras
+from tpu_keras import config as config_lib, data
+config = config_lib.defaults().data
+config.update(files=sys.argv[1], eval_files=sys.argv[2], features={"id": "int64", "x": "float32[2]"},
+              preprocess="features", inputs="x", targets="id")
+cluster = tpu_keras.connect({})
+print("STEPS", data.build(config, cluster, 16, training=True)[1], data.build(config, cluster, 16, training=False)[1])
+"""
+
+
+def test_tfrecord_train_and_eval_files_are_separate(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "eval").mkdir()
+    train_pattern, _ = write_files(tmp_path / "train", [64] * 2)
+    eval_pattern, _ = write_files(tmp_path / "eval", [20])
+    result = run([sys.executable, "-c", TFRECORD_SPLITS, train_pattern, eval_pattern])
+    assert "STEPS 8 2" in result.stdout  # 128 / 16 train steps; 20 eval rows -> 2 padded steps

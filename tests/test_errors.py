@@ -1,10 +1,9 @@
 """Bad input ends in one line that says what to change, a non-zero exit and no traceback."""
 
-import sys
 
 import pytest
 
-from conftest import run, train
+from conftest import train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 

@@ -30,7 +30,8 @@ def defaults() -> ml_collections.ConfigDict:
     config.data = dict(
         name="",
         data_dir="~/tensorflow_datasets",
-        files="",
+        files="",             # TFRecord glob for training ...
+        eval_files="",        # ... and for evaluation
         features={},
         train_split="train",  # TFDS split names take slices: 'train[:90%]'
         eval_split="validation",

@@ -53,7 +53,7 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
                         f"{sorted(PREPROCESSORS)}{closest(config.preprocess, PREPROCESSORS)}")
     preprocess = PREPROCESSORS[config.preprocess](config)
     service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
-    source = sources.open_source(config, config.train_split if training else config.eval_split)
+    source = sources.open_source(config, training)
     plan = sharding.plan(source, cluster.num_hosts)
     per_replica = global_batch // cluster.num_replicas
     per_host = global_batch // cluster.num_hosts

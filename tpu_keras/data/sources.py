@@ -59,13 +59,19 @@ class Source:
         return records.map(self.decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
-def open_source(config, split: str) -> Source:
-    """The source named by `data.name` (TFDS) or `data.files` (TFRecord glob)."""
+def open_source(config, training: bool) -> Source:
+    """The train or eval source: `data.name` (TFDS, with its splits) or
+    `data.files` / `data.eval_files` (TFRecord globs)."""
     if config.name and config.files:
         raise UserError("set either data.name (a TFDS dataset) or data.files (a TFRecord "
                         "glob), not both")
     if config.files:
-        return tfrecord_source(config.files, dict(config.features))
+        pattern = config.files if training else config.eval_files
+        if not pattern:
+            raise UserError("data.eval_files is empty; set it to a glob of evaluation "
+                            "TFRecord files (data.files is for training)")
+        return tfrecord_source(pattern, dict(config.features))
+    split = config.train_split if training else config.eval_split
     return tfds_source(config.name, split, os.path.expanduser(config.data_dir))
 
 

@@ -2,3 +2,5 @@
 
 from tpu_keras.models.registry import REGISTRY, build, register
 from tpu_keras.models import gpt, vision  # noqa: F401  (registers the builders)
+
+__all__ = ["REGISTRY", "build", "register"]
