@@ -63,8 +63,8 @@ def data_benchmark(name, seconds):
     # The step alone: one real batch, repeated from memory.
     cached = tf.data.Dataset.from_tensors(next(pipeline_batches)).repeat()
     builder, _ = models.registry.get(config.model)
-    model = models.build(config.model, cluster.strategy)
-    train.compile_model(model, builder, config.train, cluster.strategy)
+    model = models.build(config.model, cluster)
+    train.compile_model(model, builder, config.train, cluster)
     steps = config.train.steps_per_execution
     def fit(calls):
         start = time.perf_counter()

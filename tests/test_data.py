@@ -108,7 +108,7 @@ from tpu_keras.data.digits import TEST_EVERY, load_digits
 config = digits.get_config()
 config.data.data_dir = sys.argv[1]
 cluster = tpu_keras.connect({"virtual_devices": 4})
-model = models.build(config.model, cluster.strategy)
+model = models.build(config.model, cluster)
 with cluster.strategy.scope():
     model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=["accuracy"], steps_per_execution=4)

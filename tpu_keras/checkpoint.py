@@ -1,9 +1,11 @@
 """Save and restore the model, the optimizer and the step; resume where a run stopped.
 
-Uses `tf.train.CheckpointManager`, which writes distributed variables
-correctly under every strategy. Every host must call `save` (TensorFlow
-requires it under MultiWorkerMirroredStrategy); only the chief writes to the
-shared `DIR/checkpoints`, the others to a private folder that is removed.
+On the tf engine this uses `tf.train.CheckpointManager`, which writes
+distributed variables correctly under every strategy. Every host must call
+`save` (TensorFlow requires it under MultiWorkerMirroredStrategy); only the
+chief writes to the shared `DIR/checkpoints`, the others to a private folder
+that is removed. On the jax engine it uses Orbax, which writes sharded arrays
+from every process into the one shared folder (`Checkpointer` picks).
 """
 
 import os
@@ -16,7 +18,14 @@ import tensorflow as tf
 from tpu_keras.errors import UserError
 
 
-class Checkpointer:
+def Checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
+    """The checkpointer for the engine Keras runs on (both have step/restore_latest/save)."""
+    if keras.backend.backend() == "jax":
+        return OrbaxCheckpointer(workdir, model, keep)
+    return TFCheckpointer(workdir, model, cluster, keep)
+
+
+class TFCheckpointer:
     def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3):
         self.shared_dir = os.path.join(workdir, "checkpoints")
         self._own_dir = (self.shared_dir if cluster.is_chief
@@ -48,6 +57,49 @@ class Checkpointer:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         else:
             logging.info("saved checkpoint %s", path)
+
+
+class OrbaxCheckpointer:
+    """Saves the model's and the optimizer's variables, sharded as they are, with Orbax."""
+
+    def __init__(self, workdir: str, model: keras.Model, keep: int = 3):
+        import orbax.checkpoint as ocp
+        self._ocp, self._model = ocp, model
+        self.shared_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self._manager = ocp.CheckpointManager(self.shared_dir, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=False))
+
+    @property
+    def step(self) -> int:
+        return int(keras.ops.convert_to_numpy(self._model.optimizer.iterations))
+
+    def _variables(self):
+        return {"model": self._model.variables, "optimizer": self._model.optimizer.variables}
+
+    def restore_latest(self) -> int:
+        import jax
+        latest = self._manager.latest_step()
+        if latest is not None:
+            variables = self._variables()
+            target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding),
+                                  variables, is_leaf=lambda v: isinstance(v, keras.Variable))
+            try:
+                values = self._manager.restore(latest, args=self._ocp.args.StandardRestore(target))
+            except (ValueError, KeyError, TypeError) as error:
+                reason = str(error).strip().splitlines()[0][:200]
+                raise UserError(f"the checkpoint at step {latest} in {self.shared_dir} does not fit "
+                                f"this model ({reason}); use a new --workdir for a different model") from None
+            for group, group_values in values.items():
+                for variable, value in zip(variables[group], group_values):
+                    variable.assign(value)
+            logging.info("resumed from %s at step %d", self.shared_dir, self.step)
+        return self.step
+
+    def save(self) -> None:
+        state = {group: [v.value for v in vs] for group, vs in self._variables().items()}
+        self._manager.save(self.step, args=self._ocp.args.StandardSave(state), force=True)
+        self._manager.wait_until_finished()
+        logging.info("saved checkpoint %s/%d", self.shared_dir, self.step)
 
 
 class SaveEvery(keras.callbacks.Callback):

@@ -1,11 +1,13 @@
-"""Find the hardware and build the tf.distribute strategy that fits it.
+"""Find the hardware and build the tf.distribute strategy (or jax mesh) that fits it.
 
 `connect(config.cluster)` is the only entry point. With `strategy='auto'` it
 picks, in order: a TPU, TF_CONFIG multi-worker, several local devices
-(mirrored), one device. Everything above this module sees a `Cluster` and
-never asks which of those it got.
+(mirrored), one device. On the jax engine it builds a `keras.distribution`
+device mesh instead (see `jax_distribution`). Everything above this module
+sees a `Cluster` and never asks which of those it got.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,26 +19,45 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
 
+from tpu_keras import engine as engine_lib
+from tpu_keras import mesh as mesh_lib
 from tpu_keras import tpu
+from tpu_keras.engine import VIRTUAL_DEVICES_ENV
 from tpu_keras.errors import UserError
 
 KINDS = ("tpu", "multi_worker", "mirrored", "one_device")
 STRATEGIES = ("auto",) + KINDS
-# Set by `python -m tpu_keras.launch` so each simulated host splits its CPU.
-VIRTUAL_DEVICES_ENV = "TPU_KERAS_VIRTUAL_DEVICES"
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """What `connect` found: the strategy and the shape of the machine."""
+    """What `connect` found: the strategy (or jax mesh) and the shape of the machine.
 
-    strategy: tf.distribute.Strategy
+    `num_replicas` is the number of data-parallel replicas - the `data` axis
+    of the mesh - that the global batch is split over.
+    """
+
+    strategy: Optional[tf.distribute.Strategy]  # None on the jax engine
     kind: str
     num_hosts: int
     host_index: int
     num_replicas: int
     device_kind: str
     topology: Optional[Any] = None
+    engine: str = "tf"
+    mesh: Optional[dict] = None          # {'data': D, 'model': M}, resolved
+    device_mesh: Optional[Any] = None    # keras.distribution.DeviceMesh (jax)
+    # Distinct input pipelines and the one this host runs: one per host,
+    # unless a jax model axis spans hosts that then read the same rows.
+    input_pipelines: int = 0
+    input_index: int = -1
+
+    def __post_init__(self):
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", {"data": self.num_replicas, "model": 1})
+        if not self.input_pipelines:
+            object.__setattr__(self, "input_pipelines", self.num_hosts)
+            object.__setattr__(self, "input_index", self.host_index)
 
     @property
     def replicas_per_host(self) -> int:
@@ -47,17 +68,50 @@ class Cluster:
         """The one host that writes shared files (config, checkpoints, export)."""
         return self.host_index == 0
 
+    def scope(self):
+        """Where models and optimizers are created: the strategy's scope on tf.
+
+        On jax the distribution is global in Keras and already set (by
+        `connect`, or `set_layout`), so there is nothing to enter.
+        """
+        return self.strategy.scope() if self.strategy else contextlib.nullcontext()
+
+    def set_layout(self, rules, replicate_below=None) -> None:
+        """Makes models built from now on follow layout `rules` (jax engine).
+
+        On tf there is nothing to set: every weight is replicated, and
+        `tpu_keras.layout.place_all` still checks the rules against the model.
+        """
+        if self.engine == "jax":
+            from tpu_keras import jax_distribution
+            jax_distribution.set_layout(self, rules, replicate_below)
+
     def describe(self) -> str:
+        if self.engine == "jax":
+            return (f"jax mesh data={self.mesh['data']} x model={self.mesh['model']} over "
+                    f"{self.num_hosts} process(es), this is process {self.host_index}, "
+                    f"devices: {self.device_kind}")
         return (f"{self.kind} strategy: {self.num_replicas} replica(s) on "
                 f"{self.num_hosts} host(s) ({self.replicas_per_host} per host), "
                 f"this is host {self.host_index}, devices: {self.device_kind}")
 
 
-def connect(config) -> Cluster:
-    """Builds the strategy described by a `cluster` config section."""
+def connect(config, *, engine: Optional[str] = None, mesh=None) -> Cluster:
+    """Builds the strategy described by a `cluster` config section.
+
+    `engine` ('tf' or 'jax') defaults to the backend Keras runs on; `mesh`
+    is the `config.mesh` section (default: every device on the data axis).
+    """
     strategy = config.get("strategy", "auto")
     if strategy not in STRATEGIES:
         raise UserError(f"cluster.strategy={strategy!r} is not one of {STRATEGIES}")
+    engine = engine or engine_lib.current()
+    engine_lib.select(engine)  # a one-line error if Keras already runs another backend
+    if engine == "jax":
+        from tpu_keras import jax_distribution
+        cluster = jax_distribution.connect(config, mesh)
+        logging.info("cluster: %s", cluster.describe())
+        return cluster
     split_cpu(config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0)))
 
     if strategy == "tpu" or (strategy == "auto" and tpu.is_present(config.get("tpu", ""))):
@@ -68,6 +122,7 @@ def connect(config) -> Cluster:
         cluster = _connect_mirrored()
     else:
         cluster = _connect_one_device()
+    cluster = dataclasses.replace(cluster, mesh=mesh_lib.resolve(mesh, cluster.num_replicas, "tf"))
     logging.info("cluster: %s", cluster.describe())
     return cluster
 

@@ -8,6 +8,7 @@ free-form here and checked against the chosen builder's arguments instead.
 
 import ml_collections
 
+from tpu_keras import engine
 from tpu_keras.errors import UserError, closest
 
 
@@ -15,6 +16,16 @@ def defaults() -> ml_collections.ConfigDict:
     """The full schema. Each config file overrides what it needs."""
     config = ml_collections.ConfigDict()
     config.seed = 0
+    # Keras 3 on TensorFlow ('tf', tf.distribute) or on JAX ('jax', keras.distribution).
+    config.engine = "tf"
+
+    # Devices as a (data, model) grid: data splits the batch, model splits the
+    # weights by the builder's layout rules (jax engine only). -1: the rest.
+    config.mesh = dict(data=-1, model=1)
+
+    # Replaces the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
+    # Weights this large (elements) must match a rule when the mesh splits weights.
+    config.layout = dict(rules=(), replicate_below=65_536)
 
     # Where to run. strategy: auto | tpu | multi_worker | mirrored | one_device.
     config.cluster = dict(
@@ -59,7 +70,7 @@ def defaults() -> ml_collections.ConfigDict:
         eval_every=200,       # steps between validations
         eval_steps=0,         # 0: the whole eval split
         steps_per_execution=10,  # steps per host call
-        jit_compile=False,
+        jit_compile=False,    # XLA on the tf engine; the jax engine always compiles
     )
 
     config.checkpoint = dict(
@@ -76,6 +87,11 @@ def defaults() -> ml_collections.ConfigDict:
 def check(config: ml_collections.ConfigDict) -> None:
     """Raises a one-line UserError for unknown keys or inconsistent intervals."""
     _check_keys(config, defaults(), "")
+    engine.check_name(config.engine)
+    for rule in config.layout.rules:
+        if len(rule) != 2 or not isinstance(rule[0], str) or isinstance(rule[1], str):
+            raise UserError(f"layout.rules entry {rule!r} is not a (regex, axes) pair such as "
+                            "(r'dense\\d+/kernel', (None, 'model'))")
     train, log = config.train, config.log
     for name, every in (("train.eval_every", train.eval_every),
                         ("checkpoint.every_steps", config.checkpoint.every_steps)):

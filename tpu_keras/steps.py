@@ -31,8 +31,11 @@ def distributed_steps(model: keras.Model) -> keras.Model:
     """Gives `model` step functions that work under any strategy; returns it.
 
     Call it once, on a model built inside `strategy.scope()`, before `fit`.
-    Compiling again keeps the fix.
+    Compiling again keeps the fix. On the jax engine Keras's own trainer
+    already runs under `keras.distribution`, and the model is returned as is.
     """
+    if keras.backend.backend() != "tensorflow":
+        return model
     for hook in _HOOKS:
         setattr(model, hook, types.MethodType(globals()[hook], model))
     return model

@@ -23,20 +23,23 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json, checkpoints,
 
 def train(config, workdir: str):
     """Runs (or resumes) one training run; returns the final Keras history."""
+    from tpu_keras import config as config_lib
+    from tpu_keras import engine
+
+    # ----- config --------------------------------------------------------------
+    config_lib.check(config)
+    # Before Keras is imported: it reads its backend once.
+    engine.select(config.engine, config.cluster.virtual_devices)
     # Imported here so that `--help` and config errors answer without loading TF.
     import keras
     import numpy as np
     import tpu_keras
     from tpu_keras import callbacks, checkpoint, data, models
-    from tpu_keras import config as config_lib
-
-    # ----- config --------------------------------------------------------------
-    config_lib.check(config)
     builder, model_kwargs = models.registry.get(config.model)
     os.makedirs(workdir, exist_ok=True)
 
     # ----- cluster -------------------------------------------------------------
-    cluster = tpu_keras.connect(config.cluster)
+    cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
     if cluster.is_chief:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
@@ -44,8 +47,8 @@ def train(config, workdir: str):
 
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
-    model = models.build(config.model, cluster.strategy)
-    compile_model(model, builder, train_cfg, cluster.strategy)
+    model = models.build(config.model, cluster, config.layout)
+    compile_model(model, builder, train_cfg, cluster)
     logging.info("model: %s with %s parameters", config.model.name, f"{model.count_params():,}")
 
     # ----- checkpoints ---------------------------------------------------------
@@ -92,14 +95,15 @@ def train(config, workdir: str):
     return history
 
 
-def compile_model(model, builder, train_cfg, strategy):
+def compile_model(model, builder, train_cfg, cluster):
     """Compiles `model` as `train` does, with optimizer variables already built."""
-    with strategy.scope():
+    with cluster.scope():
         model.compile(optimizer=_optimizer(train_cfg), loss=builder.loss(),
                       # Weighted, so padded eval rows (weight 0) do not count.
                       weighted_metrics=builder.metrics(),
                       steps_per_execution=train_cfg.steps_per_execution,
-                      jit_compile=train_cfg.jit_compile)
+                      # The jax engine always compiles: JAX run op by op is far too slow.
+                      jit_compile=train_cfg.jit_compile or cluster.engine == "jax")
         model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots
 
 

@@ -3,7 +3,9 @@
 `build()` returns a dataset made with `strategy.distribute_datasets_from_function`:
 TensorFlow calls the function from `dataset_fn()` once per input pipeline (one
 per host) with an `InputContext`. Each host reads its share (see `sharding`), and every batch
-it yields goes to one of its replicas.
+it yields goes to one of its replicas. On the jax engine the host's pipeline
+yields the host's whole share of the global batch, which Keras lays out
+over the host's devices with `jax.make_array_from_process_local_data`.
 
 Training sees each example exactly once per epoch: an epoch is a seeded
 shuffle of the host's share, cut to the number of steps every host can fill.
@@ -31,6 +33,9 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
     """Returns `(distributed_dataset, steps)`; see `dataset_fn` for the arguments."""
     fn, steps = dataset_fn(config, cluster, global_batch, training=training, seed=seed,
                            start_step=start_step, max_eval_steps=max_eval_steps)
+    if cluster.strategy is None:  # jax: this host's pipeline, as Keras expects it
+        return fn(tf.distribute.InputContext(cluster.input_pipelines, cluster.input_index,
+                                             cluster.num_replicas)), steps
     return cluster.strategy.distribute_datasets_from_function(fn), steps
 
 
@@ -54,9 +59,11 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
     preprocess = PREPROCESSORS[config.preprocess](config)
     service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
     source = sources.open_source(config, training)
-    plan = sharding.plan(source, cluster.num_hosts)
+    plan = sharding.plan(source, cluster.input_pipelines)
     per_replica = global_batch // cluster.num_replicas
-    per_host = global_batch // cluster.num_hosts
+    per_host = global_batch // cluster.input_pipelines
+    # A tf.distribute strategy takes one replica's batch at a time, Keras on jax a host's.
+    per_yield = per_replica if cluster.strategy is not None else per_host
     steps = plan.train_steps(per_host) if training else plan.eval_steps(per_host)
     if not training and max_eval_steps:
         steps = min(steps, max_eval_steps)
@@ -67,12 +74,12 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
     def host_dataset(context: tf.distribute.InputContext) -> tf.data.Dataset:
         host = context.input_pipeline_id
         if training:
-            ds = _epochs(plan, host, config, preprocess, per_replica, per_host // per_replica,
+            ds = _epochs(plan, host, config, preprocess, per_yield, per_host // per_yield,
                          steps, seed, start_step)
         else:
             examples = plan.read(host, config.deterministic)
             ds = _padded(examples.map(preprocess, num_parallel_calls=AUTOTUNE), steps * per_host)
-            ds = ds.batch(per_replica, drop_remainder=True)
+            ds = ds.batch(per_yield, drop_remainder=True)
         if service_address:
             # OFF: the service runs this host's pipeline as it is, so the
             # sharding above (and exactly-once) holds unchanged.
@@ -97,9 +104,9 @@ def _epoch_seeds(seed: int, host: int, epoch):
             tf.stack([tf.constant(seed * 1_000_003 + host + 1, tf.int64), epoch]))
 
 
-def _epochs(plan, host, config, preprocess, per_replica, replicas, steps_per_epoch, seed,
+def _epochs(plan, host, config, preprocess, batch, batches_per_step, steps_per_epoch, seed,
             start_step):
-    """Endless epochs of `steps_per_epoch` x `replicas` batches of `per_replica`
+    """Endless epochs of `steps_per_epoch` x `batches_per_step` batches of `batch`
     examples, each epoch shuffled anew from (seed, host, epoch).
 
     The shuffle is stateless, so epoch k is the same whether a run reaches it
@@ -118,11 +125,11 @@ def _epochs(plan, host, config, preprocess, per_replica, replicas, steps_per_epo
         file_seed, example_seed = _epoch_seeds(seed, host, epoch)
         epoch_blocks = cached if cached is not None else blocks(file_seed)
         examples = _shuffle_blocks(epoch_blocks, example_seed)
-        return examples.rebatch(per_replica, drop_remainder=True).take(steps_per_epoch * replicas)
+        return examples.rebatch(batch, drop_remainder=True).take(steps_per_epoch * batches_per_step)
 
     first_epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     epochs = tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(one_epoch)
-    return epochs.skip(step_in_epoch * replicas)
+    return epochs.skip(step_in_epoch * batches_per_step)
 
 
 def _shuffle_blocks(blocks, seed):

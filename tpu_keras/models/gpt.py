@@ -7,6 +7,7 @@ weight paths are stable and readable for layout rules and checkpoints.
 import keras
 from keras import layers
 
+from tpu_keras.layout import Rule, replicated
 from tpu_keras.models.metrics import bits_per_byte
 from tpu_keras.models.registry import register
 
@@ -27,7 +28,8 @@ class PositionEmbedding(layers.Layer):
           loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
           metrics=lambda: [bits_per_byte()],
           headline="bits_per_byte",
-          tokens_per_example=lambda kwargs: kwargs.get("context_length", 128))
+          tokens_per_example=lambda kwargs: kwargs.get("context_length", 128),
+          layout=lambda kwargs: gpt_layout_rules())
 def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
         mlp_ratio=4, dropout=0.0):
     """Returns logits of shape (batch, context_length, vocab_size) for int32 tokens."""
@@ -47,3 +49,43 @@ def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
     x = layers.LayerNormalization(epsilon=1e-5, name="final_norm")(x)
     logits = layers.Dense(vocab_size, name="lm_head", dtype="float32")(x)
     return keras.Model(tokens, logits, name="gpt")
+
+
+def gpt_layout_rules() -> list[Rule]:
+    """Megatron-style tensor parallelism over the `model` mesh axis.
+
+    Each block splits its attention heads and its MLP hidden units over
+    `model`: QKV and MLP-up are column-parallel (outputs split), attention-out
+    and MLP-down row-parallel (inputs split), so each block needs one
+    all-reduce forward and one backward. The vocabulary is split in the
+    embedding and the head. The `data` axis only splits the batch.
+    Shapes use V vocab, L context, W width, H heads, K = W / H, F = mlp_ratio x W.
+    """
+    return [
+        # token_embedding/embeddings                      (V, W)
+        Rule(r"token_embedding/embeddings", ("model", None)),
+        # position_embedding/embeddings                   (L, W)
+        Rule(r"position_embedding/embeddings", (None, "model")),
+        # block{i}_attention/{query,key,value}/kernel     (W, H, K)
+        Rule(r"block\d+_attention/(query|key|value)/kernel", (None, "model", None)),
+        # block{i}_attention/{query,key,value}/bias       (H, K)
+        Rule(r"block\d+_attention/(query|key|value)/bias", ("model", None)),
+        # block{i}_attention/attention_output/kernel      (H, K, W)
+        Rule(r"block\d+_attention/attention_output/kernel", ("model", None, None)),
+        # block{i}_attention/attention_output/bias        (W,)  added after the all-reduce
+        replicated(r"block\d+_attention/attention_output/bias"),
+        # block{i}_mlp_up/kernel                          (W, F)
+        Rule(r"block\d+_mlp_up/kernel", (None, "model")),
+        # block{i}_mlp_up/bias                            (F,)
+        Rule(r"block\d+_mlp_up/bias", ("model",)),
+        # block{i}_mlp_down/kernel                        (F, W)
+        Rule(r"block\d+_mlp_down/kernel", ("model", None)),
+        # block{i}_mlp_down/bias                          (W,)  added after the all-reduce
+        replicated(r"block\d+_mlp_down/bias"),
+        # block{i}_{attention,mlp}_norm/{gamma,beta}, final_norm/{gamma,beta}   (W,)
+        replicated(r"(block\d+_(attention|mlp)_norm|final_norm)/(gamma|beta)"),
+        # lm_head/kernel                                  (W, V)
+        Rule(r"lm_head/kernel", (None, "model")),
+        # lm_head/bias                                    (V,)
+        Rule(r"lm_head/bias", ("model",)),
+    ]

@@ -2,7 +2,8 @@
 
 A builder is a plain function whose keyword arguments are the `model` config
 section (minus `name`), so its signature is the schema that section is
-checked against.
+checked against. Each builder also has layout rules (`tpu_keras.layout`):
+which weights split over the mesh's `model` axis.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from tpu_keras import layout as layout_lib
 from tpu_keras.errors import UserError, closest
 from tpu_keras.steps import distributed_steps
 
@@ -25,14 +27,17 @@ class Builder:
     headline: str
     # Tokens per example, for tokens/s in the log (0 for non-sequence models).
     tokens_per_example: Callable[[dict], int] = lambda kwargs: 0
+    # Layout rules for the model these keyword arguments build.
+    layout: Callable[[dict], list[layout_lib.Rule]] = lambda kwargs: []
 
 
 REGISTRY: dict[str, Builder] = {}
 
 
-def register(name, *, loss, metrics, headline, tokens_per_example=lambda kwargs: 0):
+def register(name, *, loss, metrics, headline, tokens_per_example=lambda kwargs: 0,
+             layout=lambda kwargs: []):
     def decorate(make):
-        REGISTRY[name] = Builder(make, loss, metrics, headline, tokens_per_example)
+        REGISTRY[name] = Builder(make, loss, metrics, headline, tokens_per_example, layout)
         return make
     return decorate
 
@@ -53,8 +58,28 @@ def get(model_config) -> tuple[Builder, dict]:
     return builder, kwargs
 
 
-def build(model_config, strategy: tf.distribute.Strategy | None = None) -> keras.Model:
-    """Builds the model inside `strategy.scope()`, with step functions that work under it."""
+def layout_rules(model_config, layout_config=None) -> list[layout_lib.Rule]:
+    """The builder's layout rules, or `layout.rules` from the config when it sets any."""
     builder, kwargs = get(model_config)
-    with (strategy or tf.distribute.get_strategy()).scope():
-        return distributed_steps(builder.make(**kwargs))
+    if layout_config and layout_config.get("rules"):
+        return layout_lib.rules_from_pairs(layout_config["rules"])
+    return builder.layout(kwargs)
+
+
+def build(model_config, cluster=None, layout_config=None) -> keras.Model:
+    """Builds the model laid out on `cluster`, with step functions that work under it.
+
+    Without a cluster it builds under the current tf.distribute strategy (or
+    Keras distribution). Either way the layout rules are checked against the
+    model's weights: a rule that matches nothing is an error, not a no-op.
+    """
+    builder, kwargs = get(model_config)
+    rules = layout_rules(model_config, layout_config)
+    replicate_below = (layout_config or {}).get("replicate_below") or layout_lib.REPLICATE_BELOW
+    if cluster is not None:
+        cluster.set_layout(rules, replicate_below)
+    with cluster.scope() if cluster is not None else tf.distribute.get_strategy().scope():
+        model = distributed_steps(builder.make(**kwargs))
+    mesh = cluster.mesh if cluster is not None else {"data": 1, "model": 1}
+    layout_lib.place_all(model.weights, rules, mesh, replicate_below)
+    return model

@@ -3,18 +3,54 @@
 import keras
 from keras import layers
 
+from tpu_keras.layout import Rule, replicated
 from tpu_keras.models.registry import register
 
 
-def _classification(name):
+def _classification(name, layout):
     return register(
         name,
         loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=lambda: [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        headline="accuracy")
+        headline="accuracy",
+        layout=layout)
 
 
-@_classification("mlp")
+def mlp_layout_rules(depth=2, **_) -> list[Rule]:
+    """Hidden units split over `model`, Megatron pairs: even layers column-, odd row-parallel.
+
+    Shapes use I the flattened image size, W width, C classes.
+    """
+    rules = []
+    for i in range(depth):
+        if i % 2 == 0:
+            # dense{i}/kernel (I or W, W), dense{i}/bias (W,)
+            rules += [Rule(rf"dense{i}/kernel", (None, "model")), Rule(rf"dense{i}/bias", ("model",))]
+        else:
+            # dense{i}/kernel (W, W), dense{i}/bias (W,)  added after the all-reduce
+            rules += [Rule(rf"dense{i}/kernel", ("model", None)), replicated(rf"dense{i}/bias")]
+    # head/kernel (W, C), head/bias (C,): C = 10 rarely divides the mesh
+    return rules + [replicated(r"head/(kernel|bias)")]
+
+
+def cnn_layout_rules(**_) -> list[Rule]:
+    """Output channels of every convolution and units of the dense layer split over `model`.
+
+    Shapes use C_in, C_out channels, P the flattened feature map, W width, N classes.
+    """
+    return [
+        # conv{i}/kernel (3, 3, C_in, C_out), conv{i}/bias (C_out,)
+        Rule(r"conv\d+/kernel", (None, None, None, "model")),
+        Rule(r"conv\d+/bias", ("model",)),
+        # dense/kernel (P, W), dense/bias (W,)
+        Rule(r"dense/kernel", (None, "model")),
+        Rule(r"dense/bias", ("model",)),
+        # head/kernel (W, N), head/bias (N,)
+        replicated(r"head/(kernel|bias)"),
+    ]
+
+
+@_classification("mlp", layout=lambda kwargs: mlp_layout_rules(**kwargs))
 def mlp(image_shape=(8, 8, 1), num_classes=10, width=256, depth=2, dropout=0.1):
     images = keras.Input(tuple(image_shape), name="images")
     x = layers.Flatten()(images)
@@ -25,7 +61,7 @@ def mlp(image_shape=(8, 8, 1), num_classes=10, width=256, depth=2, dropout=0.1):
     return keras.Model(images, logits, name="mlp")
 
 
-@_classification("cnn")
+@_classification("cnn", layout=lambda kwargs: cnn_layout_rules(**kwargs))
 def cnn(image_shape=(8, 8, 1), num_classes=10, channels=(32, 64), width=128, dropout=0.1):
     images = keras.Input(tuple(image_shape), name="images")
     x = images

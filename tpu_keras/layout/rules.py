@@ -1,0 +1,142 @@
+"""Layout rules: which weight is split along which mesh axis, checked against the model.
+
+A `Rule` maps a regex, `re.fullmatch`ed against a Keras `variable.path` such
+as `block0_mlp_up/kernel`, to one mesh axis name (or None) per dimension of
+the weight. Rules are backend-neutral: the jax engine turns them into a
+`keras.distribution.LayoutMap`; the tf engine, data parallel only, checks
+them and replicates every weight.
+
+Keras replicates a weight no rule matches, without a word (DESIGN.md fact 5).
+`Placer` refuses instead, with one line, when:
+- a rule matches no weight (a typo, or a renamed layer);
+- two rules match the same weight;
+- a sharded dimension does not divide by its mesh axis;
+- on a mesh that splits weights (model axis > 1), a weight of
+  `replicate_below` elements or more matches no rule (list it with
+  `replicated(...)` if that is intended).
+"""
+
+import dataclasses
+import math
+import re
+from typing import Iterable, Optional, Sequence
+
+from tpu_keras.errors import UserError, closest
+
+# Weights this large (elements) must be covered by a rule: 65,536 is a 256x256 kernel.
+REPLICATE_BELOW = 65_536
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """`axes[i]` is the mesh axis dimension i of matching weights is split over (None: whole)."""
+
+    pattern: str
+    axes: tuple[Optional[str], ...] = ()  # () replicates matching weights, on purpose
+
+    def matches(self, path: str) -> bool:
+        return re.fullmatch(self.pattern, path) is not None
+
+
+def replicated(pattern: str) -> Rule:
+    """A rule that keeps matching weights whole on every device, on purpose."""
+    return Rule(pattern, ())
+
+
+def rules_from_pairs(pairs: Iterable[Sequence]) -> list[Rule]:
+    """Rules from `(pattern, axes)` pairs, as a config file writes them."""
+    return [Rule(str(pattern), tuple(axes or ())) for pattern, axes in pairs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one weight lives: its mesh axis per dimension, and the rule that said so."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    axes: tuple[Optional[str], ...]
+    rule: Optional[str]
+
+    def shard_shape(self, mesh: dict[str, int]) -> tuple[int, ...]:
+        return tuple(n // mesh[a] if a else n for n, a in zip(self.shape, self.axes))
+
+    def bytes_per_device(self, mesh: dict[str, int]) -> int:
+        return math.prod(self.shard_shape(mesh)) * _itemsize(self.dtype)
+
+    @property
+    def spec(self) -> str:
+        """The layout as JAX prints a PartitionSpec: P(None, 'model')."""
+        return "P(" + ", ".join(repr(a) if a else "None" for a in self.axes) + ")" if self.axes else "P()"
+
+
+class Placer:
+    """Places weights one at a time by the rules, and remembers which rules were used."""
+
+    def __init__(self, rules: Sequence[Rule], mesh: dict[str, int],
+                 replicate_below: int = REPLICATE_BELOW):
+        self.rules, self.mesh, self.replicate_below = list(rules), dict(mesh), replicate_below
+        # Only a mesh that splits weights makes an uncovered large weight a likely mistake.
+        self._splits_weights = any(size > 1 for axis, size in self.mesh.items() if axis != "data")
+        self._used: set[str] = set()
+        self._paths: list[str] = []
+        for rule in self.rules:
+            unknown = [a for a in rule.axes if a is not None and a not in self.mesh]
+            if unknown:
+                raise UserError(f"layout rule {rule.pattern!r} names mesh axis {unknown[0]!r}; "
+                                f"the mesh axes are {sorted(self.mesh)}{closest(unknown[0], self.mesh)}")
+
+    def place(self, path: str, shape: Sequence[int], dtype: str = "float32") -> Placement:
+        shape = tuple(int(n) for n in shape)
+        self._paths.append(path)
+        matching = [rule for rule in self.rules if rule.matches(path)]
+        if len(matching) > 1:
+            raise UserError(f"weight {path!r} matches two layout rules, {matching[0].pattern!r} "
+                            f"and {matching[1].pattern!r}; make the patterns exclusive")
+        if not matching:
+            if self._splits_weights and math.prod(shape) >= self.replicate_below:
+                raise UserError(f"weight {path!r} {list(shape)} ({math.prod(shape):,} elements) is "
+                                "covered by no layout rule; add a rule that shards it, or "
+                                f"replicated({path!r}) to keep it whole on every device")
+            return Placement(path, shape, dtype, (None,) * len(shape), None)
+        rule = matching[0]
+        self._used.add(rule.pattern)
+        if not rule.axes:
+            return Placement(path, shape, dtype, (None,) * len(shape), rule.pattern)
+        if len(rule.axes) != len(shape):
+            raise UserError(f"layout rule {rule.pattern!r} gives {len(rule.axes)} axes for weight "
+                            f"{path!r} of shape {list(shape)}; give one axis (or None) per dimension")
+        for dim, (size, axis) in enumerate(zip(shape, rule.axes)):
+            if axis and size % self.mesh[axis]:
+                raise UserError(f"weight {path!r} {list(shape)}: dimension {dim} ({size}) does not "
+                                f"divide by mesh axis {axis!r} ({self.mesh[axis]}); change the rule "
+                                f"{rule.pattern!r}, the model size, or mesh.{axis}")
+        return Placement(path, shape, dtype, rule.axes, rule.pattern)
+
+    def check_all_rules_used(self) -> None:
+        for rule in self.rules:
+            if rule.pattern not in self._used:
+                example = self._paths[-1] if self._paths else "dense/kernel"
+                raise UserError(f"layout rule {rule.pattern!r} matches no weight"
+                                f"{closest(rule.pattern, self._paths)}; rules are re.fullmatch-ed "
+                                f"against weight paths such as {example!r}")
+
+
+def place_all(variables, rules: Sequence[Rule], mesh: dict[str, int],
+              replicate_below: int = REPLICATE_BELOW) -> list[Placement]:
+    """Places every variable (anything with .path, .shape, .dtype); checks every rule was used."""
+    placer = Placer(rules, mesh, replicate_below)
+    placements = [placer.place(v.path, v.shape, _dtype_name(v.dtype)) for v in variables]
+    placer.check_all_rules_used()
+    return placements
+
+
+def _dtype_name(dtype) -> str:
+    return getattr(dtype, "name", None) or str(dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+    if dtype == "bfloat16":
+        return 2
+    return np.dtype(dtype).itemsize
