@@ -42,7 +42,7 @@ def data_benchmark(name, seconds):
     import importlib
     import tensorflow as tf
     import tpu_keras
-    from tpu_keras import data, models, train
+    from tpu_keras import data, models, optimization
 
     config = importlib.import_module(name).get_config()
     cluster = tpu_keras.connect({"strategy": "one_device"})
@@ -64,7 +64,7 @@ def data_benchmark(name, seconds):
     cached = tf.data.Dataset.from_tensors(next(pipeline_batches)).repeat()
     builder, _ = models.registry.get(config.model)
     model = models.build(config.model, cluster)
-    train.compile_model(model, builder, config.train, cluster)
+    optimization.compile_model(model, builder, config.train, cluster)
     steps = config.train.steps_per_execution
     def fit(calls):
         start = time.perf_counter()

@@ -14,12 +14,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(args, *, timeout=300, env=None, check=True):
-    """Runs `args` from the repo root; returns the CompletedProcess (text, merged output)."""
+def run(args, *, timeout=300, env=None, check=True, merge_stderr=True):
+    """Runs `args` from the repo root; returns the CompletedProcess (text; stderr merged
+    into stdout unless `merge_stderr=False`)."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("TF_CONFIG", None)
     result = subprocess.run(args, cwd=REPO, env=full_env, timeout=timeout, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout[-4000:]}")
     return result

@@ -2,9 +2,10 @@
 
     python -m tpu_keras.launch --hosts=2 --devices_per_host=4 -- python train.py
 
-Each host gets the environment a real pod worker would see (TF_CONFIG and
-its index) plus TPU_KERAS_VIRTUAL_DEVICES, which makes
-the cluster module split the CPU into that many logical devices. So the same
+Each host gets the environment a real pod worker would see (TF_CONFIG for
+the tf engine, a JAX coordinator address for the jax engine, and its index)
+plus TPU_KERAS_VIRTUAL_DEVICES, which makes the cluster module split the CPU
+into that many logical devices (fake JAX devices on the jax engine). So the same
 multi-worker code path can be exercised on a laptop or in CI. Output is merged
 with a "[host i] " prefix; if one host fails, or the timeout passes, every host
 is stopped, so a broken run never leaves orphans or hangs its peers forever.
@@ -70,17 +71,19 @@ def _free_ports(count):
             sock.close()
 
 
-def _host_env(index, workers, devices_per_host, service_address):
+def _host_env(index, workers, coordinator, devices_per_host, service_address):
     """The environment one simulated host would see on a real pod."""
     env = dict(os.environ)
     if service_address:
         env["TPU_KERAS_DATA_SERVICE"] = service_address
     env.pop("TF_CONFIG", None)  # One host: no TF_CONFIG, so single-host strategy.
+    env.pop("TPU_KERAS_COORDINATOR", None)
     if len(workers) > 1:
         env["TF_CONFIG"] = json.dumps({
             "cluster": {"worker": workers},
             "task": {"type": "worker", "index": index},
         })
+        env["TPU_KERAS_COORDINATOR"] = coordinator  # jax.distributed, via keras.distribution
     env.update(
         TPU_KERAS_VIRTUAL_DEVICES=str(devices_per_host),
         TPU_KERAS_HOST_INDEX=str(index),
@@ -194,7 +197,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False)
     if timeout <= 0:
         raise UserError(f"--timeout must be > 0 seconds, got {timeout:g}")
 
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(hosts)]
+    *worker_ports, coordinator_port = _free_ports(hosts + 1)
+    workers = [f"127.0.0.1:{port}" for port in worker_ports]
     service, service_address = _start_data_service(min(timeout, 120)) if data_service else (None, "")
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:  # Signal handlers can only be set from the main thread.
@@ -205,7 +209,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False)
         for index in range(hosts):
             procs.append(subprocess.Popen(
                 command,
-                env=_host_env(index, workers, devices_per_host, service_address),
+                env=_host_env(index, workers, f"127.0.0.1:{coordinator_port}", devices_per_host,
+                              service_address),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True))  # Own process group: stoppable as a unit.
             reader = threading.Thread(

@@ -32,9 +32,8 @@ def train(config, workdir: str):
     engine.select(config.engine, config.cluster.virtual_devices)
     # Imported here so that `--help` and config errors answer without loading TF.
     import keras
-    import numpy as np
     import tpu_keras
-    from tpu_keras import callbacks, checkpoint, data, models
+    from tpu_keras import callbacks, checkpoint, data, models, optimization
     builder, model_kwargs = models.registry.get(config.model)
     os.makedirs(workdir, exist_ok=True)
 
@@ -48,7 +47,7 @@ def train(config, workdir: str):
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
     model = models.build(config.model, cluster, config.layout)
-    compile_model(model, builder, train_cfg, cluster)
+    optimization.compile_model(model, builder, train_cfg, cluster)
     logging.info("model: %s with %s parameters", config.model.name, f"{model.count_params():,}")
 
     # ----- checkpoints ---------------------------------------------------------
@@ -84,8 +83,7 @@ def train(config, workdir: str):
         headline = f"val_{builder.headline}"
         logging.info("done at step %d: %s %.4g", saver.step, headline, final.get(headline, float("nan")))
     # Equal on every host of a synchronous run: a cheap check that hosts agree.
-    logging.info("weights fingerprint: %.12e", sum(float(np.sum(w, dtype=np.float64))
-                                                  for w in model.get_weights()))
+    logging.info("weights fingerprint: %.12e", _fingerprint(model))
 
     # ----- export --------------------------------------------------------------
     if cluster.is_chief:
@@ -95,36 +93,10 @@ def train(config, workdir: str):
     return history
 
 
-def compile_model(model, builder, train_cfg, cluster):
-    """Compiles `model` as `train` does, with optimizer variables already built."""
-    with cluster.scope():
-        model.compile(optimizer=_optimizer(train_cfg), loss=builder.loss(),
-                      # Weighted, so padded eval rows (weight 0) do not count.
-                      weighted_metrics=builder.metrics(),
-                      steps_per_execution=train_cfg.steps_per_execution,
-                      # The jax engine always compiles: JAX run op by op is far too slow.
-                      jit_compile=train_cfg.jit_compile or cluster.engine == "jax")
-        model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots
-
-
-def _optimizer(train_cfg):
-    """The configured optimizer with a linear warmup and a cosine decay."""
+def _fingerprint(model) -> float:
+    """The sum of all weights, computed where they live (sharded jax arrays span hosts)."""
     import keras
-    schedule = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=0.0, warmup_target=train_cfg.learning_rate,
-        warmup_steps=train_cfg.warmup_steps,
-        decay_steps=max(1, train_cfg.steps - train_cfg.warmup_steps),
-        alpha=train_cfg.min_learning_rate_ratio)
-    kwargs = dict(learning_rate=schedule)
-    if train_cfg.clipnorm:
-        kwargs["clipnorm"] = train_cfg.clipnorm
-    if train_cfg.weight_decay and train_cfg.optimizer in ("adamw", "lion", "sgd", "adam"):
-        kwargs["weight_decay"] = train_cfg.weight_decay
-    try:
-        return keras.optimizers.get({"class_name": train_cfg.optimizer, "config": kwargs})
-    except ValueError:
-        raise UserError(f"train.optimizer={train_cfg.optimizer!r} is not a keras.optimizers name "
-                        "such as 'adamw', 'adam' or 'sgd'") from None
+    return sum(float(keras.ops.convert_to_numpy(keras.ops.sum(w.value))) for w in model.weights)
 
 
 def _parse_flags(argv):

@@ -61,6 +61,10 @@ class Placement:
     def shard_shape(self, mesh: dict[str, int]) -> tuple[int, ...]:
         return tuple(n // mesh[a] if a else n for n, a in zip(self.shape, self.axes))
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
     def bytes_per_device(self, mesh: dict[str, int]) -> int:
         return math.prod(self.shard_shape(mesh)) * _itemsize(self.dtype)
 
@@ -83,7 +87,7 @@ class Placer:
         for rule in self.rules:
             unknown = [a for a in rule.axes if a is not None and a not in self.mesh]
             if unknown:
-                raise UserError(f"layout rule {rule.pattern!r} names mesh axis {unknown[0]!r}; "
+                raise UserError(f"layout rule '{rule.pattern}' names mesh axis {unknown[0]!r}; "
                                 f"the mesh axes are {sorted(self.mesh)}{closest(unknown[0], self.mesh)}")
 
     def place(self, path: str, shape: Sequence[int], dtype: str = "float32") -> Placement:
@@ -91,8 +95,8 @@ class Placer:
         self._paths.append(path)
         matching = [rule for rule in self.rules if rule.matches(path)]
         if len(matching) > 1:
-            raise UserError(f"weight {path!r} matches two layout rules, {matching[0].pattern!r} "
-                            f"and {matching[1].pattern!r}; make the patterns exclusive")
+            raise UserError(f"weight {path!r} matches two layout rules, '{matching[0].pattern}' "
+                            f"and '{matching[1].pattern}'; make the patterns exclusive")
         if not matching:
             if self._splits_weights and math.prod(shape) >= self.replicate_below:
                 raise UserError(f"weight {path!r} {list(shape)} ({math.prod(shape):,} elements) is "
@@ -104,20 +108,20 @@ class Placer:
         if not rule.axes:
             return Placement(path, shape, dtype, (None,) * len(shape), rule.pattern)
         if len(rule.axes) != len(shape):
-            raise UserError(f"layout rule {rule.pattern!r} gives {len(rule.axes)} axes for weight "
+            raise UserError(f"layout rule '{rule.pattern}' gives {len(rule.axes)} axes for weight "
                             f"{path!r} of shape {list(shape)}; give one axis (or None) per dimension")
         for dim, (size, axis) in enumerate(zip(shape, rule.axes)):
             if axis and size % self.mesh[axis]:
                 raise UserError(f"weight {path!r} {list(shape)}: dimension {dim} ({size}) does not "
                                 f"divide by mesh axis {axis!r} ({self.mesh[axis]}); change the rule "
-                                f"{rule.pattern!r}, the model size, or mesh.{axis}")
+                                f"'{rule.pattern}', the model size, or mesh.{axis}")
         return Placement(path, shape, dtype, rule.axes, rule.pattern)
 
     def check_all_rules_used(self) -> None:
         for rule in self.rules:
             if rule.pattern not in self._used:
                 example = self._paths[-1] if self._paths else "dense/kernel"
-                raise UserError(f"layout rule {rule.pattern!r} matches no weight"
+                raise UserError(f"layout rule '{rule.pattern}' matches no weight"
                                 f"{closest(rule.pattern, self._paths)}; rules are re.fullmatch-ed "
                                 f"against weight paths such as {example!r}")
 

@@ -1,0 +1,102 @@
+"""Where every weight of a config's model lives, and what each device holds.
+
+`describe()` builds the model and its optimizer inside a Keras
+`StatelessScope` on the jax backend (the tf backend cannot build an
+optimizer there), so it reads paths and shapes without allocating a weight,
+and places them by the same `Placer` the engines use. The arithmetic is
+exact: every sharded dimension divides its mesh axis, so every device holds
+the same bytes. The memory planner builds on these figures.
+"""
+
+import math
+
+from tpu_keras import mesh as mesh_lib
+from tpu_keras.layout.rules import Placement, Placer
+
+
+def describe(config, num_devices: int) -> dict:
+    """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready)."""
+    import keras
+    from keras.src.backend.common.stateless_scope import StatelessScope
+    from tpu_keras import models, optimization
+
+    mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
+    builder, kwargs = models.registry.get(config.model)
+    rules = models.registry.layout_rules(config.model, config.layout)
+    placer = Placer(rules, mesh, config.layout.replicate_below)
+    optimizer = optimization.make_optimizer(config.train)
+    # Deferred variables: paths, shapes and dtypes, and no memory behind them.
+    with StatelessScope(initialize_variables=False):
+        model = builder.make(**kwargs)
+        optimizer.build(model.trainable_variables)
+        weights = [placer.place(v.path, v.shape, _dtype(v)) for v in model.weights]
+        placer.check_all_rules_used()
+        by_path = {p.path: p for p in weights}
+        state = [_follow(v, by_path) for v in optimizer.variables]
+    return {
+        "model": config.model.name,
+        "engine": config.engine,
+        "mesh": mesh,
+        "devices": num_devices,
+        "weights": [_row(p, mesh) for p in weights],
+        "optimizer": [_row(p, mesh) for p in state],
+        "totals": {"parameters": _totals(weights, mesh), "optimizer": _totals(state, mesh)},
+    }
+
+
+def format_table(report: dict) -> str:
+    """The report as a table: one row per weight, then the totals per device."""
+    mesh = report["mesh"]
+    rows = [(w["path"], "x".join(map(str, w["shape"])) or "scalar", w["layout"], _size(w["bytes_per_device"]))
+            for w in report["weights"]]
+    widths = [max(len(r[i]) for r in rows + [("weight", "shape", "layout", "per device")]) for i in range(4)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [f"{report['model']} on a data={mesh['data']} x model={mesh['model']} mesh "
+           f"({report['devices']} devices)", "", line(("weight", "shape", "layout", "per device"))]
+    out += [line(r) for r in rows]
+    out.append("")
+    for name, label in (("parameters", "parameters"), ("optimizer", "optimizer state")):
+        t = report["totals"][name]
+        out.append(f"{label:<16} {t['count']:>14,} values  {_size(t['bytes']):>11} in all  "
+                   f"{_size(t['bytes_per_device']):>11} per device")
+    return "\n".join(out)
+
+
+def _follow(variable, by_path) -> Placement:
+    """An optimizer variable, placed like the weight it belongs to (Keras gives it that layout).
+
+    Keras names slots `<optimizer>/<weight path with _ for />_<slot>`;
+    scalars such as the step count match no weight and are replicated.
+    """
+    name = variable.path.split("/", 1)[-1]
+    owners = [p for p in by_path if name.startswith(p.replace("/", "_") + "_")]
+    shape = tuple(variable.shape)
+    if owners:
+        owner = by_path[max(owners, key=len)]
+        if owner.shape == shape:
+            return Placement(variable.path, shape, _dtype(variable), owner.axes, owner.rule)
+    return Placement(variable.path, shape, _dtype(variable), (None,) * len(shape), None)
+
+
+def _row(p: Placement, mesh) -> dict:
+    return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "layout": p.spec,
+            "rule": p.rule, "shard_shape": list(p.shard_shape(mesh)),
+            "bytes_per_device": p.bytes_per_device(mesh)}
+
+
+def _totals(placements, mesh) -> dict:
+    return {"count": sum(math.prod(p.shape) for p in placements),
+            "bytes": sum(p.nbytes for p in placements),
+            "bytes_per_device": sum(p.bytes_per_device(mesh) for p in placements)}
+
+
+def _dtype(variable) -> str:
+    return getattr(variable.dtype, "name", None) or str(variable.dtype)
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
+        num_bytes /= 1024

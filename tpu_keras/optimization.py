@@ -1,0 +1,40 @@
+"""The optimizer (warmup then cosine decay) and how the toolkit compiles a model.
+
+Shared by `train`, the benchmark and the layout report, so all three see the
+same optimizer and the same optimizer state.
+"""
+
+import keras
+
+from tpu_keras.errors import UserError
+
+
+def compile_model(model, builder, train_cfg, cluster):
+    """Compiles `model` as `train` does, with optimizer variables already built."""
+    with cluster.scope():
+        model.compile(optimizer=make_optimizer(train_cfg), loss=builder.loss(),
+                      # Weighted, so padded eval rows (weight 0) do not count.
+                      weighted_metrics=builder.metrics(),
+                      steps_per_execution=train_cfg.steps_per_execution,
+                      # The jax engine always compiles: JAX run op by op is far too slow.
+                      jit_compile=train_cfg.jit_compile or cluster.engine == "jax")
+        model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots
+
+
+def make_optimizer(train_cfg):
+    """The configured optimizer with a linear warmup and a cosine decay."""
+    schedule = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0, warmup_target=train_cfg.learning_rate,
+        warmup_steps=train_cfg.warmup_steps,
+        decay_steps=max(1, train_cfg.steps - train_cfg.warmup_steps),
+        alpha=train_cfg.min_learning_rate_ratio)
+    kwargs = dict(learning_rate=schedule)
+    if train_cfg.clipnorm:
+        kwargs["clipnorm"] = train_cfg.clipnorm
+    if train_cfg.weight_decay and train_cfg.optimizer in ("adamw", "lion", "sgd", "adam"):
+        kwargs["weight_decay"] = train_cfg.weight_decay
+    try:
+        return keras.optimizers.get({"class_name": train_cfg.optimizer, "config": kwargs})
+    except ValueError:
+        raise UserError(f"train.optimizer={train_cfg.optimizer!r} is not a keras.optimizers name "
+                        "such as 'adamw', 'adam' or 'sgd'") from None
