@@ -36,3 +36,14 @@ def train(config, workdir, *overrides, timeout=300, check=True, env=None):
 def data_dir(tmp_path_factory):
     """One TFDS data_dir for the session, so each offline dataset is prepared once."""
     return str(tmp_path_factory.mktemp("tensorflow_datasets"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_dir):
+    """One finished `configs/lm_stdlib.py:tiny` run (20 steps): (workdir, output).
+
+    Tests read it; a test that would change it copies what it needs first.
+    """
+    workdir = tmp_path_factory.mktemp("lm_tiny")
+    result = train("configs/lm_stdlib.py:tiny", workdir, f"--config.data.data_dir={data_dir}")
+    return workdir, result.stdout

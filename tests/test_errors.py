@@ -1,5 +1,6 @@
 """Bad input ends in one line that says what to change, a non-zero exit and no traceback."""
 
+import shutil
 
 import pytest
 
@@ -57,8 +58,8 @@ def test_missing_config_file(tmp_path):
     assert_one_line_error(train("configs/nope.py", tmp_path, check=False), "configs/nope.py")
 
 
-def test_resuming_a_different_model_on_the_same_workdir(tmp_path, data_dir):
-    train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}", "--config.train.steps=10")
+def test_resuming_a_different_model_on_the_same_workdir(tmp_path, data_dir, tiny_run):
+    shutil.copytree(tiny_run[0] / "checkpoints", tmp_path / "checkpoints")
     result = train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}",
                    "--config.model.width=64", check=False)
     assert_one_line_error(result, "does not fit this model", "use a new --workdir")

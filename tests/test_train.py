@@ -19,13 +19,6 @@ def logged_steps(output):
     return [int(s) for s in re.findall(r"step (\d+)/\d+ \|", output)]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data_dir):
-    workdir = tmp_path_factory.mktemp("lm_tiny")
-    result = train(LM_TINY, workdir, f"--config.data.data_dir={data_dir}")
-    return workdir, result.stdout
-
-
 def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     workdir, output = tiny_run
     assert logged_steps(output) == [10, 20]
@@ -66,7 +59,7 @@ def test_rerun_on_same_workdir_continues_the_step_count(tiny_run, data_dir):
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, data_dir):
     args = [sys.executable, "-m", "tpu_keras.train", f"--config={LM_TINY}",
             f"--workdir={tmp_path}", f"--config.data.data_dir={data_dir}",
-            "--config.train.steps=200"]
+            "--config.train.steps=200", "--config.train.eval_every=100"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -83,14 +76,15 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, data_dir):
     assert saved < 200, "the run finished before it could be killed"
 
     result = train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}",
-                   "--config.train.steps=200")
+                   "--config.train.steps=200", "--config.train.eval_every=100")
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", result.stdout).group(1))
     assert resumed_at >= saved
     assert logged_steps(result.stdout)[0] == resumed_at + 10
 
 
 def test_four_virtual_devices_train_with_four_replicas(tmp_path, data_dir):
-    result = train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}",
+    # The digits MLP: a transformer's 4-replica graph takes TensorFlow ~1 min to trace.
+    result = train("configs/digits.py:tiny", tmp_path, f"--config.data.data_dir={data_dir}",
                    "--config.cluster.virtual_devices=4")
     assert "mirrored strategy: 4 replica(s) on 1 host(s)" in result.stdout
     assert logged_steps(result.stdout) == [10, 20]
@@ -115,3 +109,15 @@ def test_digits_reaches_95_percent_validation_accuracy(tmp_path, data_dir):
     accuracy = float(re.findall(r"val_accuracy ([\d.]+)", result.stdout)[-1])
     print("digits val_accuracy", accuracy)
     assert accuracy >= 0.95
+
+
+def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, data_dir):
+    args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}")
+    first = train("configs/digits.py:tiny", tmp_path, *args)
+    assert "jax mesh data=1 x model=1 over 1 process(es)" in first.stdout
+    assert logged_steps(first.stdout) == [10, 20]
+    assert re.search(r"done at step 20: val_accuracy [\d.]+", first.stdout), first.stdout[-2000:]
+    assert (tmp_path / "checkpoints" / "20").is_dir() and (tmp_path / "export" / "saved_model.pb").exists()
+    again = train("configs/digits.py:tiny", tmp_path, *args, "--config.train.steps=30")
+    assert re.search(r"resumed from \S+ at step 20", again.stdout), again.stdout[-2000:]
+    assert logged_steps(again.stdout) == [30]

@@ -20,6 +20,8 @@ import keras
 from tpu_keras import mesh as mesh_lib
 from tpu_keras import tpu
 from tpu_keras.cluster import Cluster
+from tpu_keras.engine import VIRTUAL_DEVICES_ENV
+from tpu_keras.errors import UserError
 from tpu_keras.layout import REPLICATE_BELOW, Placer
 
 # Set by `python -m tpu_keras.launch` for every simulated host of a jax run.
@@ -29,6 +31,11 @@ NUM_HOSTS_ENV, HOST_INDEX_ENV = "TPU_KERAS_NUM_HOSTS", "TPU_KERAS_HOST_INDEX"
 
 def connect(config, mesh_config) -> Cluster:
     _initialize_processes(config)
+    wanted = config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0) or 0)
+    if wanted > 1 and jax.local_device_count() != wanted and jax.default_backend() == "cpu":
+        raise UserError(f"cluster.virtual_devices={wanted} on the jax engine must be set before JAX "
+                        f"starts: call tpu_keras.engine.select('jax', {wanted}) before importing "
+                        f"keras, or set XLA_FLAGS=--xla_force_host_platform_device_count={wanted}")
     devices = keras.distribution.list_devices()
     mesh = mesh_lib.resolve(mesh_config, len(devices), "jax")
     device_mesh = keras.distribution.DeviceMesh((mesh["data"], mesh["model"]), mesh_lib.AXES, devices)
