@@ -19,7 +19,7 @@ _LAZY = {
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("models", "data", "config"):
+    if name in ("models", "data", "config", "engine", "layout", "mesh"):
         return importlib.import_module(f"tpu_keras.{name}")
     raise AttributeError(f"module 'tpu_keras' has no attribute {name!r}")
 

@@ -1,0 +1,85 @@
+"""The mesh arithmetic and the layout checks, as plain functions (no devices needed)."""
+
+import pytest
+
+from tpu_keras import layout, mesh
+from tpu_keras.errors import UserError
+
+
+@pytest.mark.parametrize("config, devices, expected", [
+    ({"data": -1, "model": 1}, 8, {"data": 8, "model": 1}),
+    ({"data": -1, "model": 2}, 8, {"data": 4, "model": 2}),
+    ({"data": 2, "model": -1}, 8, {"data": 2, "model": 4}),
+    ({"data": 4, "model": 2}, 8, {"data": 4, "model": 2}),
+    ({}, 1, {"data": 1, "model": 1}),
+])
+def test_mesh_resolves_against_the_devices(config, devices, expected):
+    assert mesh.resolve(config, devices) == expected
+
+
+@pytest.mark.parametrize("config, devices, message", [
+    ({"data": -1, "model": 3}, 8, "does not fit 8 devices"),
+    ({"data": 4, "model": 4}, 8, "needs 16 devices but there are 8"),
+    ({"data": -1, "model": -1}, 8, "-1 on one axis"),
+    ({"data": 0, "model": 1}, 8, "positive size"),
+])
+def test_mesh_that_cannot_be_built_says_why(config, devices, message):
+    with pytest.raises(UserError, match=message):
+        mesh.resolve(config, devices)
+
+
+def test_tf_engine_accepts_only_a_data_axis():
+    assert mesh.resolve({"data": -1}, 4, "tf") == {"data": 4, "model": 1}
+    with pytest.raises(UserError, match="needs the jax engine"):
+        mesh.resolve({"data": -1, "model": 2}, 4, "tf")
+
+
+def grid(data, model, first=0):
+    return [[f"cpu:{first + r * model + c}" for c in range(model)] for r in range(data)]
+
+
+@pytest.mark.parametrize("data, model, local, expected", [
+    (4, 2, range(0, 4), (2, 0)),   # 2 hosts x 4 devices, model axis inside a host
+    (4, 2, range(4, 8), (2, 1)),
+    (8, 1, range(4, 8), (2, 1)),
+    (2, 4, range(4, 8), (2, 1)),   # one data row per host
+    (1, 8, range(4, 8), (1, 0)),   # the model axis spans both hosts: one shared pipeline
+    (4, 2, range(0, 8), (1, 0)),   # one process holds everything
+])
+def test_input_pipelines_follow_the_data_rows_a_process_holds(data, model, local, expected):
+    assert mesh.input_pipelines(grid(data, model), [f"cpu:{i}" for i in local]) == expected
+
+
+class W:  # what place_all reads from a variable
+    def __init__(self, path, shape, dtype="float32"):
+        self.path, self.shape, self.dtype = path, shape, dtype
+
+
+MESH = {"data": 2, "model": 4}
+
+
+def test_rules_place_weights_and_count_bytes_per_device():
+    rules = [layout.Rule(r"d\d+/kernel", (None, "model")), layout.replicated(r"d\d+/bias")]
+    placed = layout.place_all([W("d0/kernel", (16, 64)), W("d0/bias", (64,)), W("n/gamma", (16,))],
+                              rules, MESH)
+    assert [p.axes for p in placed] == [(None, "model"), (None,), (None,)]
+    assert [p.bytes_per_device(MESH) for p in placed] == [16 * 16 * 4, 64 * 4, 16 * 4]
+    assert placed[0].spec == "P(None, 'model')" and placed[0].shard_shape(MESH) == (16, 16)
+
+
+@pytest.mark.parametrize("rules, weights, message", [
+    ([layout.Rule("d0/kernel", (None, "modle"))], [W("d0/kernel", (4, 4))], "mesh axis 'modle'.*'model'"),
+    ([layout.Rule("d0/kernel", ("model",))], [W("d0/kernel", (4, 4))], "gives 1 axes .* of shape \\[4, 4\\]"),
+    ([layout.Rule("d0/.*", ()), layout.Rule("d0/kernel", ())], [W("d0/kernel", (4, 4))], "matches two layout rules"),
+    ([layout.Rule("d0/kernel", (None, "model"))], [W("d0/kernel", (4, 6))], "dimension 1 \\(6\\) does not divide"),
+    ([layout.Rule("d1/kernel", ())], [W("d0/kernel", (4, 4))], "'d1/kernel' matches no weight"),
+    ([], [W("emb/embeddings", (512, 128))], "covered by no layout rule"),
+])
+def test_bad_rules_are_refused(rules, weights, message):
+    with pytest.raises(UserError, match=message):
+        layout.place_all(weights, rules, MESH)
+
+
+def test_large_weights_may_go_unruled_when_nothing_is_split():
+    placed = layout.place_all([W("emb/embeddings", (512, 128))], [], {"data": 8, "model": 1})
+    assert placed[0].axes == (None, None)
