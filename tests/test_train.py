@@ -24,7 +24,11 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     assert logged_steps(output) == [10, 20]
     assert re.search(r"val_bits_per_byte [\d.]+ .*tokens_per_second [\d,]+", output)
     assert (workdir / "config.json").exists()
-    assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+    events = glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+    assert events
+    # Model FLOP/s and MFU, in the log and in TensorBoard (tag names are stored verbatim).
+    assert re.search(r"model_flops_per_second [\d.e+]+ \| mfu 0\.\d+", output), output[-2000:]
+    assert b"mfu" in open(events[0], "rb").read()
     assert (workdir / "checkpoints" / "ckpt-20.index").exists()
     assert (workdir / "export" / "saved_model.pb").exists()
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 
 class IntervalLogger(keras.callbacks.Callback):
-    """Logs step, metrics and throughput at the end of every interval.
+    """Logs step, metrics, throughput and MFU at the end of every interval.
 
     Throughput is timed from the end of the interval's first host call to the
     end of its last, so tracing, XLA compilation and validation never count
@@ -20,10 +20,12 @@ class IntervalLogger(keras.callbacks.Callback):
     """
 
     def __init__(self, *, steps_per_interval: int, total_steps: int, global_batch: int,
-                 tokens_per_example: int = 0, summary_dir: str | None = None):
+                 tokens_per_example: int = 0, flops_per_example: int = 0, peak_flops: float = 0.0,
+                 summary_dir: str | None = None):
         super().__init__()
         self._steps, self._total = steps_per_interval, total_steps
         self._batch, self._tokens = global_batch, tokens_per_example
+        self._flops, self._peak = flops_per_example, peak_flops
         self._writer = tf.summary.create_file_writer(summary_dir) if summary_dir else None
         self._clock = None  # (time, steps done) at the end of the first host call
         self._last = None   # (time, steps done) at the end of the latest host call
@@ -44,6 +46,11 @@ class IntervalLogger(keras.callbacks.Callback):
             scalars["examples_per_second"] = (end_steps - start_steps) * self._batch / (end - start)
             if self._tokens:
                 scalars["tokens_per_second"] = scalars["examples_per_second"] * self._tokens
+            if self._flops:
+                scalars["model_flops_per_second"] = scalars["examples_per_second"] * self._flops
+                if self._peak:
+                    # Model FLOPs utilization: the share of the peak the model's matmuls use.
+                    scalars["mfu"] = scalars["model_flops_per_second"] / self._peak
         logging.info("step %d/%d | %s", step, self._total,
                      " | ".join(f"{k} {_fmt(v)}" for k, v in scalars.items()))
         if self._writer:
@@ -62,4 +69,6 @@ def _is_number(value):
 
 
 def _fmt(value):
+    if abs(value) >= 1e7:
+        return f"{value:.3g}"
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"

@@ -33,7 +33,7 @@ def train(config, workdir: str):
     # Imported here so that `--help` and config errors answer without loading TF.
     import keras
     import tpu_keras
-    from tpu_keras import callbacks, checkpoint, data, models, optimization
+    from tpu_keras import callbacks, checkpoint, data, flops, models, optimization, peak
     builder, model_kwargs = models.registry.get(config.model)
     os.makedirs(workdir, exist_ok=True)
 
@@ -69,6 +69,8 @@ def train(config, workdir: str):
     logger = callbacks.IntervalLogger(
         steps_per_interval=interval, total_steps=train_cfg.steps, global_batch=train_cfg.batch_size,
         tokens_per_example=builder.tokens_per_example(model_kwargs),
+        flops_per_example=flops.training_flops_per_example(model),
+        peak_flops=peak.peak_flops(cluster),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
     history = model.fit(
         train_data, epochs=train_cfg.steps // interval, steps_per_epoch=interval,

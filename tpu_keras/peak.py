@@ -1,0 +1,82 @@
+"""The peak FLOP/s that MFU divides by.
+
+On CPU and GPU there is no honest published figure for "this machine", so
+the peak is a matmul ceiling measured once - a large square matmul in the
+run's dtype, timed at its best - and cached per machine, backend and dtype
+under `~/.cache/tpu_keras`. `TPU_KERAS_PEAK_FLOPS` overrides it (FLOP/s for
+the whole run). Published TPU peaks come with the topology table.
+"""
+
+import json
+import os
+import platform
+import time
+
+from absl import logging
+
+PEAK_ENV = "TPU_KERAS_PEAK_FLOPS"
+_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tpu_keras", "matmul_ceiling.json")
+
+
+def peak_flops(cluster, dtype: str = "float32") -> float:
+    """FLOP/s all of the run's devices can do at best (0.0 when unknown, e.g. on TPU for now)."""
+    if os.environ.get(PEAK_ENV):
+        return float(os.environ[PEAK_ENV])
+    if cluster.kind == "tpu":
+        return 0.0
+    device = cluster.device_kind
+    # Logical CPU devices share one machine's cores: one ceiling per host.
+    units = cluster.num_hosts if "CPU" in device.upper() else cluster.num_replicas * cluster.mesh["model"]
+    return units * matmul_ceiling(dtype, cluster.engine, device)
+
+
+def matmul_ceiling(dtype: str, engine: str, device_kind: str) -> float:
+    """Best FLOP/s of one 2048 x 2048 matmul on one device, measured once and cached."""
+    key = f"{engine}/{device_kind}/{platform.processor() or platform.machine()}/{dtype}"
+    cache = _read_cache()
+    if key not in cache:
+        cache[key] = _measure(dtype, engine)
+        logging.info("measured the %s matmul ceiling: %.3g FLOP/s (cached in %s)", dtype, cache[key], _CACHE)
+        _write_cache(cache)
+    return cache[key]
+
+
+def _measure(dtype: str, engine: str, n: int = 2048, repeats: int = 5) -> float:
+    if engine == "jax":
+        import jax
+        import jax.numpy as jnp
+        a = jnp.ones((n, n), dtype)
+        matmul = jax.jit(lambda x: x @ x)
+        run = lambda: matmul(a).block_until_ready()
+    else:
+        import tensorflow as tf
+        a = tf.ones((n, n), dtype)
+        run = lambda: tf.linalg.matmul(a, a).numpy()
+    run()  # warm-up: compilation, thread pools
+    best = min(_timed(run) for _ in range(repeats))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _read_cache() -> dict:
+    try:
+        with open(_CACHE) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(_CACHE), exist_ok=True)
+        tmp = f"{_CACHE}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(tmp, _CACHE)  # atomic: concurrent hosts never read half a file
+    except OSError as error:
+        logging.warning("cannot cache the matmul ceiling in %s: %s", _CACHE, error)
