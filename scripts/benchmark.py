@@ -1,6 +1,18 @@
 """Benchmarks, printed as JSON. Quote ratios: absolute numbers drift on a shared machine.
 
     python scripts/benchmark.py --data
+    python scripts/benchmark.py --fit [--modes=one_device,mirrored4]
+
+--fit: the toolkit's `fit` next to plain Keras `fit` on the same model, the
+same initial weights and the same batch (one real batch repeated from
+memory, so the training loop alone is timed): Keras with its defaults, and
+Keras hand-tuned (steps_per_execution=10, jit_compile=True). The three run in
+turns, round after round, and each reports its median, so drift on a shared
+machine hits all three alike. The float32 and bfloat16 matmul ceilings are
+measured in the same run; each result gives examples/s, model FLOP/s (see
+tpu_keras.flops), the fraction of the float32 ceiling, and the ratios to
+both peers. Each mode (one device; 4 logical CPU devices under Mirrored)
+runs in its own process, since TensorFlow fixes its devices at start-up.
 
 --data: for each shipped config, the examples/s its training input pipeline
 (one host's tf.data pipeline, pulled inside a tf.function as training pulls
@@ -22,6 +34,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 
 _DATA = flags.DEFINE_bool("data", False, "Input pipeline rate vs training consumption.")
+_FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaults and hand-tuned.")
+_MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device layouts to run.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "--fit: turns each variant gets; the median counts.")
+_MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits"], "Config modules under configs/.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate.")
 
@@ -81,12 +97,117 @@ def data_benchmark(name, seconds):
             "pipeline_over_training": round(pipeline / training, 2)}
 
 
+# Plain Keras, as a user would compile it: its defaults, and an expert's tuning.
+KERAS_VARIANTS = {"keras_defaults": {}, "keras_tuned": {"steps_per_execution": 10, "jit_compile": True}}
+
+
+def fit_benchmark(mode, names, seconds, rounds):
+    """One device layout: every config's three variants, in turns; returns result dicts."""
+    import statistics
+    import numpy as np
+    import tensorflow as tf
+    import tpu_keras
+    from tpu_keras import data, flops, models, optimization, peak
+
+    cluster = tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
+                                else {"strategy": "mirrored", "virtual_devices": 4})
+    ceilings = {dtype: peak._measure(dtype, "tf") for dtype in ("float32", "bfloat16")}
+    results = []
+    for name in names:
+        config = importlib_module(name).get_config()
+        batch = config.train.batch_size
+        host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
+        one_batch = next(iter(host_pipeline(tf.distribute.InputContext())))
+        if cluster.num_replicas > 1:  # the host fn yields one replica's share
+            one_batch = next(iter(host_pipeline(tf.distribute.InputContext()).batch(
+                cluster.num_replicas).map(lambda x, y: (tf.reshape(x, (-1, *x.shape[2:])),
+                                                        tf.reshape(y, (-1, *y.shape[2:]))))))
+        builder, _ = models.registry.get(config.model)
+        toolkit = models.build(config.model, cluster)
+        optimization.compile_model(toolkit, builder, config.train, cluster)
+        initial = toolkit.get_weights()
+        variants = {"toolkit": (toolkit, tf.data.Dataset.from_tensors(one_batch).repeat(),
+                                config.train.steps_per_execution)}
+        for variant, options in KERAS_VARIANTS.items():
+            with cluster.scope():
+                model = builder.make(**models.registry.get(config.model)[1])
+                model.compile(optimizer=optimization.make_optimizer(config.train), loss=builder.loss(),
+                              weighted_metrics=builder.metrics(), **options)
+            model.set_weights(initial)
+            variants[variant] = (model, tf.data.Dataset.from_tensors(one_batch).repeat(),
+                                 options.get("steps_per_execution", 1))
+        rates = {variant: [] for variant in variants}
+        errors = {}
+        for _ in range(rounds):
+            for variant, (model, dataset, steps) in variants.items():
+                if variant in errors:
+                    continue
+                try:
+                    rates[variant].append(_fit_rate(model, dataset, steps, batch, seconds))
+                except Exception as error:  # plain Keras fails under some strategies: report it
+                    errors[variant] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+        per_example = flops.training_flops_per_example(toolkit)
+        result = {"mode": mode, "config": name, "global_batch": batch,
+                  "flops_per_example": per_example,
+                  "ceilings_flops_per_second": {k: float(f"{v:.4g}") for k, v in ceilings.items()}}
+        for variant in variants:
+            if variant in errors:
+                result[variant] = {"error": errors[variant]}
+                continue
+            rate = statistics.median(rates[variant])
+            result[variant] = {"examples_per_second": round(rate, 1),
+                               "model_flops_per_second": float(f"{rate * per_example:.4g}"),
+                               "fraction_of_float32_ceiling": round(rate * per_example / ceilings["float32"], 3)}
+        for peer in KERAS_VARIANTS:
+            if "examples_per_second" in result[peer]:
+                result[f"toolkit_over_{peer}"] = round(
+                    result["toolkit"]["examples_per_second"] / result[peer]["examples_per_second"], 2)
+        results.append(result)
+    return results
+
+
+def importlib_module(name):
+    import importlib
+    return importlib.import_module(name)
+
+
+def _fit_rate(model, dataset, steps_per_execution, batch, seconds):
+    """examples/s of `model.fit` over about `seconds`, after a call that traces and compiles."""
+    def fit(executions):
+        start = time.perf_counter()
+        model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0)
+        return time.perf_counter() - start
+    fit(2)
+    executions = max(2, round(2 * seconds / fit(2)))
+    return executions * steps_per_execution * batch / fit(executions)
+
+
+def _run_modes(modes):
+    """Runs each --fit mode in its own process (devices are fixed at start-up); merges the JSON."""
+    import subprocess
+    results = []
+    for mode in modes:
+        out = subprocess.run([sys.executable, __file__, "--fit", f"--one_mode={mode}",
+                              f"--configs={','.join(_CONFIGS.value)}", f"--seconds={_SECONDS.value}",
+                              f"--rounds={_ROUNDS.value}"], check=True, text=True,
+                             stdout=subprocess.PIPE).stdout
+        results += json.loads(out)["results"]
+    return results
+
+
 def main(argv):
     del argv
-    if not _DATA.value:
-        raise app.UsageError("choose a benchmark: --data")
-    results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
-    print(json.dumps({"benchmark": "data", "results": results}, indent=2))
+    if _FIT.value:
+        if _MODE.value:
+            results = fit_benchmark(_MODE.value, _CONFIGS.value, _SECONDS.value, _ROUNDS.value)
+        else:
+            results = _run_modes(_MODES.value)
+        print(json.dumps({"benchmark": "fit", "results": results}, indent=2))
+    elif _DATA.value:
+        results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
+        print(json.dumps({"benchmark": "data", "results": results}, indent=2))
+    else:
+        raise app.UsageError("choose a benchmark: --data or --fit")
 
 
 if __name__ == "__main__":
