@@ -145,7 +145,7 @@ def fit_benchmark(mode, names, seconds, rounds):
                 try:
                     rates[variant].append(_fit_rate(model, dataset, steps, batch, seconds))
                 except Exception as error:  # plain Keras fails under some strategies: report it
-                    errors[variant] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+                    errors[variant] = _first_reason(error)
         per_example = flops.training_flops_per_example(toolkit)
         result = {"mode": mode, "config": name, "global_batch": batch,
                   "flops_per_example": per_example,
@@ -164,6 +164,14 @@ def fit_benchmark(mode, names, seconds, rounds):
                     result["toolkit"]["examples_per_second"] / result[peer]["examples_per_second"], 2)
         results.append(result)
     return results
+
+
+def _first_reason(error) -> str:
+    """The line of a (long, graph) TensorFlow error that says what went wrong."""
+    lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+    reason = next((l for l in lines if "Error" not in l[:40] and not l.startswith(("File", "Detected", "[["))
+                   and len(l) > 30), lines[0] if lines else "")
+    return f"{type(error).__name__}: {reason[:200]}"
 
 
 def importlib_module(name):
