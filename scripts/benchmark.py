@@ -103,18 +103,18 @@ KERAS_VARIANTS = {"keras_defaults": {}, "keras_tuned": {"steps_per_execution": 1
 
 def fit_benchmark(mode, names, seconds, rounds):
     """One device layout: every config's three variants, in turns; returns result dicts."""
+    import importlib
     import statistics
-    import numpy as np
     import tensorflow as tf
     import tpu_keras
     from tpu_keras import data, flops, models, optimization, peak
 
     cluster = tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
                                 else {"strategy": "mirrored", "virtual_devices": 4})
-    ceilings = {dtype: peak._measure(dtype, "tf") for dtype in ("float32", "bfloat16")}
+    ceilings = {dtype: peak.measure_matmul(dtype, "tf") for dtype in ("float32", "bfloat16")}
     results = []
     for name in names:
-        config = importlib_module(name).get_config()
+        config = importlib.import_module(name).get_config()
         batch = config.train.batch_size
         host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
         one_batch = next(iter(host_pipeline(tf.distribute.InputContext())))
@@ -172,11 +172,6 @@ def _first_reason(error) -> str:
     reason = next((l for l in lines if "Error" not in l[:40] and not l.startswith(("File", "Detected", "[["))
                    and len(l) > 30), lines[0] if lines else "")
     return f"{type(error).__name__}: {reason[:200]}"
-
-
-def importlib_module(name):
-    import importlib
-    return importlib.import_module(name)
 
 
 def _fit_rate(model, dataset, steps_per_execution, batch, seconds):

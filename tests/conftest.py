@@ -27,6 +27,16 @@ def run(args, *, timeout=300, env=None, check=True, merge_stderr=True):
     return result
 
 
+def assert_one_line_error(result, *fragments):
+    """A user mistake: non-zero exit, one `error: ...` line holding `fragments`, no traceback."""
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
 def train(config, workdir, *overrides, timeout=300, check=True, env=None):
     return run([sys.executable, "-m", "tpu_keras.train", f"--config={config}",
                 f"--workdir={workdir}", *overrides], timeout=timeout, check=check, env=env)

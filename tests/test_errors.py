@@ -4,18 +4,9 @@ import shutil
 
 import pytest
 
-from conftest import train
+from conftest import assert_one_line_error, train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stdout
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stdout[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("override, fragments", [

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import run, train
+from conftest import assert_one_line_error, run, train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 
@@ -97,18 +97,10 @@ def test_two_hosts_train_a_hybrid_mesh(data_dir, tmp_path):
     assert len(prints) == 2 and prints["0"] == prints["1"], prints
 
 
-def _one_line_error(result, *fragments):
-    assert result.returncode == 2, result.stdout[-3000:]
-    errors = [l for l in result.stdout.splitlines() if l.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stdout, result.stdout[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-
-
 def test_tf_engine_refuses_a_model_axis(tmp_path):
     result = train(LM_TINY, tmp_path, "--config.cluster.virtual_devices=2", "--config.mesh.model=2",
                    check=False)
-    _one_line_error(result, "mesh.model=2 needs the jax engine", "--config.engine=jax")
+    assert_one_line_error(result, "mesh.model=2 needs the jax engine", "--config.engine=jax")
 
 
 def _jax(data_dir, tmp_path, *overrides):
@@ -117,25 +109,25 @@ def _jax(data_dir, tmp_path, *overrides):
 
 
 def test_mesh_that_does_not_fit_the_devices(data_dir, tmp_path):
-    _one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=3"),
+    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=3"),
                     "does not fit 8 devices")
 
 
 def test_indivisible_shard_is_refused_before_allocation(data_dir, tmp_path):
     # The tiny gpt has 2 heads; a model axis of 8 cannot split them.
-    _one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=8"),
+    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=8"),
                     "block0_attention/query/kernel", "dimension 1 (2) does not divide by mesh axis 'model' (8)")
 
 
 def test_mistyped_rule_is_refused(data_dir, tmp_path):
     rules = "((r'block\\d+_mlp_upp/kernel', (None, 'model')),)"
-    _one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}"),
+    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}"),
                     "layout rule 'block\\d+_mlp_upp/kernel' matches no weight",
                     "did you mean 'block0_mlp_up/kernel'?")
 
 
 def test_uncovered_large_weight_is_refused(data_dir, tmp_path):
     rules = "((r'block\\d+_mlp_up/kernel', (None, 'model')),)"
-    _one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}",
+    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}",
                          "--config.layout.replicate_below=1024"),
                     "weight 'token_embedding/embeddings' [256, 32] (8,192 elements) is covered by no layout rule")

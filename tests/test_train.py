@@ -8,8 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from conftest import REPO, run, train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"

@@ -35,13 +35,14 @@ def matmul_ceiling(dtype: str, engine: str, device_kind: str) -> float:
     key = f"{engine}/{device_kind}/{platform.processor() or platform.machine()}/{dtype}"
     cache = _read_cache()
     if key not in cache:
-        cache[key] = _measure(dtype, engine)
+        cache[key] = measure_matmul(dtype, engine)
         logging.info("measured the %s matmul ceiling: %.3g FLOP/s (cached in %s)", dtype, cache[key], _CACHE)
         _write_cache(cache)
     return cache[key]
 
 
-def _measure(dtype: str, engine: str, n: int = 2048, repeats: int = 5) -> float:
+def measure_matmul(dtype: str, engine: str, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` n x n matmuls (after a warm-up), uncached."""
     if engine == "jax":
         import jax
         import jax.numpy as jnp

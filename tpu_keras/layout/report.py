@@ -16,7 +16,6 @@ from tpu_keras.layout.rules import Placement, Placer
 
 def describe(config, num_devices: int) -> dict:
     """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready)."""
-    import keras
     from keras.src.backend.common.stateless_scope import StatelessScope
     from tpu_keras import models, optimization
 
