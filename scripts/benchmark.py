@@ -117,11 +117,8 @@ def fit_benchmark(mode, names, seconds, rounds):
         config = importlib.import_module(name).get_config()
         batch = config.train.batch_size
         host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
-        one_batch = next(iter(host_pipeline(tf.distribute.InputContext())))
-        if cluster.num_replicas > 1:  # the host fn yields one replica's share
-            one_batch = next(iter(host_pipeline(tf.distribute.InputContext()).batch(
-                cluster.num_replicas).map(lambda x, y: (tf.reshape(x, (-1, *x.shape[2:])),
-                                                        tf.reshape(y, (-1, *y.shape[2:]))))))
+        # The host pipeline yields one replica's share at a time: regroup a global batch.
+        one_batch = next(iter(host_pipeline(tf.distribute.InputContext()).rebatch(batch)))
         builder, _ = models.registry.get(config.model)
         toolkit = models.build(config.model, cluster)
         optimization.compile_model(toolkit, builder, config.train, cluster)

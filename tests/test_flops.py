@@ -1,10 +1,6 @@
 """FLOPs counted from a model's layers equal a count by hand (MaxText's convention)."""
 
-import pytest
-
-keras = pytest.importorskip("keras")
-
-from tpu_keras import flops, models  # noqa: E402
+from tpu_keras import flops, models
 
 
 def build(**model_config):

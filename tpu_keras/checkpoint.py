@@ -5,7 +5,7 @@ distributed variables correctly under every strategy. Every host must call
 `save` (TensorFlow requires it under MultiWorkerMirroredStrategy); only the
 chief writes to the shared `DIR/checkpoints`, the others to a private folder
 that is removed. On the jax engine it uses Orbax, which writes sharded arrays
-from every process into the one shared folder (`Checkpointer` picks).
+from every process into the one shared folder (`open_checkpointer` picks).
 """
 
 import os
@@ -18,7 +18,7 @@ import tensorflow as tf
 from tpu_keras.errors import UserError
 
 
-def Checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
+def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
     """The checkpointer for the engine Keras runs on (both have step/restore_latest/save)."""
     if keras.backend.backend() == "jax":
         return OrbaxCheckpointer(workdir, model, keep)
@@ -105,7 +105,7 @@ class OrbaxCheckpointer:
 class SaveEvery(keras.callbacks.Callback):
     """Saves at every `every_steps` boundary of a run whose epochs are log intervals."""
 
-    def __init__(self, checkpointer: Checkpointer, every_steps: int, total_steps: int):
+    def __init__(self, checkpointer, every_steps: int, total_steps: int):
         super().__init__()
         self._checkpointer, self._every, self._total = checkpointer, every_steps, total_steps
 

@@ -76,15 +76,15 @@ class Cluster:
         """
         return self.strategy.scope() if self.strategy else contextlib.nullcontext()
 
-    def set_layout(self, rules, replicate_below=None) -> None:
-        """Makes models built from now on follow layout `rules` (jax engine).
+    def set_layout(self, placer) -> None:
+        """Makes models built from now on follow `placer`'s layout rules (jax engine).
 
-        On tf there is nothing to set: every weight is replicated, and
-        `tpu_keras.layout.place_all` still checks the rules against the model.
+        On tf there is nothing to set: every weight is replicated, and the
+        placer still checks its rules against the model once it is built.
         """
         if self.engine == "jax":
             from tpu_keras import jax_distribution
-            jax_distribution.set_layout(self, rules, replicate_below)
+            jax_distribution.set_layout(self, placer)
 
     def describe(self) -> str:
         if self.engine == "jax":

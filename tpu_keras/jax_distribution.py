@@ -22,7 +22,8 @@ from tpu_keras import tpu
 from tpu_keras.cluster import Cluster
 from tpu_keras.engine import VIRTUAL_DEVICES_ENV
 from tpu_keras.errors import UserError
-from tpu_keras.layout import REPLICATE_BELOW, Placer
+from tpu_keras.layout import Placer
+from tpu_keras.layout.rules import dtype_name
 
 # Set by `python -m tpu_keras.launch` for every simulated host of a jax run.
 COORDINATOR_ENV = "TPU_KERAS_COORDINATOR"
@@ -46,20 +47,19 @@ def connect(config, mesh_config) -> Cluster:
                       device_kind=f"{len(devices)} x {jax.devices()[0].device_kind}",
                       engine="jax", mesh=mesh, device_mesh=device_mesh,
                       input_pipelines=pipelines, input_index=index)
-    set_layout(cluster, rules=())
+    set_layout(cluster, Placer((), mesh))
     return cluster
 
 
-def set_layout(cluster: Cluster, rules, replicate_below=None) -> None:
-    """Sets the global Keras distribution for a model with these layout rules."""
-    placer = Placer(rules, cluster.mesh, replicate_below or REPLICATE_BELOW)
+def set_layout(cluster: Cluster, placer: Placer) -> None:
+    """Sets the global Keras distribution for a model with the placer's layout rules."""
     if cluster.mesh["model"] == 1:
         data_mesh = keras.distribution.DeviceMesh(
             (cluster.mesh["data"],), ["data"], cluster.device_mesh.devices.reshape(-1).tolist())
         distribution = _CheckedDataParallel(placer, device_mesh=data_mesh, auto_shard_dataset=False)
     else:
         layout_map = keras.distribution.LayoutMap(cluster.device_mesh)
-        for rule in rules:
+        for rule in placer.rules:
             layout_map[rule.pattern] = tuple(rule.axes)
         distribution = _CheckedModelParallel(placer, layout_map=layout_map, batch_dim_name="data",
                                              auto_shard_dataset=False)
@@ -75,7 +75,7 @@ class _Checked:
         self.placer = placer
 
     def get_variable_layout(self, variable):
-        self.placer.place(variable.path, variable.shape, str(variable.dtype))
+        self.placer.place(variable.path, variable.shape, dtype_name(variable.dtype))
         return super().get_variable_layout(variable)
 
 

@@ -51,7 +51,7 @@ def train(config, workdir: str):
     logging.info("model: %s with %s parameters", config.model.name, f"{model.count_params():,}")
 
     # ----- checkpoints ---------------------------------------------------------
-    saver = checkpoint.Checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
+    saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
     start_step = saver.restore_latest()
     interval = config.log.every_steps
     if start_step % interval:

@@ -11,7 +11,7 @@ the same bytes. The memory planner builds on these figures.
 import math
 
 from tpu_keras import mesh as mesh_lib
-from tpu_keras.layout.rules import Placement, Placer
+from tpu_keras.layout.rules import Placement, Placer, dtype_name
 
 
 def describe(config, num_devices: int) -> dict:
@@ -28,7 +28,7 @@ def describe(config, num_devices: int) -> dict:
     with StatelessScope(initialize_variables=False):
         model = builder.make(**kwargs)
         optimizer.build(model.trainable_variables)
-        weights = [placer.place(v.path, v.shape, _dtype(v)) for v in model.weights]
+        weights = placer.place_all(model.weights)
         placer.check_all_rules_used()
         by_path = {p.path: p for p in weights}
         state = [_follow(v, by_path) for v in optimizer.variables]
@@ -74,8 +74,8 @@ def _follow(variable, by_path) -> Placement:
     if owners:
         owner = by_path[max(owners, key=len)]
         if owner.shape == shape:
-            return Placement(variable.path, shape, _dtype(variable), owner.axes, owner.rule)
-    return Placement(variable.path, shape, _dtype(variable), (None,) * len(shape), None)
+            return Placement(variable.path, shape, dtype_name(variable.dtype), owner.axes, owner.rule)
+    return Placement(variable.path, shape, dtype_name(variable.dtype), (None,) * len(shape), None)
 
 
 def _row(p: Placement, mesh) -> dict:
@@ -88,10 +88,6 @@ def _totals(placements, mesh) -> dict:
     return {"count": sum(math.prod(p.shape) for p in placements),
             "bytes": sum(p.nbytes for p in placements),
             "bytes_per_device": sum(p.bytes_per_device(mesh) for p in placements)}
-
-
-def _dtype(variable) -> str:
-    return getattr(variable.dtype, "name", None) or str(variable.dtype)
 
 
 def _size(num_bytes: int) -> str:

@@ -75,7 +75,11 @@ class Placement:
 
 
 class Placer:
-    """Places weights one at a time by the rules, and remembers which rules were used."""
+    """Places weights one at a time by the rules, and remembers what it placed.
+
+    A weight is placed once: the jax engine places each as Keras creates it,
+    and a later `place_all` over the model returns those placements.
+    """
 
     def __init__(self, rules: Sequence[Rule], mesh: dict[str, int],
                  replicate_below: int = REPLICATE_BELOW):
@@ -83,7 +87,7 @@ class Placer:
         # Only a mesh that splits weights makes an uncovered large weight a likely mistake.
         self._splits_weights = any(size > 1 for axis, size in self.mesh.items() if axis != "data")
         self._used: set[str] = set()
-        self._paths: list[str] = []
+        self._placed: dict[tuple[str, tuple[int, ...]], Placement] = {}
         for rule in self.rules:
             unknown = [a for a in rule.axes if a is not None and a not in self.mesh]
             if unknown:
@@ -92,7 +96,15 @@ class Placer:
 
     def place(self, path: str, shape: Sequence[int], dtype: str = "float32") -> Placement:
         shape = tuple(int(n) for n in shape)
-        self._paths.append(path)
+        if (path, shape) not in self._placed:
+            self._placed[path, shape] = self._place(path, shape, dtype)
+        return self._placed[path, shape]
+
+    def place_all(self, variables) -> list[Placement]:
+        """Places every variable (anything with .path, .shape, .dtype)."""
+        return [self.place(v.path, v.shape, dtype_name(v.dtype)) for v in variables]
+
+    def _place(self, path: str, shape: tuple[int, ...], dtype: str) -> Placement:
         matching = [rule for rule in self.rules if rule.matches(path)]
         if len(matching) > 1:
             raise UserError(f"weight {path!r} matches two layout rules, '{matching[0].pattern}' "
@@ -120,9 +132,10 @@ class Placer:
     def check_all_rules_used(self) -> None:
         for rule in self.rules:
             if rule.pattern not in self._used:
-                example = self._paths[-1] if self._paths else "dense/kernel"
+                paths = [path for path, _ in self._placed]
+                example = paths[-1] if paths else "dense/kernel"
                 raise UserError(f"layout rule '{rule.pattern}' matches no weight"
-                                f"{closest(rule.pattern, self._paths)}; rules are re.fullmatch-ed "
+                                f"{closest(rule.pattern, paths)}; rules are re.fullmatch-ed "
                                 f"against weight paths such as {example!r}")
 
 
@@ -130,12 +143,12 @@ def place_all(variables, rules: Sequence[Rule], mesh: dict[str, int],
               replicate_below: int = REPLICATE_BELOW) -> list[Placement]:
     """Places every variable (anything with .path, .shape, .dtype); checks every rule was used."""
     placer = Placer(rules, mesh, replicate_below)
-    placements = [placer.place(v.path, v.shape, _dtype_name(v.dtype)) for v in variables]
+    placements = placer.place_all(variables)
     placer.check_all_rules_used()
     return placements
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return getattr(dtype, "name", None) or str(dtype)
 
 

@@ -60,7 +60,10 @@ def get(model_config) -> tuple[Builder, dict]:
 
 def layout_rules(model_config, layout_config=None) -> list[layout_lib.Rule]:
     """The builder's layout rules, or `layout.rules` from the config when it sets any."""
-    builder, kwargs = get(model_config)
+    return _rules(*get(model_config), layout_config)
+
+
+def _rules(builder, kwargs, layout_config):
     if layout_config and layout_config.get("rules"):
         return layout_lib.rules_from_pairs(layout_config["rules"])
     return builder.layout(kwargs)
@@ -74,12 +77,14 @@ def build(model_config, cluster=None, layout_config=None) -> keras.Model:
     model's weights: a rule that matches nothing is an error, not a no-op.
     """
     builder, kwargs = get(model_config)
-    rules = layout_rules(model_config, layout_config)
-    replicate_below = (layout_config or {}).get("replicate_below") or layout_lib.REPLICATE_BELOW
+    placer = layout_lib.Placer(
+        _rules(builder, kwargs, layout_config),
+        cluster.mesh if cluster is not None else {"data": 1, "model": 1},
+        (layout_config or {}).get("replicate_below") or layout_lib.REPLICATE_BELOW)
     if cluster is not None:
-        cluster.set_layout(rules, replicate_below)
+        cluster.set_layout(placer)
     with cluster.scope() if cluster is not None else tf.distribute.get_strategy().scope():
         model = distributed_steps(builder.make(**kwargs))
-    mesh = cluster.mesh if cluster is not None else {"data": 1, "model": 1}
-    layout_lib.place_all(model.weights, rules, mesh, replicate_below)
+    placer.place_all(model.weights)  # on jax, already placed as they were created
+    placer.check_all_rules_used()
     return model
