@@ -9,9 +9,9 @@ import pytest
 from conftest import run
 
 USER_SCRIPT = """
-import numpy as np, tensorflow as tf, keras, tpu_keras
+import os, numpy as np, tensorflow as tf, keras, tpu_keras
 cluster = tpu_keras.connect({})
-strategy, GB = cluster.strategy, 64
+strategy, GB, JIT = cluster.strategy, 64, os.environ.get("JIT") == "1"
 X = np.random.RandomState(0).rand(GB * 20 + 40, 8).astype("float32"); Y = X.sum(1, keepdims=True)
 def dataset(training):
     def fn(ctx):
@@ -22,7 +22,8 @@ def dataset(training):
 with strategy.scope():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"], steps_per_execution=4)
+    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"], steps_per_execution=4,
+                  jit_compile=JIT)
 tpu_keras.distributed_steps(model)
 history = model.fit(dataset(True), epochs=3, steps_per_epoch=8, validation_data=dataset(False), verbose=0)
 print("REPLICAS", strategy.num_replicas_in_sync)
@@ -34,9 +35,9 @@ print("WEIGHTS", repr(sum(float(w.sum()) for w in model.get_weights())))
 """
 
 
-def fit_under(launch_args):
+def fit_under(launch_args, jit=False):
     result = run([sys.executable, "-m", "tpu_keras.launch", *launch_args, "--timeout=240",
-                  "--", sys.executable, "-c", USER_SCRIPT], timeout=300)
+                  "--", sys.executable, "-c", USER_SCRIPT], timeout=300, env={"JIT": str(int(jit))})
     return result.stdout
 
 
@@ -44,13 +45,13 @@ def values(output, key):
     return re.findall(rf"\] {key} (.+)", output)
 
 
-@pytest.mark.parametrize("launch_args, replicas", [
-    (["--hosts=1", "--devices_per_host=1"], 1),
-    (["--hosts=1", "--devices_per_host=4"], 4),
-    (["--hosts=2", "--devices_per_host=2"], 4),
+@pytest.mark.parametrize("launch_args, replicas, jit", [
+    (["--hosts=1", "--devices_per_host=1"], 1, False),
+    (["--hosts=2", "--devices_per_host=2"], 4, False),
+    (["--hosts=2", "--devices_per_host=2"], 4, True),
 ])
-def test_user_model_fits_with_steps_per_execution(launch_args, replicas):
-    output = fit_under(launch_args)
+def test_user_model_fits_with_steps_per_execution(launch_args, replicas, jit):
+    output = fit_under(launch_args, jit)
     hosts = int(launch_args[0].split("=")[1])
     assert values(output, "REPLICAS") == [str(replicas)] * hosts
     assert values(output, "STEPS") == ["24"] * hosts          # 3 epochs x 8 steps, none lost
@@ -59,3 +60,15 @@ def test_user_model_fits_with_steps_per_execution(launch_args, replicas):
     assert values(output, "PREDICT") == ["(130, 1)"] * hosts  # every example, in order
     assert len(set(values(output, "WEIGHTS"))) == 1           # hosts agree
     assert len(set(values(output, "EVAL"))) == 1
+
+
+def test_xla_per_replica_step_matches_the_unjitted_step_under_mirrored():
+    """Keras's own jit_compile fails under Mirrored (keras-team/keras#19005); the
+    toolkit compiles each replica's step instead, and trains the same model."""
+    plain, xla = (fit_under(["--hosts=1", "--devices_per_host=4"], jit) for jit in (False, True))
+    assert values(plain, "REPLICAS") == values(xla, "REPLICAS") == ["4"]
+    assert values(xla, "STEPS") == ["24"]
+    plain_losses, xla_losses = eval(values(plain, "LOSS")[0]), eval(values(xla, "LOSS")[0])
+    assert xla_losses[-1] < xla_losses[0] / 2
+    assert xla_losses == pytest.approx(plain_losses, rel=1e-3)
+    assert float(values(xla, "WEIGHTS")[0]) == pytest.approx(float(values(plain, "WEIGHTS")[0]), rel=1e-4)
