@@ -40,6 +40,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "--fit: turns each variant gets; the
 _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits"], "Config modules under configs/.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate.")
+_QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
+                                "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
 
 def _rate(run_once, examples_per_call, seconds):
@@ -81,7 +83,8 @@ def data_benchmark(name, seconds):
     builder, _ = models.registry.get(config.model)
     model = models.build(config.model, cluster)
     optimization.compile_model(model, builder, config.train, cluster)
-    steps = config.train.steps_per_execution
+    steps = model.steps_per_execution
+
     def fit(calls):
         start = time.perf_counter()
         model.fit(cached, epochs=1, steps_per_epoch=calls * steps, verbose=0)
@@ -101,13 +104,14 @@ def data_benchmark(name, seconds):
 KERAS_VARIANTS = {"keras_defaults": {}, "keras_tuned": {"steps_per_execution": 10, "jit_compile": True}}
 
 
-def fit_benchmark(mode, names, seconds, rounds):
-    """One device layout: every config's three variants, in turns; returns result dicts."""
+def fit_benchmark(mode, names, seconds, rounds, quality_steps):
+    """One device layout: every config's variants, in turns; returns result dicts."""
     import importlib
     import statistics
+    import keras
     import tensorflow as tf
     import tpu_keras
-    from tpu_keras import data, flops, models, optimization, peak
+    from tpu_keras import data, flops, models, peak
 
     cluster = tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
                                 else {"strategy": "mirrored", "virtual_devices": 4})
@@ -119,48 +123,104 @@ def fit_benchmark(mode, names, seconds, rounds):
         host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
         # The host pipeline yields one replica's share at a time: regroup a global batch.
         one_batch = next(iter(host_pipeline(tf.distribute.InputContext()).rebatch(batch)))
-        builder, _ = models.registry.get(config.model)
-        toolkit = models.build(config.model, cluster)
-        optimization.compile_model(toolkit, builder, config.train, cluster)
-        initial = toolkit.get_weights()
-        variants = {"toolkit": (toolkit, tf.data.Dataset.from_tensors(one_batch).repeat(),
-                                config.train.steps_per_execution)}
-        for variant, options in KERAS_VARIANTS.items():
-            with cluster.scope():
-                model = builder.make(**models.registry.get(config.model)[1])
-                model.compile(optimizer=optimization.make_optimizer(config.train), loss=builder.loss(),
-                              weighted_metrics=builder.metrics(), **options)
+        cached = tf.data.Dataset.from_tensors(one_batch).repeat()
+        variants = _variants(config, cluster)
+        initial = variants["toolkit"].get_weights()
+        for model in variants.values():
             model.set_weights(initial)
-            variants[variant] = (model, tf.data.Dataset.from_tensors(one_batch).repeat(),
-                                 options.get("steps_per_execution", 1))
         rates = {variant: [] for variant in variants}
         errors = {}
         for _ in range(rounds):
-            for variant, (model, dataset, steps) in variants.items():
+            for variant, model in variants.items():
                 if variant in errors:
                     continue
                 try:
-                    rates[variant].append(_fit_rate(model, dataset, steps, batch, seconds))
+                    rates[variant].append(_fit_rate(model, cached, batch, seconds))
                 except Exception as error:  # plain Keras fails under some strategies: report it
                     errors[variant] = _first_reason(error)
-        per_example = flops.training_flops_per_example(toolkit)
+        per_example = flops.training_flops_per_example(variants["toolkit"])
         result = {"mode": mode, "config": name, "global_batch": batch,
                   "flops_per_example": per_example,
                   "ceilings_flops_per_second": {k: float(f"{v:.4g}") for k, v in ceilings.items()}}
-        for variant in variants:
+        for variant, model in variants.items():
             if variant in errors:
                 result[variant] = {"error": errors[variant]}
                 continue
             rate = statistics.median(rates[variant])
             result[variant] = {"examples_per_second": round(rate, 1),
+                               "steps_per_execution": model.steps_per_execution,
+                               "xla": bool(model.jit_compile),
                                "model_flops_per_second": float(f"{rate * per_example:.4g}"),
                                "fraction_of_float32_ceiling": round(rate * per_example / ceilings["float32"], 3)}
-        for peer in KERAS_VARIANTS:
-            if "examples_per_second" in result[peer]:
-                result[f"toolkit_over_{peer}"] = round(
-                    result["toolkit"]["examples_per_second"] / result[peer]["examples_per_second"], 2)
+        for ours in ("toolkit", "toolkit_bf16"):
+            for peer in KERAS_VARIANTS:
+                if "examples_per_second" in result[ours] and "examples_per_second" in result[peer]:
+                    result[f"{ours}_over_{peer}"] = round(
+                        result[ours]["examples_per_second"] / result[peer]["examples_per_second"], 2)
+        if quality_steps and mode == "one_device":
+            result["bf16_validation"] = _precision_quality(config, cluster, initial, quality_steps)
         results.append(result)
     return results
+
+
+def _variants(config, cluster):
+    """The models that race: the toolkit's (float32 and mixed_bfloat16), and plain Keras's.
+
+    Each is built as its user would build it; the caller gives them all the
+    same initial weights.
+    """
+    import keras
+    import tpu_keras
+    from tpu_keras import models, optimization
+
+    def toolkit(precision):
+        keras.config.set_dtype_policy(precision)
+        try:
+            model = models.build(config.model, cluster)
+            optimization.compile_model(model, builder, config.train, cluster)
+            return model
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    builder, kwargs = models.registry.get(config.model)
+    variants = {"toolkit": toolkit("float32"), "toolkit_bf16": toolkit("mixed_bfloat16")}
+    for variant, options in KERAS_VARIANTS.items():
+        with cluster.scope():
+            model = builder.make(**kwargs)
+            model.compile(optimizer=optimization.make_optimizer(config.train), loss=builder.loss(),
+                          weighted_metrics=builder.metrics(), **options)
+        variants[variant] = model
+    return variants
+
+
+def _precision_quality(config, cluster, initial, steps):
+    """Validation loss after `steps` real training steps in float32 and in
+    mixed_bfloat16, from the same weights and batches: what bf16 costs."""
+    import keras
+    import tensorflow as tf
+    from tpu_keras import data, models, optimization
+
+    config.train.steps = steps
+    batch = config.train.batch_size
+    eval_batches = config.train.eval_steps or 20
+    losses = {}
+    for precision in ("float32", "mixed_bfloat16"):
+        keras.config.set_dtype_policy(precision)
+        try:
+            builder, _ = models.registry.get(config.model)
+            model = models.build(config.model, cluster)
+            optimization.compile_model(model, builder, config.train, cluster)
+        finally:
+            keras.config.set_dtype_policy("float32")
+        model.set_weights(initial)
+        train, _ = data.build(config.data, cluster, batch, training=True, seed=config.seed)
+        evaluation, _ = data.build(config.data, cluster, batch, training=False, max_eval_steps=eval_batches)
+        model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
+        losses[precision] = model.evaluate(evaluation, steps=eval_batches, verbose=0, return_dict=True)["loss"]
+    change = losses["mixed_bfloat16"] / losses["float32"] - 1
+    return {"steps": steps, "float32_loss": round(losses["float32"], 4),
+            "mixed_bfloat16_loss": round(losses["mixed_bfloat16"], 4),
+            "relative_change": round(change, 4)}
 
 
 def _first_reason(error) -> str:
@@ -171,8 +231,10 @@ def _first_reason(error) -> str:
     return f"{type(error).__name__}: {reason[:200]}"
 
 
-def _fit_rate(model, dataset, steps_per_execution, batch, seconds):
+def _fit_rate(model, dataset, batch, seconds):
     """examples/s of `model.fit` over about `seconds`, after a call that traces and compiles."""
+    steps_per_execution = model.steps_per_execution
+
     def fit(executions):
         start = time.perf_counter()
         model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0)
@@ -189,9 +251,15 @@ def _run_modes(modes):
     for mode in modes:
         out = subprocess.run([sys.executable, __file__, "--fit", f"--one_mode={mode}",
                               f"--configs={','.join(_CONFIGS.value)}", f"--seconds={_SECONDS.value}",
-                              f"--rounds={_ROUNDS.value}"], check=True, text=True,
+                              f"--rounds={_ROUNDS.value}", f"--quality_steps={_QUALITY.value}"],
+                             check=True, text=True,
                              stdout=subprocess.PIPE).stdout
         results += json.loads(out)["results"]
+    one_device = {r["config"]: r["toolkit"] for r in results if r["mode"] == "one_device"}
+    for result in results:  # the cost of replicas sharing one machine's cores
+        alone = one_device.get(result["config"], {}).get("examples_per_second")
+        if result["mode"] != "one_device" and alone and "examples_per_second" in result["toolkit"]:
+            result["toolkit_over_own_one_device"] = round(result["toolkit"]["examples_per_second"] / alone, 2)
     return results
 
 
@@ -199,7 +267,8 @@ def main(argv):
     del argv
     if _FIT.value:
         if _MODE.value:
-            results = fit_benchmark(_MODE.value, _CONFIGS.value, _SECONDS.value, _ROUNDS.value)
+            results = fit_benchmark(_MODE.value, _CONFIGS.value, _SECONDS.value, _ROUNDS.value,
+                                    _QUALITY.value)
         else:
             results = _run_modes(_MODES.value)
         print(json.dumps({"benchmark": "fit", "results": results}, indent=2))

@@ -27,6 +27,11 @@ def test_mistyped_key_inside_a_config_file(tmp_path):
                           "train.learnig_rate", "'learning_rate'")
 
 
+def test_unknown_precision(tmp_path):
+    result = train(LM_TINY, tmp_path, "--config.train.precision=bfloat16", check=False)
+    assert_one_line_error(result, "train.precision='bfloat16'", "'mixed_bfloat16'")
+
+
 def test_batch_that_does_not_divide_across_replicas(tmp_path, data_dir):
     result = train(LM_TINY, tmp_path, "--config.cluster.virtual_devices=4",
                    "--config.train.batch_size=30", f"--config.data.data_dir={data_dir}",

@@ -1,6 +1,7 @@
 """End-to-end runs of `python -m tpu_keras.train` on the offline datasets."""
 
 import glob
+import json
 import os
 import re
 import signal
@@ -29,6 +30,26 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     assert b"mfu" in open(events[0], "rb").read()
     assert (workdir / "checkpoints" / "ckpt-20.index").exists()
     assert (workdir / "export" / "saved_model.pb").exists()
+
+
+def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
+    workdir, _ = tiny_run
+    out = tmp_path / "run.png"
+    result = run([sys.executable, "scripts/plot_run.py", str(workdir), f"--out={out}"])
+    drawn = result.stdout.strip().splitlines()[-1]
+    for tag in ("loss", "val_loss", "examples_per_second", "mfu"):
+        assert re.search(rf"\b{tag}\b", drawn), drawn
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mixed_bfloat16_trains_and_says_so(tmp_path, data_dir):
+    output = train(LM_TINY, tmp_path, "--config.train.precision=mixed_bfloat16",
+                   "--config.train.jit_compile=True", f"--config.data.data_dir={data_dir}").stdout
+    assert "mixed_bfloat16, 5 steps per host call, XLA" in output
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["precision"] == "mixed_bfloat16"
+    assert re.search(r"step 20/20 .*mfu 0\.\d+", output)
+    # The loss is float32 (the head's dtype); weights stay float32 under the mixed policy.
+    assert re.search(r"val_bits_per_byte [4-8]\.\d+", output), output[-1500:]
 
 
 def test_export_predicts_like_the_keras_model(tiny_run):

@@ -8,7 +8,7 @@ free-form here and checked against the chosen builder's arguments instead.
 
 import ml_collections
 
-from tpu_keras import engine
+from tpu_keras import engine, performance
 from tpu_keras.errors import UserError, closest
 
 
@@ -69,8 +69,9 @@ def defaults() -> ml_collections.ConfigDict:
         clipnorm=1.0,         # 0 disables gradient clipping
         eval_every=200,       # steps between validations
         eval_steps=0,         # 0: the whole eval split
-        steps_per_execution=10,  # steps per host call
-        jit_compile=False,    # XLA on the tf engine; the jax engine always compiles
+        steps_per_execution=0,  # steps per host call; 0: auto (TPU: the log interval, else 10)
+        jit_compile=False,    # XLA on the tf engine; the jax engine and TPUs always compile
+        precision="auto",     # 'float32' | 'mixed_bfloat16'; auto: bf16 on TPU, else float32
     )
 
     config.checkpoint = dict(
@@ -93,11 +94,12 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise UserError(f"layout.rules entry {rule!r} is not a (regex, axes) pair such as "
                             "(r'dense\\d+/kernel', (None, 'model'))")
     train, log = config.train, config.log
+    performance.check_precision(train.precision)
     for name, every in (("train.eval_every", train.eval_every),
                         ("checkpoint.every_steps", config.checkpoint.every_steps)):
         if every % log.every_steps:
             raise UserError(f"{name}={every} must be a multiple of log.every_steps={log.every_steps}")
-    if log.every_steps % train.steps_per_execution:
+    if train.steps_per_execution and log.every_steps % train.steps_per_execution:
         raise UserError(f"log.every_steps={log.every_steps} must be a multiple of "
                         f"train.steps_per_execution={train.steps_per_execution}")
     if train.steps % log.every_steps:

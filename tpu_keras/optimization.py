@@ -6,6 +6,7 @@ same optimizer and the same optimizer state.
 
 import keras
 
+from tpu_keras import performance
 from tpu_keras.errors import UserError
 
 
@@ -15,7 +16,7 @@ def compile_model(model, builder, train_cfg, cluster):
         model.compile(optimizer=make_optimizer(train_cfg), loss=builder.loss(),
                       # Weighted, so padded eval rows (weight 0) do not count.
                       weighted_metrics=builder.metrics(),
-                      steps_per_execution=train_cfg.steps_per_execution,
+                      steps_per_execution=performance.steps_per_execution(train_cfg, cluster),
                       # The jax engine always compiles: JAX run op by op is far too slow.
                       jit_compile=train_cfg.jit_compile or cluster.engine == "jax")
         model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots

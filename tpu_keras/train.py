@@ -33,12 +33,13 @@ def train(config, workdir: str):
     # Imported here so that `--help` and config errors answer without loading TF.
     import keras
     import tpu_keras
-    from tpu_keras import callbacks, checkpoint, data, flops, models, optimization, peak
+    from tpu_keras import callbacks, checkpoint, data, flops, models, optimization, peak, performance
     builder, model_kwargs = models.registry.get(config.model)
     os.makedirs(workdir, exist_ok=True)
 
     # ----- cluster -------------------------------------------------------------
     cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    performance.resolve(config, cluster)
     if cluster.is_chief:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
@@ -48,7 +49,9 @@ def train(config, workdir: str):
     train_cfg = config.train
     model = models.build(config.model, cluster, config.layout)
     optimization.compile_model(model, builder, train_cfg, cluster)
-    logging.info("model: %s with %s parameters", config.model.name, f"{model.count_params():,}")
+    logging.info("model: %s with %s parameters, %s, %d steps per host call%s", config.model.name,
+                 f"{model.count_params():,}", train_cfg.precision, train_cfg.steps_per_execution,
+                 ", XLA" if model.jit_compile else "")
 
     # ----- checkpoints ---------------------------------------------------------
     saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
@@ -70,7 +73,7 @@ def train(config, workdir: str):
         steps_per_interval=interval, total_steps=train_cfg.steps, global_batch=train_cfg.batch_size,
         tokens_per_example=builder.tokens_per_example(model_kwargs),
         flops_per_example=flops.training_flops_per_example(model),
-        peak_flops=peak.peak_flops(cluster),
+        peak_flops=peak.peak_flops(cluster, performance.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
     history = model.fit(
         train_data, epochs=train_cfg.steps // interval, steps_per_epoch=interval,

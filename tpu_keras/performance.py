@@ -1,0 +1,63 @@
+"""Per-platform performance defaults: precision and steps per host call.
+
+The choices `auto` makes, and why (figures: README "Performance"):
+
+- TPU: `mixed_bfloat16`, since the MXU multiplies bf16 natively and the
+  published peak is a bf16 peak; and one host call per log interval, since a
+  TPU step is short and every return to Python idles the chips. TPUStrategy
+  compiles every step with XLA whatever `train.jit_compile` says.
+- CPU and GPU: float32, since on the CPUs measured here a bf16 matmul runs at
+  the float32 rate, so bf16 would cost precision and buy nothing; and 10 steps
+  per call, past which the host loop no longer shows in a step's time. XLA
+  is each config's measured choice (`train.jit_compile`).
+"""
+
+import math
+
+from tpu_keras.errors import UserError
+
+PRECISIONS = ("auto", "float32", "mixed_bfloat16")
+CPU_STEPS_PER_EXECUTION = 10
+TPU_STEPS_PER_EXECUTION = 100  # without a log interval to match
+
+
+def check_precision(name: str) -> None:
+    if name not in PRECISIONS:
+        raise UserError(f"train.precision={name!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+
+
+def precision(train_cfg, cluster) -> str:
+    """The Keras dtype policy name this run trains in."""
+    check_precision(train_cfg.precision)
+    if train_cfg.precision != "auto":
+        return train_cfg.precision
+    return "mixed_bfloat16" if cluster.kind == "tpu" else "float32"
+
+
+def compute_dtype(policy: str) -> str:
+    """The dtype the matmuls run in under `policy`: what the MFU peak is for."""
+    return "bfloat16" if "bfloat16" in policy else "float32"
+
+
+def steps_per_execution(train_cfg, cluster, log_every_steps: int = 0) -> int:
+    """`train.steps_per_execution`, or with 0 (auto) the platform's choice.
+
+    Auto always divides `log_every_steps` when given, so it never conflicts
+    with logging.
+    """
+    if train_cfg.steps_per_execution:
+        return train_cfg.steps_per_execution
+    if cluster.kind == "tpu":
+        return log_every_steps or TPU_STEPS_PER_EXECUTION
+    return math.gcd(CPU_STEPS_PER_EXECUTION, log_every_steps or CPU_STEPS_PER_EXECUTION)
+
+
+def resolve(config, cluster) -> None:
+    """Replaces `auto` choices in `config.train` with this platform's, and sets
+    the global Keras dtype policy, so the config written to the workdir says
+    what actually ran."""
+    import keras
+    train = config.train
+    train.precision = precision(train, cluster)
+    train.steps_per_execution = steps_per_execution(train, cluster, config.log.every_steps)
+    keras.config.set_dtype_policy(train.precision)
