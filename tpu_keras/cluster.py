@@ -131,7 +131,11 @@ def split_cpu(num_devices: int) -> None:
     """Splits the host CPU into `num_devices` logical devices (a simulated pod slice).
 
     TensorFlow fixes its devices when it runs its first op, so this must come
-    before anything else touches TensorFlow.
+    before anything else touches TensorFlow. The replicas run at once and
+    share one pool of op threads: with the pool left at a thread per core,
+    each replica's XLA step fans out over every core and they thrash. A
+    replica gets its share of the cores instead (measured: README
+    "Performance"), unless the user set the pool's size.
     """
     if num_devices <= 1:
         return
@@ -147,6 +151,9 @@ def split_cpu(num_devices: int) -> None:
             f"cannot split the CPU into {num_devices} devices: TensorFlow is already "
             "initialized; call tpu_keras.connect() before running any TensorFlow op"
         ) from None
+    if not tf.config.threading.get_intra_op_parallelism_threads():
+        tf.config.threading.set_intra_op_parallelism_threads(
+            max(1, len(os.sched_getaffinity(0)) // num_devices))
 
 
 def _cpu_split_count() -> int:
