@@ -108,10 +108,9 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     """One device layout: every config's variants, in turns; returns result dicts."""
     import importlib
     import statistics
-    import keras
     import tensorflow as tf
     import tpu_keras
-    from tpu_keras import data, flops, models, peak
+    from tpu_keras import data, flops, peak
 
     cluster = tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
                                 else {"strategy": "mirrored", "virtual_devices": 4})
@@ -169,21 +168,11 @@ def _variants(config, cluster):
     Each is built as its user would build it; the caller gives them all the
     same initial weights.
     """
-    import keras
-    import tpu_keras
     from tpu_keras import models, optimization
 
-    def toolkit(precision):
-        keras.config.set_dtype_policy(precision)
-        try:
-            model = models.build(config.model, cluster)
-            optimization.compile_model(model, builder, config.train, cluster)
-            return model
-        finally:
-            keras.config.set_dtype_policy("float32")
-
     builder, kwargs = models.registry.get(config.model)
-    variants = {"toolkit": toolkit("float32"), "toolkit_bf16": toolkit("mixed_bfloat16")}
+    variants = {"toolkit": _toolkit_model(config, cluster, "float32"),
+                "toolkit_bf16": _toolkit_model(config, cluster, "mixed_bfloat16")}
     for variant, options in KERAS_VARIANTS.items():
         with cluster.scope():
             model = builder.make(**kwargs)
@@ -193,25 +182,31 @@ def _variants(config, cluster):
     return variants
 
 
+def _toolkit_model(config, cluster, precision):
+    """The model `tpu_keras.train` would build and compile, in `precision`."""
+    import keras
+    from tpu_keras import models, optimization
+
+    keras.config.set_dtype_policy(precision)
+    try:
+        model = models.build(config.model, cluster)
+        optimization.compile_model(model, models.registry.get(config.model)[0], config.train, cluster)
+        return model
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 def _precision_quality(config, cluster, initial, steps):
     """Validation loss after `steps` real training steps in float32 and in
     mixed_bfloat16, from the same weights and batches: what bf16 costs."""
-    import keras
-    import tensorflow as tf
-    from tpu_keras import data, models, optimization
+    from tpu_keras import data
 
     config.train.steps = steps
     batch = config.train.batch_size
     eval_batches = config.train.eval_steps or 20
     losses = {}
     for precision in ("float32", "mixed_bfloat16"):
-        keras.config.set_dtype_policy(precision)
-        try:
-            builder, _ = models.registry.get(config.model)
-            model = models.build(config.model, cluster)
-            optimization.compile_model(model, builder, config.train, cluster)
-        finally:
-            keras.config.set_dtype_policy("float32")
+        model = _toolkit_model(config, cluster, precision)
         model.set_weights(initial)
         train, _ = data.build(config.data, cluster, batch, training=True, seed=config.seed)
         evaluation, _ = data.build(config.data, cluster, batch, training=False, max_eval_steps=eval_batches)

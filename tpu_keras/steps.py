@@ -24,7 +24,6 @@ With `jit_compile`, XLA compiles each replica's forward and backward pass
 
 import types
 
-from absl import logging
 import keras
 import tensorflow as tf
 
@@ -47,7 +46,9 @@ def distributed_steps(model: keras.Model) -> keras.Model:
 
 def make_train_function(self, force=False):
     if self.train_function is None or force:
-        self.train_function = _host_loop(self, self.train_step, xla_train_step(self))
+        # A loss-scaling optimizer (float16) scales inside Keras's own step: keep it.
+        scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        self.train_function = _host_loop(self, self.train_step, None if scaled else xla_train_step(self))
     return self.train_function
 
 
