@@ -201,7 +201,8 @@ def _precision_quality(config, cluster, initial, steps):
     mixed_bfloat16, from the same weights and batches: what bf16 costs."""
     from tpu_keras import data
 
-    config.train.steps = steps
+    config = config.copy_and_resolve_references()  # the caller's config keeps its steps
+    config.train.steps = steps  # the learning-rate schedule decays over these steps
     batch = config.train.batch_size
     eval_batches = config.train.eval_steps or 20
     losses = {}
