@@ -1,6 +1,7 @@
 """connect() on this machine, and the TPU layer at its boundary."""
 
 import sys
+import threading
 
 import pytest
 
@@ -50,3 +51,18 @@ def test_unreachable_tpu_is_one_line_that_says_what_to_check():
     message = str(error.value)
     assert "\n" not in message
     assert "cluster.tpu='my-tpu'" in message and "Could not lookup TPU my-tpu" in message
+
+
+class HangingResolver:
+    """Stands in for TPUClusterResolver when the metadata server or TPU API never answers."""
+
+    def __init__(self, tpu, zone, project):
+        threading.Event().wait(60)
+
+
+def test_a_tpu_lookup_that_hangs_ends_in_one_line():
+    from tpu_keras import tpu
+    from tpu_keras.errors import UserError
+    with pytest.raises(UserError, match=r"cluster.tpu='my-tpu' \(looking it up got no answer "
+                                         r"within 0.2 s\)"):
+        tpu.initialize("my-tpu", resolver_cls=HangingResolver, lookup_timeout_s=0.2)

@@ -7,51 +7,135 @@ import pytest
 from conftest import assert_one_line_error, train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
+DIGITS_TINY = "configs/digits.py:tiny"
+DATA = "--config.data.data_dir={data_dir}"
 
 
-@pytest.mark.parametrize("override, fragments", [
-    ("--config.train.stesp=5", ["--config.train.stesp", "'steps'"]),
-    ("--config.trian.steps=5", ["--config.trian.steps", "'train'"]),
-    ("--config.model.widht=8", ["model.widht", "'width'"]),
-])
-def test_mistyped_config_key_names_the_closest_one(tmp_path, override, fragments):
-    assert_one_line_error(train(LM_TINY, tmp_path, override, check=False), *fragments)
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """What the bad inputs point at: a regular file, a corrupt TFRecord, broken config files."""
+    folder = tmp_path_factory.mktemp("inputs")
+    (folder / "afile").write_text("a file, not a directory\n")
+    (folder / "garbage.tfrecord").write_bytes(b"these bytes are not a TFRecord\x00\x01\x02" * 8)
+    derived = ("import sys\nsys.path.insert(0, 'configs')\nimport {module}\n\n\n"
+               "def get_config(arg=None):\n    config = {module}.get_config('tiny')\n{body}"
+               "    return config\n")
+    (folder / "typo.py").write_text(derived.format(
+        module="lm_stdlib", body="    config.train.learnig_rate = 0.1\n"))
+    (folder / "wrong_type.py").write_text(derived.format(
+        module="lm_stdlib", body="    config.train.steps = '100'\n"))
+    (folder / "tfrecords.py").write_text(derived.format(module="digits", body=(
+        "    config.data.name = ''\n"
+        f"    config.data.files = config.data.eval_files = {str(folder / 'garbage.tfrecord')!r}\n"
+        "    config.data.features = {'image': 'float32[8,8,1]', 'label': 'int64'}\n")))
+    (folder / "syntax_error.py").write_text("def get_config(:\n")
+    return folder
 
 
-def test_mistyped_key_inside_a_config_file(tmp_path):
-    config = tmp_path / "typo.py"
-    config.write_text("import sys; sys.path.insert(0, 'configs')\nimport lm_stdlib\n"
-                      "def get_config(arg=None):\n    c = lm_stdlib.get_config('tiny')\n"
-                      "    c.train.learnig_rate = 0.1\n    return c\n")
-    assert_one_line_error(train(str(config), tmp_path / "w", check=False),
-                          "train.learnig_rate", "'learning_rate'")
+# (config, overrides, fragments of the error line). Overrides may name {inputs} and
+# {data_dir}; a later --workdir replaces the test's own. Config mistakes end before
+# TensorFlow loads (about a second each); the rest need TensorFlow (about 10 s).
+CASES = [
+    # Config keys.
+    pytest.param(LM_TINY, ["--config.train.stesp=5"], ["--config.train.stesp", "'steps'"],
+                 id="key-typo-in-flag"),
+    pytest.param(LM_TINY, ["--config.trian.steps=5"], ["--config.trian.steps", "'train'"],
+                 id="section-typo-in-flag"),
+    pytest.param(LM_TINY, ["--config.model.widht=8"], ["model.widht", "'width'"],
+                 id="model-key-typo-in-flag"),
+    pytest.param(LM_TINY, ["--config.model.image_shape=8"],
+                 ["--config.model.image_shape", "config.defaults() lists every key"],
+                 id="key-of-another-model"),
+    pytest.param("{inputs}/typo.py", [], ["train.learnig_rate", "'learning_rate'"],
+                 id="key-typo-in-config-file"),
+    # Value types.
+    pytest.param(LM_TINY, ["--config.train.steps=abc"],
+                 ["--config.train.steps=abc is not an int", "set train.steps to an int"],
+                 id="int-flag-not-a-number"),
+    pytest.param(LM_TINY, ["--config.train.jit_compile=maybe"],
+                 ["--config.train.jit_compile=maybe", "set train.jit_compile to true or false"],
+                 id="bool-flag-not-a-bool"),
+    pytest.param("{inputs}/wrong_type.py", [],
+                 ["steps takes an int, not the str", "wrong_type.py, line 8"],
+                 id="wrong-type-in-config-file"),
+    # Ranges and choices.
+    pytest.param(LM_TINY, ["--config.train.steps=0"], ["train.steps=0", "set train.steps to 1 or more"],
+                 id="steps-zero"),
+    pytest.param(LM_TINY, ["--config.train.batch_size=0"], ["train.batch_size=0", "1 or more"],
+                 id="batch-size-zero"),
+    pytest.param(LM_TINY, ["--config.train.learning_rate=-0.1"],
+                 ["train.learning_rate=-0.1", "0 or more"], id="negative-learning-rate"),
+    pytest.param(LM_TINY, ["--config.checkpoint.keep=0"], ["checkpoint.keep=0", "1 or more"],
+                 id="keep-no-checkpoint"),
+    pytest.param(LM_TINY, ["--config.log.every_steps=0"], ["log.every_steps=0", "1 or more"],
+                 id="log-every-zero-steps"),
+    pytest.param(LM_TINY, ["--config.train.eval_every=15"],
+                 ["train.eval_every=15", "multiple of log.every_steps=10"], id="eval-off-the-log-grid"),
+    pytest.param(LM_TINY, ["--config.engine=torch"], ["engine='torch'", "'jax'", "'tf'"],
+                 id="unknown-engine"),
+    pytest.param(LM_TINY, ["--config.cluster.strategy=mirorred"],
+                 ["cluster.strategy='mirorred'", "'mirrored'"], id="unknown-strategy"),
+    pytest.param(LM_TINY, ["--config.train.precision=bfloat16"],
+                 ["train.precision='bfloat16'", "'mixed_bfloat16'"], id="unknown-precision"),
+    pytest.param(LM_TINY, ["--config.mesh.model=0"], ["'model': 0", "give each axis a positive size"],
+                 id="mesh-axis-zero"),
+    pytest.param(DIGITS_TINY, ["--config.train.optimizer=adamx"],
+                 ["train.optimizer='adamx'", "'adamax'"], id="unknown-optimizer"),
+    # Devices.
+    pytest.param(DIGITS_TINY, ["--config.engine=jax", "--config.cluster.virtual_devices=2",
+                               "--config.mesh.model=3"],
+                 ["'model': 3", "does not fit 2 devices", "use an axis size that divides it"],
+                 id="mesh-does-not-fit-the-devices"),
+    pytest.param(LM_TINY, ["--config.cluster.virtual_devices=4", "--config.train.batch_size=30", DATA],
+                 ["batch_size=30", "4 replicas", "multiple of 4"], id="batch-across-replicas"),
+    pytest.param(DIGITS_TINY, ["--config.cluster.strategy=tpu", "--config.cluster.tpu=no-such-tpu"],
+                 ["no TPU reachable as cluster.tpu='no-such-tpu'", "cluster.strategy=auto"],
+                 id="unreachable-tpu"),
+    # Data.
+    pytest.param(DIGITS_TINY, ["--config.data.name=mnist",
+                               "--config.data.data_dir={inputs}/no-such-dir"],
+                 ["'mnist' is not prepared", "no such directory", "set data.data_dir"],
+                 id="missing-data-dir"),
+    pytest.param(LM_TINY, ["--config.data.name=stdlib_byte", DATA],
+                 ["unknown dataset 'stdlib_byte'", "stdlib_bytes"], id="unknown-dataset"),
+    pytest.param(LM_TINY, ["--config.data.eval_split=valdation", DATA],
+                 ["data.eval_split='valdation'", "'validation'"], id="unknown-split"),
+    pytest.param("{inputs}/tfrecords.py", ["--config.data.eval_files={inputs}/none-*.tfrecord"],
+                 ["data.eval_files=", "matches no file"], id="glob-matches-nothing"),
+    pytest.param("{inputs}/tfrecords.py", [],
+                 ["garbage.tfrecord is not a readable TFRecord file", "leave it out of data.files"],
+                 id="corrupt-tfrecord"),
+    # The command line and the workdir.
+    pytest.param("configs/nope.py", [], ["configs/nope.py"], id="missing-config-file"),
+    pytest.param("configs/digits.py:huge", [], ["unknown variant 'huge'", "'tiny'"],
+                 id="unknown-config-variant"),
+    pytest.param("{inputs}/syntax_error.py", [], ["syntax_error.py", "SyntaxError"],
+                 id="config-file-does-not-parse"),
+    pytest.param(LM_TINY, ["--workdir="], ["--workdir=DIR are required"], id="empty-workdir"),
+    pytest.param(LM_TINY, ["extra"], ["unexpected arguments ['extra']"], id="stray-argument"),
+    pytest.param(DIGITS_TINY, ["--workdir={inputs}/afile/run"],
+                 ["cannot write to --workdir=", "afile/run", "choose a directory"],
+                 id="workdir-under-a-file"),
+]
 
 
-def test_unknown_precision(tmp_path):
-    result = train(LM_TINY, tmp_path, "--config.train.precision=bfloat16", check=False)
-    assert_one_line_error(result, "train.precision='bfloat16'", "'mixed_bfloat16'")
-
-
-def test_batch_that_does_not_divide_across_replicas(tmp_path, data_dir):
-    result = train(LM_TINY, tmp_path, "--config.cluster.virtual_devices=4",
-                   "--config.train.batch_size=30", f"--config.data.data_dir={data_dir}",
+@pytest.mark.parametrize("config, overrides, fragments", CASES)
+def test_bad_input_is_one_line_that_says_what_to_change(tmp_path, inputs, data_dir, config,
+                                                        overrides, fragments):
+    fill = {"inputs": inputs, "data_dir": data_dir}
+    result = train(config.format(**fill), tmp_path / "run", *(o.format(**fill) for o in overrides),
                    check=False)
-    assert_one_line_error(result, "batch_size=30", "4 replicas", "multiple of 4")
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert_one_line_error(result, *fragments)
 
 
-def test_unknown_dataset(tmp_path, data_dir):
-    result = train(LM_TINY, tmp_path, "--config.data.name=stdlib_byte",
-                   f"--config.data.data_dir={data_dir}", check=False)
-    assert_one_line_error(result, "unknown dataset 'stdlib_byte'", "stdlib_bytes")
-
-
-def test_tpu_strategy_without_a_tpu(tmp_path):
-    result = train(LM_TINY, tmp_path, "--config.cluster.strategy=tpu", check=False)
-    assert_one_line_error(result, "no TPU reachable", "cluster.strategy=auto")
-
-
-def test_missing_config_file(tmp_path):
-    assert_one_line_error(train("configs/nope.py", tmp_path, check=False), "configs/nope.py")
+@pytest.mark.parametrize("override", ["--config.train.steps=0", "--config.train.steps=abc"])
+def test_verbose_shows_the_traceback_too(tmp_path, override):
+    result = train(LM_TINY, tmp_path, override, "--verbose", check=False)
+    assert result.returncode == 2
+    assert "Traceback (most recent call last)" in result.stdout
+    last = result.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("error: ") and "train.steps" in last, result.stdout[-3000:]
 
 
 def test_resuming_a_different_model_on_the_same_workdir(tmp_path, data_dir, tiny_run):

@@ -115,10 +115,11 @@ def test_failing_host_stops_the_others(tmp_path):
             sys.exit(3)
     """)
     child = fail_after_host0 + textwrap.dedent(_SLEEPER)
-    code, out, seconds = _run(["--hosts=2"], child.format(tmp=str(tmp_path)))
+    code, out, seconds = _run(["--hosts=2", "--failure_grace=1"], child.format(tmp=str(tmp_path)))
     assert code == 3, out
     assert seconds < 30, out
-    assert "host 1 failed with exit code 3" in out
+    assert "host 1 failed first, with exit code 3" in out
+    assert "the run failed: host 1 failed first" in out
     assert _wait_gone(int((tmp_path / "pid0.txt").read_text())), out
 
 

@@ -19,11 +19,11 @@ class IntervalLogger(keras.callbacks.Callback):
     as training time.
     """
 
-    def __init__(self, *, steps_per_interval: int, total_steps: int, global_batch: int,
+    def __init__(self, *, total_steps: int, global_batch: int,
                  tokens_per_example: int = 0, flops_per_example: int = 0, peak_flops: float = 0.0,
                  summary_dir: str | None = None):
         super().__init__()
-        self._steps, self._total = steps_per_interval, total_steps
+        self._total = total_steps
         self._batch, self._tokens = global_batch, tokens_per_example
         self._flops, self._peak = flops_per_example, peak_flops
         self._writer = tf.summary.create_file_writer(summary_dir) if summary_dir else None
@@ -39,7 +39,8 @@ class IntervalLogger(keras.callbacks.Callback):
             self._clock = self._last
 
     def on_epoch_end(self, epoch, logs=None):
-        step = (epoch + 1) * self._steps
+        # From the optimizer, not the epoch: a resumed run may start mid-interval.
+        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         scalars = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
         (start, start_steps), (end, end_steps) = self._clock, self._last
         if end_steps > start_steps:

@@ -1,21 +1,42 @@
-"""Save and restore the model, the optimizer and the step; resume where a run stopped.
+"""Save and restore everything a run needs to continue exactly where it stopped.
 
-On the tf engine this uses `tf.train.CheckpointManager`, which writes
-distributed variables correctly under every strategy. Every host must call
-`save` (TensorFlow requires it under MultiWorkerMirroredStrategy); only the
-chief writes to the shared `DIR/checkpoints`, the others to a private folder
-that is removed. On the jax engine it uses Orbax, which writes sharded arrays
-from every process into the one shared folder (`open_checkpointer` picks).
+A checkpoint holds the model, the optimizer (whose `iterations` is the
+step) and the model's random-number state (dropout's seed generators, which
+TensorFlow's object graph does not reach by itself). The input position is
+not saved: the pipeline is a pure function of the step (see
+`data.pipeline`), so a resumed run rebuilds it from the step.
+
+Saves are atomic. On the tf engine every host writes the checkpoint files
+(TensorFlow requires all of them to take part under MultiWorkerMirrored-
+Strategy; the chief into the shared `DIR/checkpoints`, the others into a
+private folder that is then removed), and only then does the chief commit
+it by rewriting the `checkpoint` state file in one atomic step. A run killed
+while writing leaves files that nothing points to, and the previous
+checkpoint stays the latest (tensorflow/tensorflow#61552 is a checkpoint
+made unusable by a preemption mid-save). A committed checkpoint that still
+cannot be read (a truncated file on a storage that is not atomic) is skipped
+with a warning in favour of the one before it. On the jax engine Orbax does
+the same: it writes into a temporary folder and renames it when complete.
 """
 
 import os
 import shutil
+import time
 
 from absl import logging
 import keras
 import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint_management
 
 from tpu_keras.errors import UserError
+
+# Test hook: seconds to wait between writing a checkpoint's files and
+# committing it, so a test can kill a run in the middle of a save.
+SAVE_DELAY_ENV = "TPU_KERAS_TEST_SAVE_DELAY"
+# Reading errors that mean "this checkpoint is damaged", as opposed to "it is
+# a checkpoint of another model".
+_UNREADABLE = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
+               IndexError)
 
 
 def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
@@ -25,38 +46,74 @@ def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
     return TFCheckpointer(workdir, model, cluster, keep)
 
 
+def random_states(model: keras.Model) -> list:
+    """The state variables of every seed generator in `model` (dropout and the like)."""
+    return [generator.state for layer in model._flatten_layers()
+            for generator in getattr(layer, "_seed_generators", [])]
+
+
 class TFCheckpointer:
     def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3):
         self.shared_dir = os.path.join(workdir, "checkpoints")
+        self._is_chief = cluster.is_chief
         self._own_dir = (self.shared_dir if cluster.is_chief
                          else os.path.join(workdir, "tmp", f"host{cluster.host_index}"))
-        self._model = model
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-        self._manager = tf.train.CheckpointManager(self._checkpoint, self._own_dir, max_to_keep=keep)
+        self._model, self._keep = model, keep
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                                               rng=random_states(model))
+        self._checkpoint.save_counter  # created now, so every checkpoint holds it and restores match
 
     @property
     def step(self) -> int:
         return int(self._model.optimizer.iterations.numpy())
 
+    def latest_saved_step(self):
+        """The step of the newest committed checkpoint, or None."""
+        committed = self.committed()
+        return int(committed[-1].rsplit("-", 1)[-1]) if committed else None
+
+    def committed(self) -> list[str]:
+        """The committed checkpoints' path prefixes, oldest first."""
+        state = tf.train.get_checkpoint_state(self.shared_dir)
+        return list(state.all_model_checkpoint_paths) if state else []
+
     def restore_latest(self) -> int:
-        """Restores the newest checkpoint in the shared folder, if any; returns the step."""
-        latest = tf.train.latest_checkpoint(self.shared_dir)
-        if latest:
+        """Restores the newest readable checkpoint in the shared folder, if any; returns the step."""
+        candidates = self.committed()
+        for path in reversed(candidates):
             try:
-                self._checkpoint.restore(latest).assert_existing_objects_matched()
+                self._checkpoint.restore(path).assert_existing_objects_matched()
+            except _UNREADABLE as error:
+                logging.warning("checkpoint %s is unreadable (%s); trying the one before it",
+                                path, _first_line(error))
+                continue
             except (AssertionError, ValueError, tf.errors.OpError) as error:
-                reason = str(error).strip().splitlines()[0][:200]
-                raise UserError(f"the checkpoint {latest} does not fit this model ({reason}); "
+                raise UserError(f"the checkpoint {path} does not fit this model ({_first_line(error)}); "
                                 "use a new --workdir for a different model") from None
-            logging.info("resumed from %s at step %d", latest, self.step)
+            logging.info("resumed from %s at step %d", path, self.step)
+            return self.step
+        if candidates:
+            raise UserError(f"no checkpoint in {self.shared_dir} is readable; move the folder "
+                            "away to start afresh")
         return self.step
 
     def save(self) -> None:
-        path = self._manager.save(checkpoint_number=self.step)
-        if self._own_dir != self.shared_dir:
+        """Writes the checkpoint of the current step (every host), then commits it (chief)."""
+        step = self.step
+        path = self._checkpoint.write(os.path.join(self._own_dir, f"ckpt-{step}"))
+        if not self._is_chief:
             shutil.rmtree(self._own_dir, ignore_errors=True)
-        else:
-            logging.info("saved checkpoint %s", path)
+            return
+        time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
+        previous = [p for p in self.committed() if p != path]
+        kept = previous[len(previous) - self._keep + 1:] if self._keep > 1 else []
+        # The commit: one atomic rewrite of the state file, as CheckpointManager does it.
+        checkpoint_management.update_checkpoint_state_internal(
+            self.shared_dir, path, all_model_checkpoint_paths=kept + [path], save_relative_paths=True)
+        for old in previous[:len(previous) - len(kept)]:
+            for file in tf.io.gfile.glob(f"{old}.*"):
+                tf.io.gfile.remove(file)
+        logging.info("saved checkpoint %s", path)
 
 
 class OrbaxCheckpointer:
@@ -72,6 +129,10 @@ class OrbaxCheckpointer:
     @property
     def step(self) -> int:
         return int(keras.ops.convert_to_numpy(self._model.optimizer.iterations))
+
+    def latest_saved_step(self):
+        """The step of the newest committed checkpoint, or None."""
+        return self._manager.latest_step()
 
     def _variables(self):
         return {"model": self._model.variables, "optimizer": self._model.optimizer.variables}
@@ -113,3 +174,8 @@ class SaveEvery(keras.callbacks.Callback):
         step = self._checkpointer.step
         if step % self._every == 0 or step >= self._total:
             self._checkpointer.save()
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -19,14 +19,15 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
 
+from tpu_keras import config as config_lib
 from tpu_keras import engine as engine_lib
 from tpu_keras import mesh as mesh_lib
 from tpu_keras import tpu
 from tpu_keras.engine import VIRTUAL_DEVICES_ENV
 from tpu_keras.errors import UserError
 
-KINDS = ("tpu", "multi_worker", "mirrored", "one_device")
-STRATEGIES = ("auto",) + KINDS
+STRATEGIES = config_lib.STRATEGIES  # 'auto', then the kinds it picks from
+KINDS = STRATEGIES[1:]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,16 +6,25 @@ one, so a typo never silently falls back to a default. The `model` section is
 free-form here and checked against the chosen builder's arguments instead.
 """
 
+import math
+
 import ml_collections
 
 from tpu_keras import engine, performance
+from tpu_keras import mesh as mesh_lib
 from tpu_keras.errors import UserError, closest
+
+NONFINITE_POLICIES = ("stop", "restore_and_skip")
+STRATEGIES = ("auto", "tpu", "multi_worker", "mirrored", "one_device")  # cluster.strategy
 
 
 def defaults() -> ml_collections.ConfigDict:
     """The full schema. Each config file overrides what it needs."""
     config = ml_collections.ConfigDict()
     config.seed = 0
+    # TensorFlow op determinism: the same run gives the same weights, bit for bit,
+    # whether it ran through or was killed and resumed. Slower; tf engine.
+    config.deterministic = False
     # Keras 3 on TensorFlow ('tf', tf.distribute) or on JAX ('jax', keras.distribution).
     config.engine = "tf"
 
@@ -53,6 +62,7 @@ def defaults() -> ml_collections.ConfigDict:
         cache=False,          # keep each host's decoded examples in memory
         deterministic=True,   # False lets tf.data reorder for speed
         service_address="",   # a tf.data service dispatcher, e.g. grpc://host:5050
+        log_example_ids=False,  # append each training batch's example ids to DIR/example_ids/
     )
 
     # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.
@@ -72,6 +82,10 @@ def defaults() -> ml_collections.ConfigDict:
         steps_per_execution=0,  # steps per host call; 0: auto (TPU: the log interval, else 10)
         jit_compile=False,    # XLA on the tf engine; the jax engine and TPUs always compile
         precision="auto",     # 'float32' | 'mixed_bfloat16'; auto: bf16 on TPU, else float32
+        # A NaN/Inf loss: 'stop' (keep the last good checkpoint), or 'restore_and_skip'
+        # (reload it and leave out the batch that diverged, at most max_nonfinite_skips times).
+        on_nonfinite="stop",
+        max_nonfinite_skips=3,
     )
 
     config.checkpoint = dict(
@@ -86,15 +100,25 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-    """Raises a one-line UserError for unknown keys or inconsistent intervals."""
+    """Raises a one-line UserError for unknown keys, values out of range or inconsistent
+    intervals: everything that can be told before TensorFlow loads."""
     _check_keys(config, defaults(), "")
     engine.check_name(config.engine)
+    _check_ranges(config)
+    strategy = config.cluster.strategy
+    if strategy not in STRATEGIES:
+        raise UserError(f"cluster.strategy={strategy!r} is not one of {STRATEGIES}"
+                        f"{closest(strategy, STRATEGIES)}")
+    mesh_lib.check(config.mesh)  # against the devices: when the cluster connects
     for rule in config.layout.rules:
         if len(rule) != 2 or not isinstance(rule[0], str) or isinstance(rule[1], str):
             raise UserError(f"layout.rules entry {rule!r} is not a (regex, axes) pair such as "
                             "(r'dense\\d+/kernel', (None, 'model'))")
     train, log = config.train, config.log
     performance.check_precision(train.precision)
+    if train.on_nonfinite not in NONFINITE_POLICIES:
+        raise UserError(f"train.on_nonfinite={train.on_nonfinite!r} is not one of "
+                        f"{NONFINITE_POLICIES}{closest(train.on_nonfinite, NONFINITE_POLICIES)}")
     for name, every in (("train.eval_every", train.eval_every),
                         ("checkpoint.every_steps", config.checkpoint.every_steps)):
         if every % log.every_steps:
@@ -105,6 +129,30 @@ def check(config: ml_collections.ConfigDict) -> None:
     if train.steps % log.every_steps:
         raise UserError(f"train.steps={train.steps} must be a multiple of "
                         f"log.every_steps={log.every_steps}")
+
+
+# (key, lowest, highest or None): counts, intervals and rates. Checked before the
+# interval checks in `check()`, which would divide by zero.
+_RANGES = (
+    ("train.batch_size", 1, None), ("train.steps", 1, None), ("train.learning_rate", 0, None),
+    ("train.warmup_steps", 0, None), ("train.min_learning_rate_ratio", 0, 1),
+    ("train.weight_decay", 0, None), ("train.clipnorm", 0, None), ("train.eval_every", 1, None),
+    ("train.eval_steps", 0, None), ("train.steps_per_execution", 0, None),
+    ("checkpoint.every_steps", 1, None), ("checkpoint.keep", 1, None), ("log.every_steps", 1, None),
+    ("cluster.virtual_devices", 0, None), ("data.shuffle_buffer", 1, None),
+    ("layout.replicate_below", 0, None),
+)
+
+
+def _check_ranges(config):
+    for key, low, high in _RANGES:
+        section, name = key.split(".")
+        value = config[section][name]
+        wanted = f"a number from {low} to {high}" if high is not None else f"{low} or more"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{key}={value!r} is not a number; set {key} to {wanted}")
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            raise UserError(f"{key}={value!r} is out of range; set {key} to {wanted}")
 
 
 # Sections whose keys are not fixed by the schema: a builder's arguments, a feature spec.

@@ -1,7 +1,8 @@
-"""Errors that mean "the user asked for something that cannot work".
+"""Exceptions that end a run with one line instead of a traceback.
 
 Entry points print a `UserError` as one line and exit non-zero without a
-traceback: the message itself must say what to change.
+traceback: the message itself must say what to change. `Preempted` is not a
+mistake: the run saved and asks to be started again (exit code 42).
 """
 
 import difflib
@@ -9,6 +10,17 @@ import difflib
 
 class UserError(Exception):
     """A mistake in the config, flags or environment, explained in one line."""
+
+
+class Preempted(Exception):
+    """The run got SIGTERM and saved a checkpoint at `step`; the same command resumes it."""
+
+    EXIT_CODE = 42  # TensorFlow's own "preempted, restart me" code on TPUs
+
+    def __init__(self, step: int):
+        super().__init__(f"saved a checkpoint at step {step} after SIGTERM; run the same "
+                         "command again to resume")
+        self.step = step
 
 
 def closest(name, candidates):

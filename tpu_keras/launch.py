@@ -7,8 +7,10 @@ the tf engine, a JAX coordinator address for the jax engine, and its index)
 plus TPU_KERAS_VIRTUAL_DEVICES, which makes the cluster module split the CPU
 into that many logical devices (fake JAX devices on the jax engine). So the same
 multi-worker code path can be exercised on a laptop or in CI. Output is merged
-with a "[host i] " prefix; if one host fails, or the timeout passes, every host
-is stopped, so a broken run never leaves orphans or hangs its peers forever.
+with a "[host i] " prefix. If one host fails, the launcher names it and gives
+the others `--failure_grace` seconds to notice and exit on their own, as a
+real pod's hosts must; then, or when the timeout passes, every host left is
+stopped, so a broken run never leaves orphans or hangs its peers forever.
 
 Deliberately imports nothing heavy (no TensorFlow): it must start instantly.
 """
@@ -31,6 +33,8 @@ flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
 flags.DEFINE_integer("devices_per_host", 1,
                      "Logical CPU devices per host (TPU_KERAS_VIRTUAL_DEVICES).")
 flags.DEFINE_float("timeout", 3600, "Seconds before all hosts are killed (exit 124).")
+flags.DEFINE_float("failure_grace", 10, "Seconds the other hosts get to exit on their own "
+                   "after one fails, before they are stopped.")
 flags.DEFINE_bool("data_service", False,
                   "Start a local tf.data service (dispatcher + worker) for the hosts; "
                   "its address reaches them as TPU_KERAS_DATA_SERVICE.")
@@ -139,21 +143,39 @@ def _stop(procs):
             _signal_group(proc, signal.SIGKILL)
 
 
-def _wait(procs, deadline, timeout):
-    """Waits for all hosts; returns 0, the first failure's code, or 124."""
+def _wait(procs, deadline, timeout, failure_grace):
+    """Waits for all hosts; returns 0, the first failure's code (1 for a signal), or 124."""
+    first_failure = None
     while True:
         codes = [_exit_code(p) for p in procs]
-        for index, code in enumerate(codes):
-            if code not in (None, 0):
-                how = f"exit code {code}" if code > 0 else f"signal {-code}"
-                _log(f"host {index} failed with {how}; stopping all hosts")
-                return code if code > 0 else 1
-        if all(code == 0 for code in codes):
-            return 0
-        if time.monotonic() >= deadline:
-            _log(f"timed out after {timeout:g} s; stopping all hosts")
-            return TIMEOUT_EXIT_CODE
+        if first_failure is None:
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                first_failure = failed[0]
+                _log(f"host {first_failure} failed first, with {_how(codes[first_failure])}; the "
+                     f"others get {failure_grace:g} s to stop on their own")
+                deadline = min(deadline, time.monotonic() + failure_grace)
+                reported = {first_failure}
+        else:
+            for index, code in enumerate(codes):
+                if code is not None and index not in reported:
+                    _log(f"host {index} stopped on its own, with {_how(code)}")
+                    reported.add(index)
+        if all(code is not None for code in codes) or time.monotonic() >= deadline:
+            break
         time.sleep(_POLL_SECONDS)
+    if first_failure is not None:
+        code = codes[first_failure]
+        _log(f"the run failed: host {first_failure} failed first, with {_how(code)}")
+        return code if code > 0 else 1
+    if all(code == 0 for code in codes):
+        return 0
+    _log(f"timed out after {timeout:g} s; stopping all hosts")
+    return TIMEOUT_EXIT_CODE
+
+
+def _how(code):
+    return f"exit code {code}" if code >= 0 else f"signal {-code} ({signal.Signals(-code).name})"
 
 
 def _raise_terminated(signum, frame):
@@ -180,11 +202,14 @@ def _start_data_service(timeout):
     return proc, line[1]
 
 
-def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False):
+def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
+           failure_grace=10.0):
     """Runs `command` once per simulated host and returns the launcher's exit code.
 
-    0 if every host exits 0; the first failing host's code (or 1) after
-    stopping the others; 124 on timeout; 128+signal if interrupted.
+    0 if every host exits 0; the first failing host's code (or 1 if a
+    signal killed it), once the others have stopped on their own within
+    `failure_grace` seconds or been stopped; 124 on timeout; 128+signal if
+    interrupted.
     Raises UserError for bad arguments.
     """
     if not command:
@@ -196,6 +221,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False)
         raise UserError(f"--devices_per_host must be >= 1, got {devices_per_host}")
     if timeout <= 0:
         raise UserError(f"--timeout must be > 0 seconds, got {timeout:g}")
+    if failure_grace < 0:
+        raise UserError(f"--failure_grace must be >= 0 seconds, got {failure_grace:g}")
 
     *worker_ports, coordinator_port = _free_ports(hosts + 1)
     workers = [f"127.0.0.1:{port}" for port in worker_ports]
@@ -217,7 +244,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False)
                 target=_stream, args=(procs[-1].stdout, f"[host {index}] "), daemon=True)
             reader.start()
             readers.append(reader)
-        code = _wait(procs, start + timeout, timeout)
+        _log("hosts started: " + ", ".join(f"host {i} pid {p.pid}" for i, p in enumerate(procs)))
+        code = _wait(procs, start + timeout, timeout, failure_grace)
     except OSError as error:  # E.g. the command does not exist.
         _log(f"cannot start {command[0]!r}: {error.strerror or error}")
         code = 127
@@ -250,7 +278,7 @@ def main(argv):
     """absl entry point: everything after '--' is the command."""
     try:
         return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
-                      FLAGS.data_service)
+                      FLAGS.data_service, FLAGS.failure_grace)
     except UserError as error:
         print(f"launch: error: {error}", file=sys.stderr)
         return 2

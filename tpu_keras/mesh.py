@@ -13,13 +13,20 @@ from tpu_keras.errors import UserError
 AXES = ("data", "model")
 
 
-def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int]:
-    """Returns `{'data': D, 'model': M}` with D x M == num_devices, or a one-line error."""
+def check(mesh_config) -> dict[str, int]:
+    """The mesh's axis sizes, or a one-line error for sizes that no device count fits."""
     mesh = {axis: int(dict(mesh_config or {}).get(axis, -1 if axis == "data" else 1)) for axis in AXES}
     wildcards = [axis for axis, size in mesh.items() if size == -1]
     if len(wildcards) > 1 or any(size == 0 or size < -1 for size in mesh.values()):
         raise UserError(f"mesh={mesh} is not valid: give each axis a positive size, "
                         "or -1 on one axis for the devices left over")
+    return mesh
+
+
+def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int]:
+    """Returns `{'data': D, 'model': M}` with D x M == num_devices, or a one-line error."""
+    mesh = check(mesh_config)
+    wildcards = [axis for axis, size in mesh.items() if size == -1]
     fixed = math.prod(size for size in mesh.values() if size != -1)
     if wildcards:
         if num_devices % fixed:

@@ -7,7 +7,7 @@ same optimizer and the same optimizer state.
 import keras
 
 from tpu_keras import performance
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, closest
 
 
 def compile_model(model, builder, train_cfg, cluster):
@@ -37,5 +37,8 @@ def make_optimizer(train_cfg):
     try:
         return keras.optimizers.get({"class_name": train_cfg.optimizer, "config": kwargs})
     except ValueError:
-        raise UserError(f"train.optimizer={train_cfg.optimizer!r} is not a keras.optimizers name "
-                        "such as 'adamw', 'adam' or 'sgd'") from None
+        names = [name.lower() for name, value in vars(keras.optimizers).items()
+                 if isinstance(value, type) and issubclass(value, keras.optimizers.Optimizer)]
+        raise UserError(f"train.optimizer={train_cfg.optimizer!r} is not a keras.optimizers name"
+                        f"{closest(train_cfg.optimizer.lower(), names)}; use one such as 'adamw', "
+                        "'adam' or 'sgd'") from None

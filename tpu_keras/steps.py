@@ -48,7 +48,8 @@ def make_train_function(self, force=False):
     if self.train_function is None or force:
         # A loss-scaling optimizer (float16) scales inside Keras's own step: keep it.
         scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-        self.train_function = _host_loop(self, self.train_step, None if scaled else xla_train_step(self))
+        self.train_function = _host_loop(self, self.train_step, None if scaled else xla_train_step(self),
+                                         stop_on_nonfinite=True)
     return self.train_function
 
 
@@ -79,11 +80,13 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=data_batch)
 
 
-def _host_loop(model, step_fn, xla_step=None):
+def _host_loop(model, step_fn, xla_step=None, stop_on_nonfinite=False):
     """Runs up to `steps_per_execution` steps per call to the host.
 
     With `jit_compile`, `xla_step` (when given) replaces `step_fn`: it keeps
     the XLA part inside each replica, which works under every strategy.
+    With `stop_on_nonfinite`, a step whose loss is NaN or Inf ends the call,
+    so the host sees the step that diverged (see `nonfinite`).
     """
     strategy = model.distribute_strategy
     if model.jit_compile and not model.run_eagerly:
@@ -99,6 +102,8 @@ def _host_loop(model, step_fn, xla_step=None):
     def steps(iterator):
         outputs = one_step(next(iterator))
         for _ in tf.range(model.steps_per_execution - 1):
+            if stop_on_nonfinite and "loss" in outputs and not tf.math.is_finite(outputs["loss"]):
+                break
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
                 break

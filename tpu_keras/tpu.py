@@ -6,6 +6,7 @@ tests exercise this boundary with a fake resolver.
 """
 
 import os
+import threading
 
 import tensorflow as tf
 
@@ -14,6 +15,9 @@ from tpu_keras.errors import UserError
 # On a TPU VM the chips are local character devices; v4 and older expose
 # /dev/accel*, v5e and newer /dev/vfio/*.
 _TPU_VM_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
+# Looking a TPU up by name asks the GCE metadata server and the Cloud TPU API,
+# with no timeout of their own: off Google Cloud that can hang for minutes.
+LOOKUP_TIMEOUT_S = 60
 
 
 def is_present(name: str = "") -> bool:
@@ -23,7 +27,8 @@ def is_present(name: str = "") -> bool:
 
 
 def initialize(name: str = "", zone: str = "", project: str = "",
-               resolver_cls=tf.distribute.cluster_resolver.TPUClusterResolver):
+               resolver_cls=tf.distribute.cluster_resolver.TPUClusterResolver,
+               lookup_timeout_s: float = LOOKUP_TIMEOUT_S):
     """Connects to the TPU `name` ('local' on a TPU VM) and initialises it.
 
     Returns `(resolver, topology)`. Any failure becomes one `UserError` that
@@ -31,7 +36,8 @@ def initialize(name: str = "", zone: str = "", project: str = "",
     """
     name = name or os.environ.get("TPU_NAME", "") or "local"
     try:
-        resolver = resolver_cls(tpu=name, zone=zone or None, project=project or None)
+        resolver = _within(lookup_timeout_s, lambda: resolver_cls(
+            tpu=name, zone=zone or None, project=project or None))
         if name != "local":
             tf.config.experimental_connect_to_cluster(resolver)
         topology = tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -42,6 +48,26 @@ def initialize(name: str = "", zone: str = "", project: str = "",
             "name, zone and project, or set --config.cluster.strategy=auto to run "
             "on the CPU/GPUs of this machine") from None
     return resolver, topology
+
+
+def _within(timeout_s: float, fn):
+    """`fn()`, or TimeoutError after `timeout_s` (the call is left behind in a daemon thread)."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # re-raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call, name="tpu-lookup", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"looking it up got no answer within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def device_kind(resolver) -> str:

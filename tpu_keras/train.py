@@ -5,20 +5,26 @@ Reads top to bottom as the run goes: config -> cluster -> model -> checkpoint
 latest checkpoint.
 """
 
+import functools
 import logging as std_logging
 import os
 import re
 import sys
+import tempfile
+import threading
+import traceback
 import warnings
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tpu_keras.errors import UserError
+from tpu_keras.errors import Preempted, UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py:tiny")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json, checkpoints, TensorBoard "
                                "events and the exported SavedModel go.")
+_VERBOSE = flags.DEFINE_boolean("verbose", False, "On a mistake in the config, flags or "
+                                "environment, print the traceback above the one-line error.")
 
 
 def train(config, workdir: str):
@@ -33,9 +39,12 @@ def train(config, workdir: str):
     # Imported here so that `--help` and config errors answer without loading TF.
     import keras
     import tpu_keras
-    from tpu_keras import callbacks, checkpoint, data, flops, models, optimization, peak, performance
+    from tpu_keras import (callbacks, checkpoint, data, flops, models, nonfinite, optimization, peak,
+                           performance, preemption)
     builder, model_kwargs = models.registry.get(config.model)
-    os.makedirs(workdir, exist_ok=True)
+    _make_workdir(workdir)
+    if threading.current_thread() is threading.main_thread():
+        preemption.watch()  # from here on, SIGTERM means "save and exit 42"
 
     # ----- cluster -------------------------------------------------------------
     cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
@@ -44,6 +53,9 @@ def train(config, workdir: str):
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
     keras.utils.set_random_seed(config.seed)
+    if config.deterministic and config.engine == "tf":
+        import tensorflow as tf
+        tf.config.experimental.enable_op_determinism()
 
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
@@ -55,33 +67,50 @@ def train(config, workdir: str):
 
     # ----- checkpoints ---------------------------------------------------------
     saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
-    start_step = saver.restore_latest()
-    interval = config.log.every_steps
-    if start_step % interval:
-        raise UserError(f"checkpoint at step {start_step} is not on a log.every_steps={interval} "
-                        "boundary; keep log.every_steps as it was when the run started")
+    skipped = nonfinite.load_skipped(saver.shared_dir)
 
     # ----- data ----------------------------------------------------------------
-    # Built after the restore so a resumed run continues in the epoch it left.
-    train_data, _ = data.build(config.data, cluster, train_cfg.batch_size, training=True,
-                               seed=config.seed, start_step=start_step)
+    def train_data(start_step):
+        """The training batches from `start_step` on: a pure function of the step."""
+        return data.build(config.data, cluster, train_cfg.batch_size, training=True,
+                          seed=config.seed, start_step=start_step, skip=skipped,
+                          example_log=os.path.join(workdir, "example_ids", "host")
+                          if config.data.log_example_ids else "")[0]
     eval_data, eval_steps = data.build(config.data, cluster, train_cfg.batch_size,
                                        training=False, max_eval_steps=train_cfg.eval_steps)
 
     # ----- fit -----------------------------------------------------------------
+    import tensorflow as tf
+    # What a collective raises when a peer host is gone (connection refused or
+    # reset, or MultiWorkerMirroredStrategy's health check gave up on it).
+    peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                    tf.errors.DeadlineExceededError, tf.errors.CancelledError)
     logger = callbacks.IntervalLogger(
-        steps_per_interval=interval, total_steps=train_cfg.steps, global_batch=train_cfg.batch_size,
+        total_steps=train_cfg.steps, global_batch=train_cfg.batch_size,
         tokens_per_example=builder.tokens_per_example(model_kwargs),
         flops_per_example=flops.training_flops_per_example(model),
         peak_flops=peak.peak_flops(cluster, performance.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
-    history = model.fit(
-        train_data, epochs=train_cfg.steps // interval, steps_per_epoch=interval,
-        initial_epoch=start_step // interval,
-        validation_data=eval_data, validation_steps=eval_steps,
-        validation_freq=train_cfg.eval_every // interval,
-        callbacks=[logger, checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)],
-        verbose=1 if sys.stdout.isatty() else 0)
+    run_callbacks = [logger, nonfinite.StopOnNonFinite(saver),
+                     preemption.SaveOnPreemption(saver, cluster),
+                     checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)]
+    while True:
+        start_step = saver.restore_latest()
+        if start_step == 0 and train_cfg.on_nonfinite == "restore_and_skip":
+            saver.save()  # something good to go back to
+        try:
+            history = _fit(model, config, start_step, train_data, eval_data, eval_steps,
+                           run_callbacks)
+            break
+        except nonfinite.NonFiniteLoss as diverged:
+            skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
+        except peer_errors as error:
+            if cluster.num_hosts == 1:
+                raise
+            raise UserError(f"lost contact with another host after step {saver.step} "
+                            f"({_peer_reason(error)}); the other hosts stop too; start every "
+                            "host again with the same command to resume from the last "
+                            "checkpoint") from None
 
     final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
     if final:
@@ -98,26 +127,144 @@ def train(config, workdir: str):
     return history
 
 
+def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callbacks):
+    """`model.fit` from `start_step` to `train.steps`, one Keras epoch per log interval.
+
+    A run preempted mid-interval first finishes that interval in a fit of its
+    own, so log lines, validations and checkpoints stay on the same steps.
+    """
+    train_cfg, interval = config.train, config.log.every_steps
+    boundary = -(-start_step // interval) * interval
+    fit = functools.partial(model.fit, callbacks=run_callbacks,
+                            verbose=1 if sys.stdout.isatty() else 0)
+    history = None
+    if boundary > start_step:
+        validate = boundary % train_cfg.eval_every == 0
+        history = fit(train_data(start_step), epochs=1, steps_per_epoch=boundary - start_step,
+                      validation_data=eval_data if validate else None, validation_steps=eval_steps)
+    if boundary < train_cfg.steps or history is None:
+        history = fit(train_data(boundary), epochs=train_cfg.steps // interval,
+                      steps_per_epoch=interval, initial_epoch=boundary // interval,
+                      validation_data=eval_data, validation_steps=eval_steps,
+                      validation_freq=train_cfg.eval_every // interval)
+    return history
+
+
+def _skip_or_stop(diverged, skipped, train_cfg, saver, cluster):
+    """Applies train.on_nonfinite: returns the batch positions to leave out, or raises."""
+    from tpu_keras import nonfinite
+    from tpu_keras.data.pipeline import position_of_step
+    if train_cfg.on_nonfinite == "stop" or len(skipped) >= train_cfg.max_nonfinite_skips:
+        limit = (f"after {len(skipped)} skipped batch(es), train.max_nonfinite_skips"
+                 if train_cfg.on_nonfinite != "stop" else "train.on_nonfinite='stop'")
+        last = saver.latest_saved_step()
+        kept = (f"the last good checkpoint (step {last}) is kept in {saver.shared_dir}"
+                if last is not None else "nothing was saved")
+        raise UserError(f"{diverged} ({limit}); {kept}; lower train.learning_rate or check the "
+                        "data, or set train.on_nonfinite='restore_and_skip' to leave such batches out")
+    positions = [position_of_step(step - 1, skipped) for step in range(diverged.first, diverged.last + 1)]
+    logging.warning("%s; going back to the last good checkpoint and leaving out batch(es) %s",
+                    diverged, positions)
+    skipped = sorted(skipped + positions)
+    if cluster.is_chief:
+        nonfinite.save_skipped(saver.shared_dir, skipped)
+    return skipped
+
+
+def _peer_reason(error) -> str:
+    """The first line of a collective's error, without TensorFlow's function-node prefix."""
+    text = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error)).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
 def _fingerprint(model) -> float:
     """The sum of all weights, computed where they live (sharded jax arrays span hosts)."""
     import keras
     return sum(float(keras.ops.convert_to_numpy(keras.ops.sum(w.value))) for w in model.weights)
 
 
+def _make_workdir(workdir: str) -> None:
+    """Creates the workdir (or finds it) and checks that this process can write there."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        if "://" not in workdir:
+            with tempfile.TemporaryFile(dir=workdir):
+                pass
+    except OSError as error:
+        raise UserError(f"cannot write to --workdir={workdir} ({error.strerror or error}); "
+                        "choose a directory you can create and write to") from None
+
+
 def _parse_flags(argv):
-    """absl flag parsing, with config typos and bad values turned into one line."""
+    """absl flag parsing, with config typos, bad values and broken config files turned into one line."""
     try:
         return flags.FLAGS(argv)
-    except (flags.Error, AttributeError, KeyError) as error:
-        message = " ".join(str(error).replace("\\n", " ").strip("'\"").split())
-        if "Traceback" in message:  # an exception inside the config file's get_config
-            message = f"{message.split(': ')[0]}: {re.findall(r'[A-Za-z]+(?:Error|Exception): (.*)', message)[-1]}"
-        typo = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', message)
-        if typo:
-            right, wrong = typo.groups()
-            override = next((a.split("=")[0] for a in argv if f".{wrong}" in a), wrong)
-            message = f"unknown config key in {override} (did you mean {right!r}?)"
-        _exit_with(message)
+    except Exception as error:  # also whatever the config file's own code raised
+        _exit_with(_flag_error(error, argv))
+
+
+def _flag_error(error, argv) -> str:
+    """The one line for a flag that absl or ml_collections refused, or a config file that failed."""
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    message = " ".join(str(text).replace("\\n", " ").split())
+    if "Traceback" in message:  # an exception inside the config file's get_config
+        reason = (re.findall(r"[A-Za-z]+(?:Error|Exception): (.*)", message) or [message])[-1]
+        cast = re.match(r"Could not override field '(\w+)' \(reference\)\. (.*) is of original "
+                        r"type <class '(\w+)'> and cannot be casted to type <class '(\w+)'>", reason)
+        if cast:
+            key, value, given, wanted = cast.groups()
+            line = re.findall(r'File "([^"]+)", line (\d+), in get_config', str(error))
+            where = f" ({line[-1][0]}, line {line[-1][1]})" if line else ""
+            reason = f"{key} takes {_a(wanted)}, not the {given} {value}{where}; set it to {_a(wanted)}"
+        message = f"{message.split(': ')[0]}: {reason}"
+    typo = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', message)
+    right, wrong = typo.groups() if typo else (None, message.strip("'\" "))
+    override = next((a.split("=")[0] for a in argv if a.startswith("--config.") and f".{wrong}" in a), None)
+    config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+    if typo or (override and isinstance(error, (AttributeError, KeyError))):  # an unknown key
+        where = override or f"{wrong!r} ({_where(error, config_arg).rstrip(': ') or config_arg})"
+        return f"unknown config key in {where} " + (
+            f"(did you mean {right!r}?)" if right else "(tpu_keras.config.defaults() lists every "
+            "key; model.* are the model builder's arguments)")
+    if not isinstance(error, flags.Error):  # raised by the config file's code: SyntaxError, ...
+        return (f"cannot load --config={config_arg}: {_where(error, config_arg)}"
+                f"{type(error).__name__}: {message}")
+    bad_value = re.match(r"flag --config\.([\w.]+)=(.*?): ", message)
+    current = _config_value(bad_value.group(1)) if bad_value else None
+    if current is not None:  # a value of the wrong type, such as --config.train.steps=abc
+        key, value = bad_value.groups()
+        if hasattr(current, "keys"):
+            keys = ", ".join(f"--config.{key}.{k}" for k in current.keys())
+            return (f"--config.{key}={value}: {key} is a section, not a value; set "
+                    + (f"its keys ({keys}) or " if keys else "") + "it in a config file")
+        kind = "true or false" if isinstance(current, bool) else _a(type(current).__name__)
+        example = "" if isinstance(current, bool) else f" such as {current!r}"
+        return f"--config.{key}={value} is not {kind}; set {key} to {kind}{example}"
+    return message
+
+
+def _config_value(key: str):
+    """The value `key` (e.g. 'train.steps') has in the loaded config, or None."""
+    try:
+        value = flags.FLAGS["config"].value
+        for part in key.split("."):
+            value = value[part]
+        return value
+    except Exception:  # the config did not load, or has no such key
+        return None
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _where(error, config_arg: str) -> str:
+    """'FILE, line N: ' for an exception raised by the config file's own code, or ''."""
+    path = os.path.abspath(config_arg.split(":", 1)[0])
+    if isinstance(error, SyntaxError) and error.lineno:
+        return ""  # its message already names the file and line
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == path]
+    return f"{config_arg.split(':', 1)[0]}, line {frames[-1].lineno}: " if frames else ""
 
 
 def _own_info_only(record) -> bool:
@@ -126,14 +273,25 @@ def _own_info_only(record) -> bool:
 
 
 def _exit_with(message: str):
-    print(f"error: {message}", file=sys.stderr)
+    """Ends the run with one `error: ...` line (after the traceback with --verbose); exit code 2."""
+    if sys.exc_info()[0] is not None and _verbose():
+        traceback.print_exc()
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)  # one line, always
     sys.exit(2)
+
+
+def _verbose() -> bool:
+    """--verbose, read from the command line itself when flag parsing failed before it."""
+    if flags.FLAGS.is_parsed():
+        return _VERBOSE.value
+    given = [a.lower() for a in sys.argv[1:] if a.lower().split("=")[0] in ("--verbose", "--noverbose")]
+    return bool(given) and given[-1] in ("--verbose", "--verbose=true", "--verbose=1")
 
 
 def main(argv):
     if len(argv) > 1:
         _exit_with(f"unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None or _WORKDIR.value is None:
+    if _CONFIG.value is None or not _WORKDIR.value:
         _exit_with("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().python_handler.addFilter(_own_info_only)
@@ -149,6 +307,9 @@ def main(argv):
         train(config, _WORKDIR.value)
     except UserError as error:
         _exit_with(str(error))
+    except Preempted as preempted:
+        print(f"preempted: {preempted}", file=sys.stderr)
+        sys.exit(Preempted.EXIT_CODE)
 
 
 if __name__ == "__main__":

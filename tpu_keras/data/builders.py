@@ -10,6 +10,7 @@ import tensorflow_datasets as tfds
 
 from tpu_keras.data.digits import Digits
 from tpu_keras.data.stdlib_bytes import StdlibBytes
+from tpu_keras.errors import UserError
 
 OFFLINE_BUILDERS = {"stdlib_bytes": StdlibBytes, "digits": Digits}
 LOCK_FILENAME = ".prepare.lock"
@@ -27,8 +28,13 @@ def _exclusive(data_dir: str):
     if "://" in data_dir:
         yield
         return
-    os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, LOCK_FILENAME), "a") as lock_file:
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        lock_file = open(os.path.join(data_dir, LOCK_FILENAME), "a")
+    except OSError as error:
+        raise UserError(f"cannot write to data.data_dir={data_dir!r} ({error.strerror or error}); "
+                        "set data.data_dir to a directory you can write to") from None
+    with lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             yield

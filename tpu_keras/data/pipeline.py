@@ -11,6 +11,13 @@ Training sees each example exactly once per epoch: an epoch is a seeded
 shuffle of the host's share, cut to the number of steps every host can fill.
 Evaluation sees every example exactly once: the last batches are padded to
 the static shape with rows of weight 0.
+
+Batch `k` of a run is a function of (seed, host, k) alone, so a resumed run
+rebuilds its input position from the step instead of saving an iterator. A
+batch that made the loss non-finite can be left out for good (`skip`): the
+run then trains on the next one in its place. With `example_log`, each host
+appends the ids of the examples in every training batch it builds to a file
+(`position id id ...`), to audit that none is lost or repeated.
 """
 
 import os
@@ -29,10 +36,11 @@ _ENDLESS = 2 ** 62
 
 
 def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
-          start_step: int = 0, max_eval_steps: int = 0):
+          start_step: int = 0, max_eval_steps: int = 0, skip=(), example_log: str = ""):
     """Returns `(distributed_dataset, steps)`; see `dataset_fn` for the arguments."""
     fn, steps = dataset_fn(config, cluster, global_batch, training=training, seed=seed,
-                           start_step=start_step, max_eval_steps=max_eval_steps)
+                           start_step=start_step, max_eval_steps=max_eval_steps, skip=skip,
+                           example_log=example_log)
     if cluster.strategy is None:  # jax: this host's pipeline, as Keras expects it
         return fn(tf.distribute.InputContext(cluster.input_pipelines, cluster.input_index,
                                              cluster.num_replicas)), steps
@@ -40,14 +48,16 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
 
 
 def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
-               start_step: int = 0, max_eval_steps: int = 0):
+               start_step: int = 0, max_eval_steps: int = 0, skip=(), example_log: str = ""):
     """Returns `(fn, steps)`: `fn(InputContext)` builds one host's tf.data pipeline.
 
     For training, `steps` is the number of steps in one epoch and the data
     repeats forever, starting at `start_step` (so a resumed run continues
-    where it stopped); for evaluation it is the number of steps that covers
-    the whole split, or `max_eval_steps` if that is smaller (the same batches
-    every time).
+    where it stopped) and leaving out the batch positions in `skip`; for
+    evaluation it is the number of steps that covers the whole split, or
+    `max_eval_steps` if that is smaller (the same batches every time).
+    `example_log` is a file name prefix: training appends the example ids
+    of every batch to `<example_log><host>.txt`.
     """
     if global_batch % cluster.num_replicas:
         raise UserError(
@@ -75,7 +85,8 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
         host = context.input_pipeline_id
         if training:
             ds = _epochs(plan, host, config, preprocess, per_yield, per_host // per_yield,
-                         steps, seed, start_step)
+                         steps, seed, start_step, sorted(skip),
+                         f"{example_log}{host}.txt" if example_log else "")
         else:
             examples = plan.read(host, config.deterministic)
             ds = _padded(examples.map(preprocess, num_parallel_calls=AUTOTUNE), steps * per_host)
@@ -105,7 +116,7 @@ def _epoch_seeds(seed: int, host: int, epoch):
 
 
 def _epochs(plan, host, config, preprocess, batch, batches_per_step, steps_per_epoch, seed,
-            start_step):
+            start_step, skip, example_log):
     """Endless epochs of `steps_per_epoch` x `batches_per_step` batches of `batch`
     examples, each epoch shuffled anew from (seed, host, epoch).
 
@@ -113,11 +124,19 @@ def _epochs(plan, host, config, preprocess, batch, batches_per_step, steps_per_e
     or resumes in it. Preprocessing runs on whole blocks. With `data.cache`
     the preprocessed blocks are kept in memory after the first epoch (for
     splits that fit); the file order is then fixed and only the example order
-    changes.
+    changes. Example ids, when logged, travel beside each block.
     """
+    with_ids = bool(example_log)
+    if with_ids:
+        tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(example_log)))
+
     def blocks(order_seed=None):
-        examples = plan.read(host, config.deterministic, order_seed=order_seed)
-        return examples.batch(config.shuffle_buffer).map(preprocess, num_parallel_calls=AUTOTUNE)
+        examples = plan.read(host, config.deterministic, order_seed=order_seed, with_ids=with_ids)
+        examples = examples.batch(config.shuffle_buffer)
+        if with_ids:
+            return examples.map(lambda block, ids: (preprocess(block), ids),
+                                num_parallel_calls=AUTOTUNE)
+        return examples.map(preprocess, num_parallel_calls=AUTOTUNE)
 
     cached = blocks().cache() if config.cache else None
 
@@ -127,9 +146,36 @@ def _epochs(plan, host, config, preprocess, batch, batches_per_step, steps_per_e
         examples = _shuffle_blocks(epoch_blocks, example_seed)
         return examples.rebatch(batch, drop_remainder=True).take(steps_per_epoch * batches_per_step)
 
-    first_epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    start = position_of_step(start_step, skip)
+    first_epoch, position_in_epoch = divmod(start, steps_per_epoch)
     epochs = tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(one_epoch)
-    return epochs.skip(step_in_epoch * batches_per_step)
+    batches = epochs.skip(position_in_epoch * batches_per_step)
+    if not skip and not with_ids:
+        return batches
+    # Each batch with its position: the step it feeds when nothing is skipped.
+    positions = tf.data.Dataset.range(start * batches_per_step, _ENDLESS).map(
+        lambda i: i // batches_per_step)
+    batches = tf.data.Dataset.zip(positions, batches)
+    if skip:
+        skipped = tf.constant(skip, tf.int64)
+        batches = batches.filter(lambda position, _: tf.reduce_all(position != skipped))
+    if with_ids:
+        def log(position, element):
+            examples, ids = element
+            tf.print(position, ids, output_stream=f"file://{os.path.abspath(example_log)}",
+                     summarize=-1)
+            return examples
+        return batches.map(log)
+    return batches.map(lambda position, examples: examples)
+
+
+def position_of_step(step: int, skip) -> int:
+    """The position of the batch that step `step` (0-based) trains on, given skipped positions."""
+    position = step
+    for skipped in sorted(skip):
+        if skipped <= position:
+            position += 1
+    return position
 
 
 def _shuffle_blocks(blocks, seed):

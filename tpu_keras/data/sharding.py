@@ -40,13 +40,14 @@ class Plan:
         """Steps that cover every host's last example (shorter hosts pad)."""
         return math.ceil(max(self.examples_of(h) for h in range(self.num_hosts)) / per_host_batch)
 
-    def read(self, host: int, deterministic: bool, order_seed=None) -> tf.data.Dataset:
+    def read(self, host: int, deterministic: bool, order_seed=None,
+             with_ids: bool = False) -> tf.data.Dataset:
         """This host's examples, decoded; `order_seed` permutes the files.
 
         The seed must be the same on every host: in the by-example fallback
         all hosts must see one order for `shard` to split it without overlap.
         """
-        examples = self.source.read(self.files_of(host), deterministic, order_seed)
+        examples = self.source.read(self.files_of(host), deterministic, order_seed, with_ids)
         return examples if self.by_file else examples.shard(self.num_hosts, host)
 
 

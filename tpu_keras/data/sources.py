@@ -38,25 +38,36 @@ class Source:
     def num_examples(self) -> int:
         return sum(f.take for f in self.files)
 
-    def read(self, files, deterministic: bool, order_seed=None) -> tf.data.Dataset:
+    def read(self, files, deterministic: bool, order_seed=None,
+             with_ids: bool = False) -> tf.data.Dataset:
         """Decoded examples of `files`, read and decoded in parallel.
 
         `order_seed` (a shape [2] tensor) permutes the files statelessly, so an
-        epoch's file order depends on nothing but the seed.
+        epoch's file order depends on nothing but the seed. `with_ids` pairs
+        each example with its id: its file's index in the source times 2**32
+        plus its record's index in that file.
         """
         files = list(files)
         columns = (tf.constant([f.path for f in files]),
                    tf.constant([f.skip for f in files], tf.int64),
-                   tf.constant([f.take for f in files], tf.int64))
+                   tf.constant([f.take for f in files], tf.int64),
+                   tf.constant([self.files.index(f) for f in files], tf.int64))
         if order_seed is not None:
             order = tf.random.experimental.stateless_shuffle(tf.range(len(files)), order_seed)
             columns = tuple(tf.gather(column, order) for column in columns)
-        slices = tf.data.Dataset.from_tensor_slices(columns)
-        records = slices.interleave(
-            lambda path, skip, take: tf.data.TFRecordDataset(path).skip(skip).take(take),
-            cycle_length=min(16, len(files)), num_parallel_calls=AUTOTUNE,
+
+        def records(path, skip, take, file_index):
+            file = tf.data.TFRecordDataset(path).skip(skip).take(take)
+            if not with_ids:
+                return file
+            ids = tf.data.Dataset.range(skip, skip + take).map(lambda i: file_index * 2 ** 32 + i)
+            return tf.data.Dataset.zip(file, ids)
+
+        read = tf.data.Dataset.from_tensor_slices(columns).interleave(
+            records, cycle_length=min(16, len(files)), num_parallel_calls=AUTOTUNE,
             deterministic=deterministic)
-        return records.map(self.decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+        decode = (lambda record, id_: (self.decode(record), id_)) if with_ids else self.decode
+        return read.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
 def open_source(config, training: bool) -> Source:
@@ -70,12 +81,14 @@ def open_source(config, training: bool) -> Source:
         if not pattern:
             raise UserError("data.eval_files is empty; set it to a glob of evaluation "
                             "TFRecord files (data.files is for training)")
-        return tfrecord_source(pattern, dict(config.features))
+        return tfrecord_source(pattern, dict(config.features),
+                               "data.files" if training else "data.eval_files")
     split = config.train_split if training else config.eval_split
-    return tfds_source(config.name, split, os.path.expanduser(config.data_dir))
+    return tfds_source(config.name, split, os.path.expanduser(config.data_dir),
+                       "data.train_split" if training else "data.eval_split")
 
 
-def tfds_source(name: str, split: str, data_dir: str) -> Source:
+def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split") -> Source:
     if not name:
         raise UserError("data.name and data.files are both empty; set data.name to a TFDS "
                         "name such as 'stdlib_bytes' or 'digits', or data.files to a glob")
@@ -85,11 +98,16 @@ def tfds_source(name: str, split: str, data_dir: str) -> Source:
         known = sorted(builders.OFFLINE_BUILDERS) + ["any TFDS dataset prepared under data.data_dir"]
         raise UserError(f"unknown dataset {name!r}{closest(name.split('/')[0], tfds.list_builders())}; "
                         f"use one of {known}") from None
+    if not builder.info.splits:
+        missing = "" if "://" in data_dir or os.path.isdir(data_dir) else " (no such directory)"
+        raise UserError(f"dataset {name!r} is not prepared in data.data_dir={data_dir!r}{missing}; "
+                        f"set data.data_dir to where it is, or prepare it there with "
+                        f"`tfds build {name} --data_dir={data_dir}`")
     try:
         split_info = builder.info.splits[split]
-    except (KeyError, ValueError) as error:
-        raise UserError(f"dataset {name!r} has no split {split!r} ({error}); it has "
-                        f"{sorted(builder.info.splits)}, and slices such as 'train[:90%]'") from None
+    except (KeyError, ValueError):
+        raise UserError(f"{split_key}={split!r}: dataset {name!r} has no such split; use one of "
+                        f"{sorted(builder.info.splits)}, or a slice such as 'train[:90%]'") from None
     files = tuple(FileSlice(f.filename, f.skip, f.take) for f in split_info.file_instructions)
     return Source(f"{name}[{split}]", files, builder.info.features.deserialize_example)
 
@@ -97,11 +115,12 @@ def tfds_source(name: str, split: str, data_dir: str) -> Source:
 _SPEC = re.compile(r"^(\w+)(?:\[([\d, ]*)\])?$")
 
 
-def tfrecord_source(pattern: str, features: dict) -> Source:
+def tfrecord_source(pattern: str, features: dict, key: str = "data.files") -> Source:
     """TFRecord files of tf.train.Examples; `features` maps names to 'int64', 'float32[4]', ..."""
     paths = sorted(globlib.glob(os.path.expanduser(pattern)))
     if not paths:
-        raise UserError(f"data.files={pattern!r} matches no file")
+        raise UserError(f"{key}={pattern!r} matches no file; set {key} to a glob of existing "
+                        "TFRecord files")
     if not features:
         raise UserError("data.features is empty; map each feature to a type such as "
                         "'int64' or 'float32[8,8]'")
@@ -123,4 +142,5 @@ def _count_records(path: str) -> int:
         return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64),
                                                         lambda n, _: n + 1))
     except tf.errors.DataLossError:
-        raise UserError(f"{path} is not a readable TFRecord file (corrupt or truncated)") from None
+        raise UserError(f"{path} is not a readable TFRecord file (corrupt or truncated); write "
+                        "it again, or leave it out of data.files") from None

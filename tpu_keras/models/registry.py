@@ -84,7 +84,13 @@ def build(model_config, cluster=None, layout_config=None) -> keras.Model:
     if cluster is not None:
         cluster.set_layout(placer)
     with cluster.scope() if cluster is not None else tf.distribute.get_strategy().scope():
-        model = distributed_steps(builder.make(**kwargs))
+        try:
+            made = builder.make(**kwargs)
+        except (TypeError, ValueError) as error:  # a model.* value the builder cannot use
+            reason = " ".join(str(error).split())[:300] or type(error).__name__
+            raise UserError(f"model {dict(model_config).get('name')!r} cannot be built "
+                            f"from model={kwargs} ({reason}); check the model.* values") from None
+        model = distributed_steps(made)
     placer.place_all(model.weights)  # on jax, already placed as they were created
     placer.check_all_rules_used()
     return model

@@ -1,0 +1,116 @@
+"""A run loses nothing: exact resume after kill -9 and SIGTERM, and atomic saves.
+
+A resumed run must end with the same weights (max abs difference <= 1e-6)
+as a run that went through, having trained on the same examples (see
+`resume` for the runs and how their example ids are compared).
+"""
+
+import glob
+import os
+import random
+import re
+import shutil
+import signal
+import time
+
+import pytest
+
+from conftest import train
+from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish, read_until,
+                    resumed_step, seen_over_the_run, start, train_args)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    """The uninterrupted run: (workdir, {position: ids})."""
+    workdir = tmp_path_factory.mktemp("reference")
+    train(DIGITS, workdir, f"--config.data.data_dir={data_dir}", *ARGS)
+    ids = example_ids(workdir / "example_ids")
+    assert sorted(ids) == [(0, position) for position in range(STEPS)]
+    return workdir, ids
+
+
+def interrupted_then_resumed(workdir, data_dir, interrupt, *, env=None):
+    """Starts a run, lets `interrupt(process)` stop it, then resumes it to the end.
+
+    Returns (first attempt's output, second attempt's output).
+    """
+    first = start(train_args(workdir, data_dir), **(env or {}))
+    try:
+        first_output = interrupt(first)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.wait()
+    os.rename(workdir / "example_ids", workdir / "example_ids.first")
+    second = train(DIGITS, workdir, f"--config.data.data_dir={data_dir}", *ARGS)
+    return first_output, second.stdout
+
+
+def test_kill_9_at_a_random_step_resumes_exactly(reference, tmp_path, data_dir):
+    boundary = random.choice([10, 20, 30])
+    delay = random.uniform(0, 0.5)
+
+    def kill(process):
+        lines = read_until(process, rf"step {boundary}/{STEPS}")
+        time.sleep(delay)
+        process.send_signal(signal.SIGKILL)
+        return "".join(lines)
+
+    _, output = interrupted_then_resumed(tmp_path, data_dir, kill)
+    resumed_at = resumed_step(output)
+    assert resumed_at >= boundary - 10, output[-2000:]
+    assert_same_weights(tmp_path, reference[0])
+    seen = seen_over_the_run(example_ids(tmp_path / "example_ids.first"),
+                             example_ids(tmp_path / "example_ids"), resumed_at)
+    assert seen == reference[1]
+
+
+def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, tmp_path, data_dir):
+    def terminate(process):
+        lines = read_until(process, rf"step 10/{STEPS}")
+        time.sleep(random.uniform(0, 0.3))
+        process.send_signal(signal.SIGTERM)
+        rest = finish(process)
+        assert process.returncode == 42, rest[-2000:]
+        return "".join(lines) + rest
+
+    first_output, output = interrupted_then_resumed(tmp_path, data_dir, terminate)
+    saved = int(re.search(r"saved a checkpoint at step (\d+) after SIGTERM", first_output).group(1))
+    assert saved % 2 == 0 and 10 < saved < STEPS, first_output[-2000:]  # a host-call boundary
+    assert resumed_step(output) == saved
+    # The log stays on its grid: a mid-interval resume first finishes the interval.
+    next_line = -(-(saved + 1) // 10) * 10
+    assert re.findall(rf"step (\d+)/{STEPS} \|", output) == [str(s) for s in range(next_line, STEPS + 1, 10)]
+    assert_same_weights(tmp_path, reference[0])
+    seen = seen_over_the_run(example_ids(tmp_path / "example_ids.first"),
+                             example_ids(tmp_path / "example_ids"), saved)
+    assert seen == reference[1]
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path, data_dir):
+    def kill_mid_save(process):
+        # Each save waits 3 s between writing its files and committing them.
+        read_until(process, r"saved checkpoint \S+ckpt-10")
+        deadline = time.time() + 120
+        while not (tmp_path / "checkpoints" / "ckpt-20.index").exists():
+            assert process.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        return ""
+
+    _, output = interrupted_then_resumed(tmp_path, data_dir, kill_mid_save,
+                                         env={"TPU_KERAS_TEST_SAVE_DELAY": "3"})
+    assert resumed_step(output) == 10, output[-2000:]
+    assert_same_weights(tmp_path, reference[0])
+
+
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference, tmp_path, data_dir):
+    shutil.copytree(reference[0] / "checkpoints", tmp_path / "checkpoints")
+    latest = glob.glob(str(tmp_path / "checkpoints" / f"ckpt-{STEPS}.data-*"))[0]
+    with open(latest, "r+b") as f:
+        f.truncate(100)
+    output = train(DIGITS, tmp_path, f"--config.data.data_dir={data_dir}", *ARGS).stdout
+    assert re.search(rf"ckpt-{STEPS} is unreadable .*trying the one before it", output), output[-2000:]
+    assert resumed_step(output) == 30
+    assert_same_weights(tmp_path, reference[0])
