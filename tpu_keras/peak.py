@@ -4,7 +4,8 @@ On CPU and GPU there is no honest published figure for "this machine", so
 the peak is a matmul ceiling measured once - a large square matmul in the
 run's dtype, timed at its best - and cached per machine, backend and dtype
 under `~/.cache/tpu_keras`. `TPU_KERAS_PEAK_FLOPS` overrides it (FLOP/s for
-the whole run). Published TPU peaks come with the topology table.
+the whole run). On TPU the peak is the published bf16 figure per device from
+`tpu_keras.topology`, the rate MFU is conventionally quoted against.
 """
 
 import json
@@ -14,19 +15,25 @@ import time
 
 from absl import logging
 
+from tpu_keras import topology
+
 PEAK_ENV = "TPU_KERAS_PEAK_FLOPS"
 _CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tpu_keras", "matmul_ceiling.json")
 
 
 def peak_flops(cluster, dtype: str = "float32") -> float:
-    """FLOP/s all of the run's devices can do at best (0.0 when unknown, e.g. on TPU for now)."""
+    """FLOP/s all of the run's devices can do at best (0.0 when unknown, e.g. an unknown TPU)."""
     if os.environ.get(PEAK_ENV):
         return float(os.environ[PEAK_ENV])
+    device = cluster.device_kind
+    devices = cluster.num_replicas * cluster.mesh["model"]
+    tpu = topology.generation_of_device_kind(device)
+    if tpu is not None:
+        return devices * tpu.peak_flops_per_device
     if cluster.kind == "tpu":
         return 0.0
-    device = cluster.device_kind
     # Logical CPU devices share one machine's cores: one ceiling per host.
-    units = cluster.num_hosts if "CPU" in device.upper() else cluster.num_replicas * cluster.mesh["model"]
+    units = cluster.num_hosts if "CPU" in device.upper() else devices
     return units * matmul_ceiling(dtype, cluster.engine, device)
 
 

@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# Create, reach and delete Cloud TPU VMs, and run one command on their workers.
+#
+# usage: scripts/tpu_vm.sh COMMAND NAME --zone=ZONE [options] [--dry-run]
+#
+#   create NAME --zone=Z --type=v4-32 [--version=RUNTIME] [--spot]
+#       Creates a slice. --spot asks for spot capacity through a queued
+#       resource, which waits until there is some. RUNTIME defaults to
+#       tpu-vm-tf-2.16.1-pjrt, or tpu-vm-tf-2.16.1-pod-pjrt for a slice of
+#       several hosts (more than 8 in the type's count).
+#   delete NAME --zone=Z [--spot]
+#       Deletes the slice; with --spot, its queued resource and the slice.
+#   ssh NAME --zone=Z [--worker=0]
+#       Opens a shell on one worker.
+#   copy NAME --zone=Z [--dir=tpu_keras] [--install]
+#       Copies this checkout (the package, configs, scripts and setup files)
+#       into DIR on every worker; --install then runs `pip install -e .` there.
+#   run NAME --zone=Z [--dir=tpu_keras] [--worker=all] [--tf-pod] [--env=K=V]... -- COMMAND...
+#       Runs COMMAND in DIR on every worker (or on --worker=N) with
+#       TPU_NAME=local: each worker drives its own chips, which is right for
+#       the jax engine and for any single-host slice. --tf-pod is for the tf
+#       engine on a slice of several hosts, where one TensorFlow process
+#       drives every host: it runs on worker 0 only, with TPU_NAME=NAME and
+#       TPU_LOAD_LIBRARY=0. --env adds variables to COMMAND's environment.
+#
+# Every command takes --project=P (else gcloud's default project) and
+# --dry-run: print the gcloud commands, one per line, and run nothing.
+# Options take --opt=value or --opt value. DIR is relative to the home
+# directory on the VMs. Everything after -- is COMMAND, passed on word for word.
+#
+# example (a v4-32, 4 hosts, tf engine):
+#   scripts/tpu_vm.sh create my-tpu --zone=us-central2-b --type=v4-32
+#   scripts/tpu_vm.sh copy my-tpu --zone=us-central2-b --install
+#   scripts/tpu_vm.sh run my-tpu --zone=us-central2-b --tf-pod -- \
+#       python3 -m tpu_keras.train --config=configs/lm_stdlib.py --workdir=gs://BUCKET/lm
+#   scripts/tpu_vm.sh delete my-tpu --zone=us-central2-b
+
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+readonly REPO
+# What a run needs on the VMs (setup.cfg reads README.md); tests, .git and
+# local outputs stay here.
+CHECKOUT=(setup.py setup.cfg README.md tpu_keras configs scripts)
+# TensorFlow runtimes are named tpu-vm-tf-X.Y.Z[-pod]-pjrt for v2 to v6e
+# (Cloud TPU docs, "TPU software versions"); -pod is the multi-host image,
+# which serves every host's chips to the one TensorFlow client on worker 0.
+# The newest tensorflow-tpu wheel is 2.20 (design brief, fact 8): pass a newer
+# image with --version when the docs list one, or install that wheel on the VMs.
+readonly DEFAULT_TF="2.16.1"
+
+COMMAND="" NAME="" ZONE="" TYPE="" VERSION="" PROJECT="" WORKER="" DIR="tpu_keras"
+SPOT=0 INSTALL=0 TF_POD=0 DRY_RUN=0 HAVE_REMOTE=0
+ENVS=() REMOTE=() SEEN=()
+
+usage() {
+  sed -n '2,/^$/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+}
+
+fail() {  # one line that says what to write instead; exit 2 like argparse
+  printf 'tpu_vm.sh: error: %s\n' "$*" >&2
+  exit 2
+}
+
+quote() {  # one word for a POSIX shell, quoted only when it has to be
+  local safe='^[A-Za-z0-9_./:=@%+,-]+$' option='^--[a-z][a-z0-9._-]*='
+  if [[ $1 =~ $safe ]]; then
+    printf '%s' "$1"
+  elif [[ $1 =~ $option ]]; then  # --command='...' reads better than '--command=...'
+    printf '%s' "${BASH_REMATCH[0]}"
+    quote "${1#"${BASH_REMATCH[0]}"}"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+words() {  # all arguments quoted, space-separated: a command line
+  local line="" word
+  for word in "$@"; do line+="${line:+ }$(quote "$word")"; done
+  printf '%s' "$line"
+}
+
+gcloud_do() {  # gcloud "$@" (plus --project), or just its line with --dry-run
+  local args=("$@")
+  if [[ -n $PROJECT ]]; then args+=("--project=$PROJECT"); fi
+  if (( DRY_RUN )); then
+    printf 'gcloud %s\n' "$(words "${args[@]}")"
+  else
+    printf '+ gcloud %s\n' "$(words "${args[@]}")" >&2
+    gcloud "${args[@]}"
+  fi
+}
+
+on_workers() {  # runs the shell line $2 on workers $1 of the slice
+  gcloud_do compute tpus tpu-vm ssh "$NAME" "--zone=$ZONE" "--worker=$1" "--command=$2"
+}
+
+# ---- subcommands -------------------------------------------------------------
+
+cmd_create() {
+  local version="${VERSION:-$(default_runtime "$TYPE")}"
+  if (( SPOT )); then
+    # Spot capacity comes through a queued resource; the node gets the same name.
+    gcloud_do compute tpus queued-resources create "$NAME" "--node-id=$NAME" "--zone=$ZONE" \
+      "--accelerator-type=$TYPE" "--runtime-version=$version" --spot
+  else
+    gcloud_do compute tpus tpu-vm create "$NAME" "--zone=$ZONE" \
+      "--accelerator-type=$TYPE" "--version=$version"
+  fi
+}
+
+default_runtime() {  # v4-8 -> tpu-vm-tf-2.16.1-pjrt, v4-32 -> tpu-vm-tf-2.16.1-pod-pjrt
+  # The count after the dash is TensorCores (v2-v4, v5p) or chips (v5e, v6e);
+  # either way a host has at most 8, so more than 8 means several hosts.
+  local count="${1##*-}" pod=""
+  if (( count > 8 )); then pod="-pod"; fi
+  printf 'tpu-vm-tf-%s%s-pjrt' "$DEFAULT_TF" "$pod"
+}
+
+cmd_delete() {
+  if (( SPOT )); then
+    # --force deletes the node the queued resource made, in whatever state.
+    gcloud_do compute tpus queued-resources delete "$NAME" "--zone=$ZONE" --force --quiet
+  else
+    gcloud_do compute tpus tpu-vm delete "$NAME" "--zone=$ZONE" --quiet
+  fi
+}
+
+cmd_ssh() {
+  gcloud_do compute tpus tpu-vm ssh "$NAME" "--zone=$ZONE" "--worker=${WORKER:-0}"
+}
+
+cmd_copy() {
+  local sources=() item
+  for item in "${CHECKOUT[@]}"; do sources+=("$REPO/$item"); done
+  # scp copies into DIR only if it exists, and then merges: a second copy
+  # updates the files instead of nesting a new tpu_keras/ inside the old one.
+  on_workers all "$(words mkdir -p "$DIR")"
+  gcloud_do compute tpus tpu-vm scp "${sources[@]}" "$NAME:$DIR" "--zone=$ZONE" \
+    --worker=all --recurse
+  if (( INSTALL )); then
+    on_workers all "$(words cd "$DIR") && $(words python3 -m pip install -e .)"
+  fi
+}
+
+cmd_run() {
+  local env=(TPU_NAME=local) worker="${WORKER:-all}"
+  if (( TF_POD )); then
+    # TensorFlow's TPUStrategy is single-client on a pod: worker 0 reaches every
+    # host's TPU server by the slice's name and must not open its chips itself.
+    env=("TPU_NAME=$NAME" TPU_LOAD_LIBRARY=0) worker=0
+  fi
+  env+=(${ENVS[@]+"${ENVS[@]}"})
+  on_workers "$worker" "$(words cd "$DIR") && $(words "${env[@]}" "${REMOTE[@]}")"
+}
+
+# ---- arguments ---------------------------------------------------------------
+
+parse() {
+  local positional=()
+  while (( $# )); do
+    case $1 in
+      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; break ;;
+      --help|-h) usage; exit 0 ;;
+      --dry-run) DRY_RUN=1 ;;
+      --spot) SPOT=1; SEEN+=("$1") ;;
+      --install) INSTALL=1; SEEN+=("$1") ;;
+      --tf-pod) TF_POD=1; SEEN+=("$1") ;;
+      --zone=*|--type=*|--version=*|--project=*|--worker=*|--dir=*|--env=*)
+        set_value "${1%%=*}" "${1#*=}" ;;
+      --zone|--type|--version|--project|--worker|--dir|--env)
+        if (( $# < 2 )) || [[ $2 == -* ]]; then fail "$1 needs a value: write $1=VALUE"; fi
+        set_value "$1" "$2"; shift ;;
+      -*) SEEN+=("${1%%=*}") ;;  # reported once the command, and so its options, is known
+      *) positional+=("$1") ;;
+    esac
+    shift
+  done
+  COMMAND="${positional[0]:-}"
+  NAME="${positional[1]:-}"
+  if (( ${#positional[@]} > 2 )); then
+    fail "unexpected argument '${positional[2]}'; options start with --, and a command to run goes after --"
+  fi
+}
+
+set_value() {
+  if [[ -z $2 ]]; then fail "$1 needs a value: write $1=VALUE"; fi
+  SEEN+=("$1")
+  case $1 in
+    --zone) ZONE=$2 ;;
+    --type) TYPE=$2 ;;
+    --version) VERSION=$2 ;;
+    --project) PROJECT=$2 ;;
+    --worker) WORKER=$2 ;;
+    --dir) DIR=${2#\~/} ;;  # the VMs' home is where ssh and scp start anyway
+    --env) ENVS+=("$2") ;;
+  esac
+}
+
+check() {  # the command exists, takes the options given, and has what it needs
+  local takes
+  case $COMMAND in
+    create) takes="--zone --type --version --spot" ;;
+    delete) takes="--zone --spot" ;;
+    ssh) takes="--zone --worker" ;;
+    copy) takes="--zone --dir --install" ;;
+    run) takes="--zone --dir --worker --tf-pod --env" ;;
+    "") fail "no command; write tpu_vm.sh create|delete|ssh|copy|run NAME --zone=ZONE ... (see --help)" ;;
+    *) fail "unknown command '$COMMAND'; use one of create, delete, ssh, copy, run (see --help)" ;;
+  esac
+  takes+=" --project"
+  local option
+  for option in ${SEEN[@]+"${SEEN[@]}"}; do
+    if [[ " $takes " != *" $option "* ]]; then
+      fail "$COMMAND does not take $option; it takes ${takes// /, } and --dry-run"
+    fi
+  done
+  local name_re='^[a-z]([-a-z0-9]*[a-z0-9])?$'
+  if [[ -z $NAME ]]; then
+    fail "$COMMAND needs the TPU's name: write tpu_vm.sh $COMMAND NAME --zone=ZONE ..."
+  elif ! [[ $NAME =~ $name_re ]]; then
+    fail "'$NAME' is not a TPU name; use lowercase letters, digits and dashes, e.g. my-tpu"
+  fi
+  if [[ -z $ZONE ]]; then
+    fail "$COMMAND needs the TPU's zone: add --zone=ZONE, e.g. --zone=us-central2-b"
+  fi
+  if [[ $COMMAND == create ]]; then
+    local type_re='^[a-z0-9]+-[0-9]+$'
+    if [[ -z $TYPE ]]; then
+      fail "create needs the slice type: add --type=TYPE, e.g. --type=v4-32"
+    elif ! [[ $TYPE =~ $type_re ]]; then
+      fail "--type=$TYPE is not an accelerator type; write e.g. --type=v4-32, v5litepod-16 or v5p-64"
+    fi
+  fi
+  if [[ -n $WORKER && ! $WORKER =~ ^(all|[0-9]+)$ ]]; then
+    fail "--worker=$WORKER is not a worker; write --worker=N (0 is the first) or --worker=all"
+  fi
+  if [[ $COMMAND == ssh && $WORKER == all ]]; then
+    fail "ssh opens one worker; write --worker=N, or use run to reach them all"
+  fi
+  if (( TF_POD )) && [[ -n $WORKER ]]; then
+    fail "--tf-pod runs on worker 0; leave out --worker=$WORKER"
+  fi
+  local env_re='^[A-Za-z_][A-Za-z0-9_]*='
+  local env
+  for env in ${ENVS[@]+"${ENVS[@]}"}; do
+    if ! [[ $env =~ $env_re ]]; then fail "--env=$env is not a variable; write --env=NAME=VALUE"; fi
+  done
+  if [[ $COMMAND == run ]] && (( ${#REMOTE[@]} == 0 )); then
+    fail "run needs the command after --: write tpu_vm.sh run $NAME --zone=$ZONE -- python3 -m tpu_keras.train ..."
+  fi
+  if [[ $COMMAND != run ]] && (( HAVE_REMOTE )); then
+    fail "only run takes a command after --; leave it out of $COMMAND"
+  fi
+}
+
+main() {
+  if (( $# == 0 )); then usage; exit 0; fi
+  parse "$@"
+  check
+  "cmd_$COMMAND"
+}
+
+main "$@"

@@ -1,0 +1,200 @@
+"""scripts/tpu_vm.sh: the exact gcloud commands it runs, recorded by a fake gcloud.
+
+Each case runs twice: with --dry-run (stdout holds the command lines and gcloud
+is never called) and for real, against a fake `gcloud` first on PATH that
+appends its arguments, as one JSON list per line, to $FAKE_GCLOUD_LOG.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+ZONE = "us-central2-b"
+TRAIN = ["python3", "-m", "tpu_keras.train", "--config=configs/lm_stdlib.py",
+         "--workdir=gs://my-bucket/lm"]
+FAKE_GCLOUD = f"""#!{sys.executable}
+import json, os, sys
+with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+sys.exit(int(os.environ.get("FAKE_GCLOUD_EXIT", "0")))
+"""
+
+
+def _checkout(*items):
+    return " ".join(shlex.quote(str(REPO / item)) for item in items)
+
+
+CASES = {
+    "create": (
+        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32"],
+        ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
+         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.16.1-pod-pjrt"]),
+    "create_one_host_with_project": (
+        ["create", "my-tpu", "--zone", ZONE, "--type", "v5litepod-8", "--project=my-project"],
+        ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
+         "--accelerator-type=v5litepod-8 --version=tpu-vm-tf-2.16.1-pjrt --project=my-project"]),
+    "create_spot": (
+        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--spot",
+         "--version=tpu-vm-tf-2.18.0-pod-pjrt"],
+        ["gcloud compute tpus queued-resources create my-tpu --node-id=my-tpu "
+         "--zone=us-central2-b --accelerator-type=v4-32 "
+         "--runtime-version=tpu-vm-tf-2.18.0-pod-pjrt --spot"]),
+    "run_on_every_worker": (
+        ["run", "my-tpu", f"--zone={ZONE}", "--",
+         *TRAIN, "--config.engine=jax", "--config.cluster.tpu=local"],
+        ["gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b --worker=all "
+         "--command='cd tpu_keras && TPU_NAME=local python3 -m tpu_keras.train "
+         "--config=configs/lm_stdlib.py --workdir=gs://my-bucket/lm "
+         "--config.engine=jax --config.cluster.tpu=local'"]),
+    "run_tf_pod": (
+        ["run", "my-tpu", f"--zone={ZONE}", "--tf-pod", "--dir=~/code",
+         "--env=TF_CPP_MIN_LOG_LEVEL=1", "--", *TRAIN],
+        ["gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b --worker=0 "
+         "--command='cd code && TPU_NAME=my-tpu TPU_LOAD_LIBRARY=0 TF_CPP_MIN_LOG_LEVEL=1 "
+         "python3 -m tpu_keras.train --config=configs/lm_stdlib.py "
+         "--workdir=gs://my-bucket/lm'"]),
+    "copy_and_install": (
+        ["copy", "my-tpu", f"--zone={ZONE}", "--install"],
+        ["gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b --worker=all "
+         "--command='mkdir -p tpu_keras'",
+         "gcloud compute tpus tpu-vm scp "
+         + _checkout("setup.py", "setup.cfg", "README.md", "tpu_keras", "configs", "scripts")
+         + " my-tpu:tpu_keras --zone=us-central2-b --worker=all --recurse",
+         "gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b --worker=all "
+         "--command='cd tpu_keras && python3 -m pip install -e .'"]),
+    "ssh": (
+        ["ssh", "my-tpu", f"--zone={ZONE}", "--worker=3"],
+        ["gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b --worker=3"]),
+    "delete": (
+        ["delete", "my-tpu", f"--zone={ZONE}"],
+        ["gcloud compute tpus tpu-vm delete my-tpu --zone=us-central2-b --quiet"]),
+    "delete_spot": (
+        ["delete", "my-tpu", f"--zone={ZONE}", "--spot", "--project=my-project"],
+        ["gcloud compute tpus queued-resources delete my-tpu --zone=us-central2-b "
+         "--force --quiet --project=my-project"]),
+}
+
+
+@pytest.fixture
+def tpu_vm(tmp_path):
+    """Runs scripts/tpu_vm.sh with the fake gcloud; returns (result, recorded argv lists)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+    (bin_dir / "gcloud").chmod(0o755)
+    log = tmp_path / "gcloud.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "FAKE_GCLOUD_LOG": str(log)}
+
+    def call(*args, shell_line=None, gcloud_exit=0):
+        argv = ["bash", "-c", shell_line] if shell_line else ["bash", "scripts/tpu_vm.sh", *args]
+        result = subprocess.run(argv, cwd=REPO, env={**env, "FAKE_GCLOUD_EXIT": str(gcloud_exit)},
+                                capture_output=True, text=True, timeout=30)
+        calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        log.unlink(missing_ok=True)
+        return result, calls
+
+    return call
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dry_run_prints_the_exact_commands(tpu_vm, case):
+    args, lines = CASES[case]
+    result, calls = tpu_vm(args[0], "--dry-run", *args[1:])  # after --, it would be COMMAND's
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(line + "\n" for line in lines)
+    assert calls == []  # nothing ran
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_runs_the_same_commands(tpu_vm, case):
+    args, lines = CASES[case]
+    result, calls = tpu_vm(*args)
+    assert result.returncode == 0, result.stderr
+    assert calls == [shlex.split(line)[1:] for line in lines]
+    assert result.stderr.splitlines() == ["+ " + line for line in lines]  # it shows what it runs
+
+
+def test_dry_run_lines_run_as_printed(tpu_vm):
+    """A printed line, pasted into a shell, passes gcloud the same arguments."""
+    args = ["run", "my-tpu", f"--zone={ZONE}", "--", "python3", "-c", "print('hi')", "a b"]
+    printed, _ = tpu_vm("--dry-run", *args)
+    _, pasted = tpu_vm(shell_line=printed.stdout)
+    _, ran = tpu_vm(*args)
+    assert pasted == ran
+    assert ran[0][-1] == ("--command=cd tpu_keras && TPU_NAME=local "
+                          "python3 -c 'print('\\''hi'\\'')' 'a b'")
+
+
+def test_dry_run_anywhere_before_double_dash(tpu_vm):
+    for args in (["--dry-run", "delete", "my-tpu", f"--zone={ZONE}"],
+                 ["delete", "my-tpu", "--dry-run", f"--zone={ZONE}"]):
+        result, calls = tpu_vm(*args)
+        assert result.stdout == "gcloud compute tpus tpu-vm delete my-tpu --zone=us-central2-b --quiet\n"
+        assert calls == []
+    # After --, it is a word of the command to run.
+    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--", "./plan.sh", "--dry-run")
+    assert calls[0][-1] == "--command=cd tpu_keras && TPU_NAME=local ./plan.sh --dry-run"
+
+
+def test_stops_at_a_failing_command_with_its_exit_code(tpu_vm):
+    """A run preempted on the VM (exit 42) ends the script with 42; copy stops at a failure."""
+    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--", *TRAIN, gcloud_exit=42)
+    assert result.returncode == 42 and len(calls) == 1
+    result, calls = tpu_vm("copy", "my-tpu", f"--zone={ZONE}", "--install", gcloud_exit=1)
+    assert result.returncode == 1 and len(calls) == 1
+
+
+def test_run_passes_every_word_unchanged(tpu_vm, tmp_path):
+    """The VM's shell sees COMMAND's words exactly: quotes, $, spaces, empty words."""
+    words = ["it's", "$HOME", "", "a  b", "*", "x;y", "--flag='q'"]
+    probe = "import json, os, sys; print(json.dumps([os.environ['TPU_NAME'], *sys.argv[1:]]))"
+    _, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--", sys.executable, "-c", probe, *words)
+    remote = calls[0][-1].removeprefix("--command=")
+    vm_home = tmp_path / "vm_home"
+    (vm_home / "tpu_keras").mkdir(parents=True)
+    seen = subprocess.run(["bash", "-c", remote], cwd=vm_home, capture_output=True, text=True,
+                          timeout=30, check=True).stdout
+    assert json.loads(seen) == ["local", *words]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["crate", "my-tpu", f"--zone={ZONE}"], "unknown command 'crate'; use one of create,"),
+    (["create", f"--zone={ZONE}", "--type=v4-32"], "create needs the TPU's name"),
+    (["run", "my-tpu", "--", "ls"], "run needs the TPU's zone: add --zone=ZONE"),
+    (["create", "my-tpu", f"--zone={ZONE}"], "add --type=TYPE, e.g. --type=v4-32"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=v4"], "--type=v4 is not an accelerator type"),
+    (["run", "my-tpu", f"--zone={ZONE}", "--zoen=x", "--", "ls"],
+     "run does not take --zoen; it takes --zone,"),
+    (["ssh", "my-tpu", f"--zone={ZONE}", "--spot"], "ssh does not take --spot"),
+    (["run", "my-tpu", f"--zone={ZONE}"], "run needs the command after --"),
+    (["run", "my-tpu", "--zone", "--", "ls"], "--zone needs a value: write --zone=VALUE"),
+    (["run", "my-tpu", f"--zone={ZONE}", "--tf-pod", "--worker=2", "--", "ls"],
+     "--tf-pod runs on worker 0; leave out --worker=2"),
+    (["delete", "my-tpu", f"--zone={ZONE}", "--", "ls"], "only run takes a command after --"),
+])
+def test_bad_usage_is_one_line_and_exit_2(tpu_vm, args, fragment):
+    for extra in ([], ["--dry-run"]):
+        result, calls = tpu_vm(*extra, *args)
+        assert result.returncode == 2
+        assert result.stdout == ""
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tpu_vm.sh: error: "), result.stderr
+        assert fragment in lines[0]
+        assert calls == []
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["run", "--help"]])
+def test_help_prints_usage(tpu_vm, args):
+    result, calls = tpu_vm(*args)
+    assert result.returncode == 0
+    assert result.stdout.startswith("Create, reach and delete Cloud TPU VMs")
+    for command in ("create NAME", "delete NAME", "ssh NAME", "copy NAME", "run NAME", "--dry-run"):
+        assert command in result.stdout
+    assert calls == []

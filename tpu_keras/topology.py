@@ -1,0 +1,206 @@
+"""What each TPU generation and slice offers, from Google's public Cloud TPU pages.
+
+MFU needs the published peak FLOP/s of the chips a run is on, memory planning
+needs HBM per device, and launching needs to know how many hosts (TPU VMs, one
+process each) a slice name such as `v4-32` stands for. TPU names are easy to
+misread: the number after the dash counts TensorCores on v2, v3, v4 and v5p but
+chips on v5e and v6e, and a v4 (or v5p) chip has 2 TensorCores presented as
+ONE device (megacore), not 4 cores as the seed text said - see DESIGN.md.
+Importing this module must stay cheap: standard library only, no TensorFlow.
+"""
+
+import dataclasses
+import re
+from typing import Optional, Tuple
+
+from tpu_keras.errors import UserError, closest
+
+GiB = 2 ** 30
+TERA = 10 ** 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """Per-chip figures of one TPU generation; every number is per CHIP unless named per device."""
+
+    name: str                          # 'v5e'
+    prefix: str                        # what gcloud writes before the dash: 'v5litepod'
+    aliases: Tuple[str, ...]           # other prefixes users write: 'v5e'
+    tensorcores_per_chip: int
+    devices_per_chip: int              # TF/JAX devices: 1 on megacore chips (v4, v5p)
+    chips_per_host: int                # chips per TPU VM (one process) in a multi-host slice
+    max_single_host_chips: int         # the largest slice that is one VM
+    hbm_bytes_per_chip: int
+    peak_bf16_flops_per_chip: float
+    pod_chips: int                     # chips in a whole pod
+    max_slice_chips: int               # the largest single slice Cloud TPU offers
+    name_counts: str                   # what the number in 'v4-32' counts: 'TensorCores' or 'chips'
+    sizes: Tuple[int, ...] = ()        # documented slice numbers; () = any whole number of hosts
+    device_kinds: Tuple[str, ...] = ()  # jax `device_kind` / TF names, lower case, without 'TPU '
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return self.hbm_bytes_per_chip // self.devices_per_chip
+
+    @property
+    def peak_flops_per_device(self) -> float:
+        """Peak bf16 FLOP/s of one TF/JAX device (half a chip on v2/v3, a whole chip elsewhere)."""
+        return self.peak_bf16_flops_per_chip / self.devices_per_chip
+
+    @property
+    def name_units_per_chip(self) -> int:
+        """How much one chip adds to the number in a slice name (2 for 'v4-8' = 4 chips)."""
+        return self.tensorcores_per_chip if self.name_counts == "TensorCores" else 1
+
+
+GENERATIONS = {g.name: g for g in (
+    # https://cloud.google.com/tpu/docs/v2 and /system-architecture-tpu-vm: 2 TensorCores per
+    # chip, each its own device; 8 GiB HBM per TensorCore = 16 GiB per chip; 4 chips per host
+    # (v2-8 is one host). 45 TFLOP/s bf16 per chip = 180 per 4-chip board (Google's launch
+    # figure; Jouppi et al., CACM 2020, linked from the v2 page, lists 46). Largest type v2-512
+    # = 512 TensorCores = 256 chips (the v2 page's "512 chips" counts TensorCores).
+    Generation("v2", "v2", (), tensorcores_per_chip=2, devices_per_chip=2, chips_per_host=4,
+               max_single_host_chips=4, hbm_bytes_per_chip=16 * GiB,
+               peak_bf16_flops_per_chip=45 * TERA, pod_chips=256, max_slice_chips=256,
+               name_counts="TensorCores", sizes=(8, 32, 128, 256, 512),  # types the v2 page lists
+               device_kinds=("v2",)),
+    # https://cloud.google.com/tpu/docs/v3: 2 TensorCores per chip (each its own device);
+    # "123 teraflops (bf16)" and "32 GiB" HBM2 per chip (16 GiB per TensorCore); pod 1024 chips
+    # = v3-2048; 4 chips per host (/system-architecture-tpu-vm).
+    Generation("v3", "v3", (), tensorcores_per_chip=2, devices_per_chip=2, chips_per_host=4,
+               max_single_host_chips=4, hbm_bytes_per_chip=32 * GiB,
+               peak_bf16_flops_per_chip=123 * TERA, pod_chips=1024, max_slice_chips=1024,
+               name_counts="TensorCores", sizes=(8, 32, 64, 128, 256, 512, 1024, 2048),
+               device_kinds=("v3",)),
+    # https://cloud.google.com/tpu/docs/v4: 2 TensorCores per chip presented as one device
+    # (megacore); "275 teraflops (bf16 or int8)" and "32 GiB" HBM2 per chip; "TPU Pod size 4096
+    # chips" (= v4-8192; the page names no smaller largest slice); 4 chips per host.
+    Generation("v4", "v4", (), tensorcores_per_chip=2, devices_per_chip=1, chips_per_host=4,
+               max_single_host_chips=4, hbm_bytes_per_chip=32 * GiB,
+               peak_bf16_flops_per_chip=275 * TERA, pod_chips=4096, max_slice_chips=4096,
+               name_counts="TensorCores", device_kinds=("v4",)),
+    # https://cloud.google.com/tpu/docs/v5e: 1 TensorCore per chip; "197 TFLOPs" bf16 and
+    # "16 GB" HBM2 per chip (16 GiB: the runtime reports ~15.75 GiB usable, more than 16e9 B);
+    # pod 256 chips. A v5e machine holds 8 chips ("Chips per host: 8"), but only v5litepod-1/-4/-8
+    # are one VM; multi-host slices are 4-chip VMs (ct5lp-hightpu-4t), so v5litepod-16 has 4
+    # workers (the page's "Number of hosts: 2" counts 8-chip machines; see the v6e page's VMs
+    # column, and github.com/AI-Hypercomputer/xpk src/xpk/core/system_characteristics.py).
+    Generation("v5e", "v5litepod", ("v5e", "v5lite"), tensorcores_per_chip=1, devices_per_chip=1,
+               chips_per_host=4, max_single_host_chips=8, hbm_bytes_per_chip=16 * GiB,
+               peak_bf16_flops_per_chip=197 * TERA, pod_chips=256, max_slice_chips=256,
+               name_counts="chips", sizes=(1, 4, 8, 16, 32, 64, 128, 256),
+               device_kinds=("v5 lite", "v5lite", "v5e", "v5litepod")),
+    # https://cloud.google.com/tpu/docs/v5p: "Number of TensorCores per chip 2" (one megacore
+    # device, like v4); "459" TFLOP/s bf16 and "95" GiB HBM per chip; 8960 chips per pod, but
+    # "the maximum v5p shape is 16x16x24 (6144 chips)" = v5p-12288; 4-chip VMs.
+    Generation("v5p", "v5p", (), tensorcores_per_chip=2, devices_per_chip=1, chips_per_host=4,
+               max_single_host_chips=4, hbm_bytes_per_chip=95 * GiB,
+               peak_bf16_flops_per_chip=459 * TERA, pod_chips=8960, max_slice_chips=6144,
+               name_counts="TensorCores", device_kinds=("v5", "v5p")),
+    # https://cloud.google.com/tpu/docs/v6e (Trillium): 1 TensorCore per chip; "918 TFLOPs" bf16
+    # and "32 GB" HBM per chip (32 GiB: v6e devices report 33550237696 B, more than 32e9);
+    # pod 256 chips. Supported-configurations table: v6e-1/-4/-8 are one VM; multi-host slices
+    # have 2 VMs of 4 chips per 8-chip host, e.g. 4x4 = 16 chips, 2 hosts, 4 VMs.
+    Generation("v6e", "v6e", ("trillium",), tensorcores_per_chip=1, devices_per_chip=1,
+               chips_per_host=4, max_single_host_chips=8, hbm_bytes_per_chip=32 * GiB,
+               peak_bf16_flops_per_chip=918 * TERA, pod_chips=256, max_slice_chips=256,
+               name_counts="chips", sizes=(1, 4, 8, 16, 32, 64, 128, 256),
+               device_kinds=("v6 lite", "v6lite", "v6e", "trillium")),
+)}
+# Newer generations (e.g. Ironwood, tpu7x) are left out until their per-device figures are
+# published in the same form.
+
+_BY_PREFIX = {p: g for g in GENERATIONS.values() for p in (g.prefix, *g.aliases)}
+_BY_DEVICE_KIND = {k: g for g in GENERATIONS.values() for k in g.device_kinds}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A slice such as `v4-32`: hosts are TPU VMs (workers), each running one process."""
+
+    name: str  # canonical accelerator type, e.g. 'v5litepod-16' for 'v5e-16'
+    generation: Generation
+    chips: int
+
+    @property
+    def hosts(self) -> int:
+        gen = self.generation
+        return 1 if self.chips <= gen.max_single_host_chips else self.chips // gen.chips_per_host
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.chips // self.hosts
+
+    @property
+    def tensorcores(self) -> int:
+        return self.chips * self.generation.tensorcores_per_chip
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.generation.devices_per_chip
+
+    @property
+    def devices_per_host(self) -> int:
+        return self.devices // self.hosts
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return self.generation.hbm_bytes_per_device
+
+    @property
+    def peak_flops_per_device(self) -> float:
+        return self.generation.peak_flops_per_device
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak bf16 FLOP/s of the whole slice."""
+        return self.devices * self.peak_flops_per_device
+
+
+def parse_slice(name: str) -> Slice:
+    """The slice an accelerator type names ('v4-32', 'v5litepod-16', 'v5e-16', 'v6e-256').
+
+    Raises a one-line `UserError` for an unknown generation or a size that
+    generation does not come in.
+    """
+    text = str(name).strip().lower()
+    match = re.fullmatch(r"(v\w+?)-(\d+)", text)
+    gen = _BY_PREFIX.get(match.group(1)) if match else None
+    if gen is None:
+        number = match.group(2) if match else "8"
+        unknown_version = bool(match) and re.fullmatch(r"v\d+", match.group(1))  # 'v9': no typo
+        candidates = [] if unknown_version else [f"{p}-{number}" for p in _BY_PREFIX]
+        suggestion = closest(text, candidates)
+        raise UserError(f"unknown TPU slice {name!r}{suggestion}: write <generation>-<size> "
+                        f"like v4-32 or v5litepod-16, with a generation of {_generation_list()}")
+    number = int(match.group(2))
+    unit = gen.name_units_per_chip
+    largest = gen.max_slice_chips * unit
+    if gen.sizes:
+        valid = number in gen.sizes
+        allowed = ", ".join(f"{gen.prefix}-{n}" for n in gen.sizes)
+    else:
+        step = gen.chips_per_host * unit
+        valid = number % step == 0 and 0 < number <= largest
+        allowed = f"a multiple of {step} from {gen.prefix}-{step} to {gen.prefix}-{largest}"
+    if not valid:
+        per_chip = (f", {gen.tensorcores_per_chip} per chip" if gen.name_counts == "TensorCores"
+                    else "")
+        raise UserError(f"TPU slice {name!r} does not exist: the number after '{match.group(1)}-' "
+                        f"counts {gen.name_counts}{per_chip}; write {allowed}")
+    return Slice(f"{gen.prefix}-{number}", gen, number // unit)
+
+
+def generation_of_device_kind(kind: str) -> Optional[Generation]:
+    """The generation of a device kind such as 'TPU v4', 'TPU v5 lite', '8 x TPU v6e' or
+    'TPU v5litepod-16'; None when it is not a TPU generation in the table."""
+    text = re.sub(r"^\d+\s*x\s*", "", str(kind).strip().lower())  # Cluster.device_kind: '8 x ...'
+    text = re.sub(r"^(cloud\s+)?tpu[\s_-]*", "", text)
+    text = re.sub(r"-\d+$", "", text)  # an accelerator type: 'v4-32'
+    text = " ".join(text.split())
+    return _BY_DEVICE_KIND.get(text) or _BY_PREFIX.get(text)
+
+
+def _generation_list() -> str:
+    return ", ".join(f"{g.prefix} ({g.name})" if g.prefix != g.name else g.name
+                     for g in GENERATIONS.values())
