@@ -110,4 +110,6 @@ def seen_over_the_run(first_attempt, second_attempt, resumed_at):
 
 
 def resumed_step(output):
-    return int(re.search(r"resumed from \S+ckpt-(\d+) at step", output).group(1))
+    """The step a run resumed from; 0 if it was killed before its first checkpoint."""
+    resumed = re.search(r"resumed from \S+ckpt-(\d+) at step", output)
+    return int(resumed.group(1)) if resumed else 0

@@ -47,6 +47,14 @@ def interrupted_then_resumed(workdir, data_dir, interrupt, *, env=None):
     return first_output, second.stdout
 
 
+def assert_resumed_exactly(workdir, reference, resumed_at):
+    """The same final weights as the reference, and the same examples at every step."""
+    assert_same_weights(workdir, reference[0])
+    seen = seen_over_the_run(example_ids(workdir / "example_ids.first"),
+                             example_ids(workdir / "example_ids"), resumed_at)
+    assert seen == reference[1]
+
+
 def test_kill_9_at_a_random_step_resumes_exactly(reference, tmp_path, data_dir):
     boundary = random.choice([10, 20, 30])
     delay = random.uniform(0, 0.5)
@@ -60,16 +68,13 @@ def test_kill_9_at_a_random_step_resumes_exactly(reference, tmp_path, data_dir):
     _, output = interrupted_then_resumed(tmp_path, data_dir, kill)
     resumed_at = resumed_step(output)
     assert resumed_at >= boundary - 10, output[-2000:]
-    assert_same_weights(tmp_path, reference[0])
-    seen = seen_over_the_run(example_ids(tmp_path / "example_ids.first"),
-                             example_ids(tmp_path / "example_ids"), resumed_at)
-    assert seen == reference[1]
+    assert_resumed_exactly(tmp_path, reference, resumed_at)
 
 
 def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, tmp_path, data_dir):
     def terminate(process):
         lines = read_until(process, rf"step 10/{STEPS}")
-        time.sleep(random.uniform(0, 0.3))
+        time.sleep(random.uniform(0, 0.1))  # well before step 40
         process.send_signal(signal.SIGTERM)
         rest = finish(process)
         assert process.returncode == 42, rest[-2000:]
@@ -82,10 +87,7 @@ def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, 
     # The log stays on its grid: a mid-interval resume first finishes the interval.
     next_line = -(-(saved + 1) // 10) * 10
     assert re.findall(rf"step (\d+)/{STEPS} \|", output) == [str(s) for s in range(next_line, STEPS + 1, 10)]
-    assert_same_weights(tmp_path, reference[0])
-    seen = seen_over_the_run(example_ids(tmp_path / "example_ids.first"),
-                             example_ids(tmp_path / "example_ids"), saved)
-    assert seen == reference[1]
+    assert_resumed_exactly(tmp_path, reference, saved)
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path, data_dir):
@@ -102,7 +104,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference,
     _, output = interrupted_then_resumed(tmp_path, data_dir, kill_mid_save,
                                          env={"TPU_KERAS_TEST_SAVE_DELAY": "3"})
     assert resumed_step(output) == 10, output[-2000:]
-    assert_same_weights(tmp_path, reference[0])
+    assert_resumed_exactly(tmp_path, reference, 10)
 
 
 def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference, tmp_path, data_dir):
