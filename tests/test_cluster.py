@@ -1,7 +1,7 @@
-"""connect() on this machine, and the TPU layer at its boundary."""
+"""connect() on this machine (the TPU layer: test_tpu_boundary.py)."""
 
+import json
 import sys
-import threading
 
 import pytest
 
@@ -27,42 +27,31 @@ def test_unknown_strategy_is_a_user_error():
         cluster.connect({"strategy": "mirorred"})
 
 
-def test_tpu_detection_needs_a_name_or_device_files(monkeypatch):
-    from tpu_keras import tpu
-    monkeypatch.delenv("TPU_NAME", raising=False)
-    assert not tpu.is_present("")
-    assert tpu.is_present("my-tpu")
-    monkeypatch.setenv("TPU_NAME", "pod-1")
-    assert tpu.is_present("")
+def _info_lines(output):
+    """{host index: info dict} from `tpu_keras.info --json` lines, prefixed or not."""
+    found = {}
+    for line in output.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[host ") else line
+        if body.startswith("{"):
+            info = json.loads(body)
+            found[info["host_index"]] = info
+    return found
 
 
-class UnreachableResolver:
-    """Stands in for TPUClusterResolver when the TPU's endpoint cannot be resolved."""
-
-    def __init__(self, tpu, zone, project):
-        raise ValueError(f"Could not lookup TPU {tpu} in zone {zone}")
-
-
-def test_unreachable_tpu_is_one_line_that_says_what_to_check():
-    from tpu_keras import tpu
-    from tpu_keras.errors import UserError
-    with pytest.raises(UserError) as error:
-        tpu.initialize("my-tpu", "us-central2-b", "proj", resolver_cls=UnreachableResolver)
-    message = str(error.value)
-    assert "\n" not in message
-    assert "cluster.tpu='my-tpu'" in message and "Could not lookup TPU my-tpu" in message
+def test_info_on_a_plain_cpu_shows_the_one_device_fallback():
+    info = _info_lines(run([sys.executable, "-m", "tpu_keras.info", "--json"],
+                           merge_stderr=False).stdout)[0]
+    assert (info["strategy"], info["hosts"], info["replicas"], info["devices"]) == ("one_device", 1, 1, 1)
+    assert info["tpu"] is None and info["precision"] == "float32"
+    assert info["peak_flops"] > 0 and "measured matmul ceiling" in info["peak_flops_source"]
 
 
-class HangingResolver:
-    """Stands in for TPUClusterResolver when the metadata server or TPU API never answers."""
-
-    def __init__(self, tpu, zone, project):
-        threading.Event().wait(60)
-
-
-def test_a_tpu_lookup_that_hangs_ends_in_one_line():
-    from tpu_keras import tpu
-    from tpu_keras.errors import UserError
-    with pytest.raises(UserError, match=r"cluster.tpu='my-tpu' \(looking it up got no answer "
-                                         r"within 0.2 s\)"):
-        tpu.initialize("my-tpu", resolver_cls=HangingResolver, lookup_timeout_s=0.2)
+def test_info_under_the_launcher_sees_two_hosts_and_four_replicas():
+    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
+                  "--timeout=200", "--", sys.executable, "-m", "tpu_keras.info", "--json"],
+                 timeout=260, merge_stderr=False)
+    hosts = _info_lines(result.stdout)
+    assert sorted(hosts) == [0, 1], result.stdout[-2000:]
+    for index, info in hosts.items():
+        assert (info["strategy"], info["hosts"], info["host_index"]) == ("multi_worker", 2, index)
+        assert (info["replicas"], info["replicas_per_host"], info["input_pipelines"]) == (4, 2, 2)

@@ -84,6 +84,19 @@ def test_layout_tool_bytes_match_sharded_variables(probe):
     assert 0.5 < totals["bytes_per_device"] / totals["bytes"] < 0.55
 
 
+def test_plan_bytes_match_sharded_variables(probe):
+    # v5litepod-8: 8 chips of one device each, the 8 fake devices of probe(4, 2).
+    command = [sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py",
+               "--tpu=v5litepod-8", "--config.engine=jax", "--config.mesh.data=4",
+               "--config.mesh.model=2", "--json"]
+    plan = json.loads(run(command, merge_stderr=False).stdout)
+    sharded = probe(4, 2)
+    assert plan["devices"] == 8 and plan["mesh"] == sharded["mesh"]
+    assert plan["per_device"]["parameters"] == sharded["param_bytes_device0"]
+    assert plan["per_device"]["optimizer"] == sharded["optimizer_bytes_device0"]
+    assert plan["per_device"]["gradients"] == sharded["param_bytes_device0"]  # all trainable
+
+
 def test_two_hosts_train_a_hybrid_mesh(data_dir, tmp_path):
     result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=4",
                   "--timeout=500", "--", sys.executable, "-m", "tpu_keras.train", f"--config={LM_TINY}",

@@ -65,6 +65,12 @@ class Cluster:
         return self.num_replicas // self.num_hosts
 
     @property
+    def num_processes(self) -> int:
+        """Python processes in the run: one per host, except on TPUStrategy, whose single
+        client drives every host of the slice."""
+        return 1 if self.kind == "tpu" else self.num_hosts
+
+    @property
     def is_chief(self) -> bool:
         """The one host that writes shared files (config, checkpoints, export)."""
         return self.host_index == 0
@@ -188,6 +194,7 @@ def _tf_config_workers() -> int:
 
 
 def _connect_tpu(config) -> Cluster:
+    """One client drives the whole slice: this process is host 0 and feeds every host."""
     resolver, topology = tpu.initialize(config.get("tpu", ""), config.get("zone", ""),
                                         config.get("project", ""))
     strategy = tf.distribute.TPUStrategy(resolver)

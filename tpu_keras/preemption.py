@@ -52,7 +52,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
 
 def _any_host_fn(cluster):
     """`flag -> bool`: whether `flag` is set on any host (a collective when there are several)."""
-    if cluster.num_hosts == 1:
+    if cluster.num_processes == 1:
         return bool
     if cluster.strategy is None:  # jax
         from jax.experimental import multihost_utils

@@ -5,8 +5,11 @@ in the toolkit talks to the `TPUStrategy` built from what this returns, and
 tests exercise this boundary with a fake resolver.
 """
 
+import dataclasses
 import os
 import threading
+import urllib.request
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -18,6 +21,37 @@ _TPU_VM_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
 # Looking a TPU up by name asks the GCE metadata server and the Cloud TPU API,
 # with no timeout of their own: off Google Cloud that can hang for minutes.
 LOOKUP_TIMEOUT_S = 60
+# What a TPU VM's metadata server says the slice is ('v4-32'); the variable overrides it.
+ACCELERATOR_TYPE_ENV = "TPU_ACCELERATOR_TYPE"
+_METADATA_URL = ("http://{host}/computeMetadata/v1/instance/attributes/accelerator-type")
+
+
+def _metadata_accelerator_type(timeout_s: float = 2.0) -> str:
+    """The slice type from the TPU VM's metadata server, or '' off a TPU VM."""
+    host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    request = urllib.request.Request(_METADATA_URL.format(host=host),
+                                     headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.read().decode().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The calls that need a real TPU, gathered so tests can swap in fakes shaped like them.
+
+    Everything else - `tf.distribute.TPUStrategy` included - is the real thing.
+    """
+
+    resolver_cls: Callable[..., Any] = tf.distribute.cluster_resolver.TPUClusterResolver
+    connect_to_cluster: Callable[[Any], Any] = tf.config.experimental_connect_to_cluster
+    initialize_tpu_system: Callable[[Any], Any] = tf.tpu.experimental.initialize_tpu_system
+    metadata_accelerator_type: Callable[[], str] = _metadata_accelerator_type
+
+
+RUNTIME = Runtime()
 
 
 def is_present(name: str = "") -> bool:
@@ -26,21 +60,24 @@ def is_present(name: str = "") -> bool:
                 or any(os.path.exists(p) for p in _TPU_VM_DEVICE_FILES))
 
 
-def initialize(name: str = "", zone: str = "", project: str = "",
-               resolver_cls=tf.distribute.cluster_resolver.TPUClusterResolver,
+def initialize(name: str = "", zone: str = "", project: str = "", runtime: Runtime = None,
                lookup_timeout_s: float = LOOKUP_TIMEOUT_S):
     """Connects to the TPU `name` ('local' on a TPU VM) and initialises it.
 
-    Returns `(resolver, topology)`. Any failure becomes one `UserError` that
-    says what to check, because a stack trace from the TPU runtime rarely does.
+    Returns `(resolver, topology)`. 'local' drives this VM's own chips; a
+    name (or TPU_NAME) is looked up and connected to as a remote cluster,
+    which is how one TensorFlow client drives every host of a pod slice.
+    Any failure becomes one `UserError` that says what to check, because a
+    stack trace from the TPU runtime rarely does.
     """
+    runtime = runtime or RUNTIME
     name = name or os.environ.get("TPU_NAME", "") or "local"
     try:
-        resolver = _within(lookup_timeout_s, lambda: resolver_cls(
+        resolver = _within(lookup_timeout_s, lambda: runtime.resolver_cls(
             tpu=name, zone=zone or None, project=project or None))
         if name != "local":
-            tf.config.experimental_connect_to_cluster(resolver)
-        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+            runtime.connect_to_cluster(resolver)
+        topology = runtime.initialize_tpu_system(resolver)
     except (ValueError, RuntimeError, OSError, tf.errors.OpError) as error:
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise UserError(
@@ -70,7 +107,26 @@ def _within(timeout_s: float, fn):
     return outcome["value"]
 
 
-def device_kind(resolver) -> str:
-    """A readable accelerator name such as 'TPU v4', from the resolver's metadata."""
-    accelerator = getattr(resolver, "_accelerator_type", None) or "TPU"
-    return f"TPU {accelerator}" if not accelerator.startswith("TPU") else accelerator
+def accelerator_type(resolver=None, runtime: Runtime = None) -> str:
+    """The slice type, such as 'v4-32', or '' when nothing says.
+
+    Asked in order: TPU_ACCELERATOR_TYPE, this TPU VM's metadata server,
+    then the Cloud TPU API through a resolver that looked a TPU up by name.
+    """
+    runtime = runtime or RUNTIME
+    if os.environ.get(ACCELERATOR_TYPE_ENV):
+        return os.environ[ACCELERATOR_TYPE_ENV].strip()
+    found = runtime.metadata_accelerator_type()
+    client = getattr(resolver, "_cloud_tpu_client", None)
+    if not found and client is not None and hasattr(client, "accelerator_type"):
+        try:
+            found = _within(LOOKUP_TIMEOUT_S, client.accelerator_type) or ""
+        except Exception:  # pylint: disable=broad-except  # a name is a nicety, not a need
+            found = ""
+    return found
+
+
+def device_kind(resolver=None, runtime: Runtime = None) -> str:
+    """A readable accelerator name such as 'TPU v4-32' (just 'TPU' when the type is unknown)."""
+    found = accelerator_type(resolver, runtime)
+    return f"TPU {found}" if found else "TPU"

@@ -105,7 +105,7 @@ def train(config, workdir: str):
         except nonfinite.NonFiniteLoss as diverged:
             skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
         except peer_errors as error:
-            if cluster.num_hosts == 1:
+            if cluster.num_processes == 1:
                 raise
             raise UserError(f"lost contact with another host after step {saver.step} "
                             f"({_peer_reason(error)}); the other hosts stop too; start every "

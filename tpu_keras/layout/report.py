@@ -5,7 +5,7 @@
 optimizer there), so it reads paths and shapes without allocating a weight,
 and places them by the same `Placer` the engines use. The arithmetic is
 exact: every sharded dimension divides its mesh axis, so every device holds
-the same bytes. The memory planner builds on these figures.
+the same bytes. The memory planner (`python -m tpu_keras.plan`) builds on these figures.
 """
 
 import math
@@ -30,6 +30,7 @@ def describe(config, num_devices: int) -> dict:
         optimizer.build(model.trainable_variables)
         weights = placer.place_all(model.weights)
         placer.check_all_rules_used()
+        trainable = {v.path for v in model.trainable_variables}
         by_path = {p.path: p for p in weights}
         state = [_follow(v, by_path) for v in optimizer.variables]
     return {
@@ -39,7 +40,9 @@ def describe(config, num_devices: int) -> dict:
         "devices": num_devices,
         "weights": [_row(p, mesh) for p in weights],
         "optimizer": [_row(p, mesh) for p in state],
-        "totals": {"parameters": _totals(weights, mesh), "optimizer": _totals(state, mesh)},
+        "totals": {"parameters": _totals(weights, mesh), "optimizer": _totals(state, mesh),
+                   # One gradient per trainable weight, laid out (and typed) like it.
+                   "gradients": _totals([p for p in weights if p.path in trainable], mesh)},
     }
 
 

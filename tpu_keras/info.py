@@ -1,0 +1,129 @@
+"""Print what `connect()` finds on this machine: the first command to run on a new cluster.
+
+    python -m tpu_keras.info [--json]
+    python -m tpu_keras.info --config=configs/lm_stdlib.py --config.cluster.tpu=local
+    python -m tpu_keras.launch --hosts=2 --devices_per_host=2 -- python -m tpu_keras.info --json
+
+Shows the strategy (or jax mesh) a run would get, hosts and this host's
+index, replicas, devices, the TPU slice and its published figures, and the
+peak FLOP/s that MFU divides by. On a machine without a TPU it shows the
+fallback a run would use. With --json each host prints one line of JSON.
+"""
+
+import json
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tpu_keras.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config whose `cluster` and `mesh` sections to connect with (default: "
+    "tpu_keras.config.defaults()).")
+_ENGINE = flags.DEFINE_enum("engine", None, ["tf", "jax"], "Overrides the config's engine.")
+_JSON = flags.DEFINE_bool("json", False, "Print one line of JSON instead of a table.")
+
+
+def describe(cluster, precision: str = "auto") -> dict:
+    """What a run on `cluster` would see, JSON-ready."""
+    from tpu_keras import peak, performance, topology, tpu
+    policy = precision if precision != "auto" else ("mixed_bfloat16" if cluster.kind == "tpu"
+                                                     else "float32")
+    dtype = performance.compute_dtype(policy)
+    on_tpu = topology.generation_of_device_kind(cluster.device_kind) is not None or cluster.kind == "tpu"
+    slice_type = tpu.accelerator_type() if on_tpu else ""
+    return {
+        "engine": cluster.engine,
+        "strategy": cluster.kind,
+        "hosts": cluster.num_hosts,
+        "processes": cluster.num_processes,
+        "host_index": cluster.host_index,
+        "replicas": cluster.num_replicas,
+        "replicas_per_host": cluster.replicas_per_host,
+        "mesh": dict(cluster.mesh),
+        "devices": cluster.num_replicas * cluster.mesh["model"],
+        "device_kind": cluster.device_kind,
+        "input_pipelines": cluster.input_pipelines,
+        "tpu": _slice_facts(slice_type) if slice_type else None,
+        "precision": policy,
+        "peak_flops": peak.peak_flops(cluster, dtype),
+        "peak_flops_source": _peak_source(cluster),
+    }
+
+
+def _slice_facts(slice_type: str) -> dict:
+    from tpu_keras import topology
+    try:
+        found = topology.parse_slice(slice_type)
+    except UserError as error:
+        return {"slice": slice_type, "error": str(error)}
+    gen = found.generation
+    return {"slice": found.name, "generation": gen.name, "hosts": found.hosts,
+            "chips": found.chips, "devices": found.devices,
+            "devices_per_host": found.devices_per_host,
+            "tensorcores_per_chip": gen.tensorcores_per_chip,
+            "hbm_bytes_per_device": found.hbm_bytes_per_device,
+            "peak_bf16_flops_per_device": found.peak_flops_per_device}
+
+
+def _peak_source(cluster) -> str:
+    import os
+    from tpu_keras import peak, topology
+    if os.environ.get(peak.PEAK_ENV):
+        return f"{peak.PEAK_ENV}"
+    if topology.generation_of_device_kind(cluster.device_kind) is not None:
+        return "published bf16 peak per device (tpu_keras.topology) x devices"
+    if cluster.kind == "tpu":
+        return "unknown TPU type: set TPU_ACCELERATOR_TYPE (e.g. v4-32) or TPU_KERAS_PEAK_FLOPS"
+    return "measured matmul ceiling, cached in ~/.cache/tpu_keras"
+
+
+def format_table(info: dict) -> str:
+    rows = [("engine", info["engine"]), ("strategy", info["strategy"]),
+            ("hosts", f"{info['hosts']} ({info['processes']} process(es); this is host "
+                      f"{info['host_index']})"),
+            ("replicas", f"{info['replicas']} ({info['replicas_per_host']} per host)"),
+            ("mesh", f"data={info['mesh']['data']} x model={info['mesh']['model']}"),
+            ("devices", info["device_kind"] if info["device_kind"][:1].isdigit()
+                        else f"{info['devices']} x {info['device_kind']}"),
+            ("input pipelines", str(info["input_pipelines"]))]
+    slice_facts = info["tpu"]
+    if slice_facts and "error" in slice_facts:
+        rows.append(("TPU slice", f"{slice_facts['slice']} ({slice_facts['error']})"))
+    elif slice_facts:
+        rows.append(("TPU slice", (
+            f"{slice_facts['slice']} ({slice_facts['generation']}): {slice_facts['hosts']} host(s), "
+            f"{slice_facts['chips']} chips, {slice_facts['devices']} devices "
+            f"({slice_facts['devices_per_host']} per host), "
+            f"{slice_facts['hbm_bytes_per_device'] / 2 ** 30:.0f} GiB HBM per device")))
+    else:
+        rows.append(("TPU slice", "none"))
+    rows += [("precision", info["precision"]),
+             ("MFU peak", f"{info['peak_flops'] / 1e12:.3g} TFLOP/s ({info['peak_flops_source']})")]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv):
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    try:
+        from tpu_keras import config as config_lib
+        from tpu_keras import engine
+        config = _CONFIG.value if _CONFIG.value is not None else config_lib.defaults()
+        if _ENGINE.value:
+            config.engine = _ENGINE.value
+        config_lib.check(config)
+        engine.select(config.engine, config.cluster.virtual_devices)
+        import tpu_keras
+        cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+        info = describe(cluster, config.train.precision)
+    except UserError as error:
+        sys.exit(f"error: {error}")
+    print(json.dumps(info) if _JSON.value else format_table(info), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,66 @@
+"""Activation memory of a training step: what autodiff keeps for the backward pass.
+
+With rematerialisation off, every intermediate the backward pass needs (the
+"residuals" of the forward pass) is alive at once at the step's peak. Their
+total is the activation estimate: JAX traces the model's loss on abstract
+values and lists the residuals it would save, so the estimate is exact about
+shapes and dtypes (bf16 activations under mixed precision, attention's
+seq x seq scores) and allocates nothing. Weights that autodiff also keeps are
+left out: they are already counted as parameters.
+
+`measured_activation_bytes` is the check: XLA's own buffer assignment for the
+compiled gradient, the part of its temporary memory that grows with the batch.
+On CPU the two agree within about 10% in float32 (README "Memory planning");
+with bf16, CPU XLA keeps float32 copies a TPU does not, so compare there in
+float32, or run `--measure` on the TPU VM itself.
+"""
+
+import math
+
+import jax
+
+
+def abstract_inputs(model, batch: int):
+    """Shapes of one batch: the model's input, and integer labels for a sparse loss."""
+    inputs, outputs = model.inputs[0], model.outputs[0]
+    x = jax.ShapeDtypeStruct((batch, *inputs.shape[1:]), inputs.dtype)
+    y = jax.ShapeDtypeStruct((batch, *outputs.shape[1:-1]), "int32")
+    return x, y
+
+
+def _loss_fn(model, loss):
+    def loss_of(weights, state, x, y):
+        logits, _ = model.stateless_call(weights, state, x, training=True)
+        return loss(y, logits)
+    return loss_of
+
+
+def _abstract(variables):
+    return [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in variables]
+
+
+def activation_bytes(model, loss, batch: int) -> int:
+    """Bytes of the residuals a training step on `batch` examples keeps, weights excluded."""
+    # The function behind the public `jax.ad_checkpoint.print_saved_residuals`.
+    from jax._src.ad_checkpoint import saved_residuals
+    x, y = abstract_inputs(model, batch)
+    residuals = saved_residuals(_loss_fn(model, loss), _abstract(model.trainable_variables),
+                                _abstract(model.non_trainable_variables), x, y)
+    return sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, source in residuals
+               if not source.startswith(("from the argument weights", "from the argument state")))
+
+
+def measured_activation_bytes(model, loss, batch: int) -> int:
+    """XLA's temporary bytes for the gradient at 2 x `batch`, less those at `batch`.
+
+    The difference leaves out what does not grow with the batch (gradients,
+    workspace), so it measures the activations of `batch` examples.
+    """
+    grad = jax.jit(jax.grad(_loss_fn(model, loss)))
+    weights, state = _abstract(model.trainable_variables), _abstract(model.non_trainable_variables)
+
+    def temp_bytes(examples):
+        compiled = grad.lower(weights, state, *abstract_inputs(model, examples)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    return temp_bytes(2 * batch) - temp_bytes(batch)
