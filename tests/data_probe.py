@@ -2,7 +2,9 @@
 files whose examples carry a unique id, and prints which ids each of this host's
 replicas received in the first epochs. Used by test_data.py, via the launcher.
 
-    python tests/data_probe.py GLOB GLOBAL_BATCH EPOCHS SEED
+    python tests/data_probe.py GLOB[,GLOB...] GLOBAL_BATCH EPOCHS SEED
+
+One PROBE line per glob: several file sets share one start of every host.
 """
 
 import json
@@ -15,9 +17,14 @@ import tpu_keras
 from tpu_keras import config as config_lib, data
 
 
-def main(pattern, global_batch, epochs, seed):
+def main(patterns, global_batch, epochs, seed):
     logging.set_verbosity(logging.INFO)  # the sharding decision is logged at INFO
     cluster = tpu_keras.connect(ml_collections.ConfigDict({"strategy": "auto"}))
+    for pattern in patterns.split(","):
+        report(cluster, pattern, global_batch, epochs, seed)
+
+
+def report(cluster, pattern, global_batch, epochs, seed):
     config = config_lib.defaults().data
     config.update(files=pattern, features={"id": "int64", "x": "float32[2]"},
                   preprocess="features", inputs="x", targets="id", shuffle_buffer=64)
@@ -29,8 +36,9 @@ def main(pattern, global_batch, epochs, seed):
             _, ids = next(batches)
             for replica, local in enumerate(cluster.strategy.experimental_local_results(ids)):
                 seen[epoch][replica].extend(int(i) for i in local.numpy())
-    print("PROBE " + json.dumps({"host": cluster.host_index, "hosts": cluster.num_hosts,
-                                 "steps": steps, "seen": seen}), flush=True)
+    print("PROBE " + json.dumps({"pattern": pattern, "host": cluster.host_index,
+                                 "hosts": cluster.num_hosts, "steps": steps, "seen": seen}),
+          flush=True)
 
 
 if __name__ == "__main__":

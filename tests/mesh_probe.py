@@ -1,27 +1,31 @@
-"""Trains a config's model a few steps on a jax mesh and reports what each device holds.
+"""Trains a config's model a few steps on jax meshes and reports what each device holds.
 
-    python tests/mesh_probe.py DATA MODEL DATA_DIR INIT.npz VARIANT [MODEL_JSON] [STEPS]
+    python tests/mesh_probe.py DATAxMODEL[,DATAxMODEL...] DATA_DIR INIT.npz VARIANT [MODEL_JSON] [STEPS]
 
 Runs in its own process (JAX fixes its device count at start-up) with
-DATA x MODEL fake CPU devices, on `configs/lm_stdlib.py:VARIANT` ('' or
-'tiny') with the model arguments in MODEL_JSON changed. The first run of a series saves its initial
-weights to INIT.npz; later runs load them, so losses compare across meshes.
-Prints one JSON line: per-step losses, each variable's sharding and
-shard shape, and the bytes device 0 holds.
+DATA x MODEL fake CPU devices (the same count for every mesh listed, which
+then share one start-up), on `configs/lm_stdlib.py:VARIANT` ('' or 'tiny')
+with the model arguments in MODEL_JSON changed. The first run of a series
+saves its initial weights to INIT.npz; later runs load them, so losses
+compare across meshes. Prints one JSON line per mesh: per-step losses, each
+variable's sharding and shard shape, and the bytes device 0 holds.
 """
 
 import json
 import os
 import sys
 
-data_axis, model_axis, data_dir, init_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-variant = sys.argv[5] or None
-model_overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
-steps = int(sys.argv[7]) if len(sys.argv) > 7 else 5
+meshes = [tuple(map(int, m.split("x"))) for m in sys.argv[1].split(",")]
+data_dir, init_path = sys.argv[2], sys.argv[3]
+variant = sys.argv[4] or None
+model_overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+steps = int(sys.argv[6]) if len(sys.argv) > 6 else 5
+devices = {d * m for d, m in meshes}
+assert len(devices) == 1, f"every mesh must use the same devices, not {sorted(devices)}"
 
 from tpu_keras import engine  # noqa: E402
 
-engine.select("jax", virtual_devices=data_axis * model_axis)
+engine.select("jax", virtual_devices=devices.pop())
 
 import jax  # noqa: E402
 import keras  # noqa: E402
@@ -32,25 +36,6 @@ from tpu_keras import data, layout, models, optimization  # noqa: E402
 
 sys.path.insert(0, "configs")
 import lm_stdlib  # noqa: E402
-
-config = lm_stdlib.get_config(variant)
-config.data.data_dir = data_dir
-config.model.update(model_overrides)
-config.train.steps_per_execution = 1
-config.mesh.update(data=data_axis, model=model_axis)
-
-cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
-builder, _ = models.registry.get(config.model)
-keras.utils.set_random_seed(0)
-model = models.build(config.model, cluster, config.layout)
-optimization.compile_model(model, builder, config.train, cluster)
-if os.path.exists(init_path):
-    model.set_weights(list(np.load(init_path).values()))
-else:
-    np.savez(init_path, *model.get_weights())
-
-train_data, _ = data.build(config.data, cluster, config.train.batch_size, training=True)
-history = model.fit(train_data, steps_per_epoch=1, epochs=steps, verbose=0)
 
 device0 = jax.devices()[0]
 
@@ -64,16 +49,41 @@ def described(variable):
             "bytes_device0": int(shard.data.nbytes)}
 
 
-rules = models.registry.layout_rules(config.model, config.layout)
-expected = {p.path: list(p.axes) for p in layout.place_all(model.weights, rules, cluster.mesh)}
-weights = {v.path: described(v) for v in model.weights}
-optimizer = {v.path: described(v) for v in model.optimizer.variables}
-print("PROBE " + json.dumps({
-    "mesh": cluster.mesh,
-    "losses": [float(x) for x in history.history["loss"]],
-    "weights": weights,
-    "expected": expected,
-    "optimizer": optimizer,
-    "param_bytes_device0": sum(w["bytes_device0"] for w in weights.values()),
-    "optimizer_bytes_device0": sum(o["bytes_device0"] for o in optimizer.values()),
-}), flush=True)
+def probe(data_axis, model_axis):
+    keras.backend.clear_session()  # names as in a fresh process: 'adam_w', not 'adam_w_1'
+    config = lm_stdlib.get_config(variant)
+    config.data.data_dir = data_dir
+    config.model.update(model_overrides)
+    config.train.steps_per_execution = 1
+    config.mesh.update(data=data_axis, model=model_axis)
+
+    cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
+    builder, _ = models.registry.get(config.model)
+    keras.utils.set_random_seed(0)
+    model = models.build(config.model, cluster, config.layout)
+    optimization.compile_model(model, builder, config.train, cluster)
+    if os.path.exists(init_path):
+        model.set_weights(list(np.load(init_path).values()))
+    else:
+        np.savez(init_path, *model.get_weights())
+
+    train_data, _ = data.build(config.data, cluster, config.train.batch_size, training=True)
+    history = model.fit(train_data, steps_per_epoch=1, epochs=steps, verbose=0)
+
+    rules = models.registry.layout_rules(config.model, config.layout)
+    expected = {p.path: list(p.axes) for p in layout.place_all(model.weights, rules, cluster.mesh)}
+    weights = {v.path: described(v) for v in model.weights}
+    optimizer = {v.path: described(v) for v in model.optimizer.variables}
+    print("PROBE " + json.dumps({
+        "mesh": cluster.mesh,
+        "losses": [float(x) for x in history.history["loss"]],
+        "weights": weights,
+        "expected": expected,
+        "optimizer": optimizer,
+        "param_bytes_device0": sum(w["bytes_device0"] for w in weights.values()),
+        "optimizer_bytes_device0": sum(o["bytes_device0"] for o in optimizer.values()),
+    }), flush=True)
+
+
+for data_axis, model_axis in meshes:
+    probe(data_axis, model_axis)

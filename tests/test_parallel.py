@@ -16,28 +16,36 @@ from conftest import assert_one_line_error, run, train
 LM_TINY = "configs/lm_stdlib.py:tiny"
 
 
+# The gpt has 4 heads, so the widest model axis is 4 (2x4), not 8.
+MESHES = [(8, 1), (2, 4), (4, 2)]
+
+
 @pytest.fixture(scope="module")
 def probe(data_dir, tmp_path_factory):
     """`probe(data, model)`: 5 steps of configs/lm_stdlib.py's gpt on that mesh (memoized).
 
     The first call runs on one device and saves the initial weights the
-    others start from.
+    others start from; the 8-device meshes then run in one process.
     """
     init, results = tmp_path_factory.mktemp("mesh") / "init.npz", {}
 
-    def run_probe(data_axis, model_axis):
+    def run_probe(*meshes):
+        out = run([sys.executable, "tests/mesh_probe.py", ",".join(f"{d}x{m}" for d, m in meshes),
+                   data_dir, str(init), ""], timeout=500).stdout
+        for line in out.splitlines():
+            if line.startswith("PROBE "):
+                result = json.loads(line[len("PROBE "):])
+                results[result["mesh"]["data"], result["mesh"]["model"]] = result
+
+    def get(data_axis, model_axis):
         if (data_axis, model_axis) not in results:
-            out = run([sys.executable, "tests/mesh_probe.py", str(data_axis), str(model_axis),
-                       data_dir, str(init), ""], timeout=400).stdout
-            line = next(l for l in out.splitlines() if l.startswith("PROBE "))
-            results[data_axis, model_axis] = json.loads(line[len("PROBE "):])
+            run_probe(*MESHES)
         return results[data_axis, model_axis]
-    run_probe(1, 1)
-    return run_probe
+    run_probe((1, 1))
+    return get
 
 
-# The gpt has 4 heads, so the widest model axis is 4 (2x4), not 8.
-@pytest.mark.parametrize("data_axis,model_axis", [(8, 1), (2, 4), (4, 2)],
+@pytest.mark.parametrize("data_axis,model_axis", MESHES,
                          ids=["data_8x1", "model_2x4", "hybrid_4x2"])
 def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis):
     reference, result = probe(1, 1), probe(data_axis, model_axis)

@@ -11,7 +11,7 @@ from conftest import run
 USER_SCRIPT = """
 import os, numpy as np, tensorflow as tf, keras, tpu_keras
 cluster = tpu_keras.connect({})
-strategy, GB, JIT = cluster.strategy, 64, os.environ.get("JIT") == "1"
+strategy, GB = cluster.strategy, 64
 X = np.random.RandomState(0).rand(GB * 20 + 40, 8).astype("float32"); Y = X.sum(1, keepdims=True)
 def dataset(training):
     def fn(ctx):
@@ -19,25 +19,28 @@ def dataset(training):
         ds = ds.batch(ctx.get_per_replica_batch_size(GB), drop_remainder=training)
         return ds.repeat() if training else ds
     return strategy.distribute_datasets_from_function(fn)
-with strategy.scope():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"], steps_per_execution=4,
-                  jit_compile=JIT)
-tpu_keras.distributed_steps(model)
-history = model.fit(dataset(True), epochs=3, steps_per_epoch=8, validation_data=dataset(False), verbose=0)
 print("REPLICAS", strategy.num_replicas_in_sync)
-print("STEPS", int(model.optimizer.iterations.numpy()))
-print("LOSS", [round(x, 4) for x in history.history["loss"]])
-print("EVAL", model.evaluate(dataset(False), verbose=0, return_dict=True)["loss"])
-print("PREDICT", model.predict(X[:130], batch_size=GB, verbose=0).shape)
-print("WEIGHTS", repr(sum(float(w.sum()) for w in model.get_weights())))
+for jit in map(int, os.environ["JIT"].split(",")):  # one start of TensorFlow for both
+    tag = "_XLA" if jit else ""
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"], steps_per_execution=4,
+                      jit_compile=bool(jit))
+    tpu_keras.distributed_steps(model)
+    history = model.fit(dataset(True), epochs=3, steps_per_epoch=8, validation_data=dataset(False), verbose=0)
+    print("STEPS" + tag, int(model.optimizer.iterations.numpy()))
+    print("LOSS" + tag, [round(x, 4) for x in history.history["loss"]])
+    print("EVAL" + tag, model.evaluate(dataset(False), verbose=0, return_dict=True)["loss"])
+    print("PREDICT" + tag, model.predict(X[:130], batch_size=GB, verbose=0).shape)
+    print("WEIGHTS" + tag, repr(sum(float(w.sum()) for w in model.get_weights())))
 """
 
 
-def fit_under(launch_args, jit=False):
+def fit_under(launch_args, jit="0"):
+    """The script's output on the launched hosts, for each of `jit`'s modes ('0', '1' or '0,1')."""
     result = run([sys.executable, "-m", "tpu_keras.launch", *launch_args, "--timeout=240",
-                  "--", sys.executable, "-c", USER_SCRIPT], timeout=300, env={"JIT": str(int(jit))})
+                  "--", sys.executable, "-c", USER_SCRIPT], timeout=300, env={"JIT": jit})
     return result.stdout
 
 
@@ -46,29 +49,29 @@ def values(output, key):
 
 
 @pytest.mark.parametrize("launch_args, replicas, jit", [
-    (["--hosts=1", "--devices_per_host=1"], 1, False),
-    (["--hosts=2", "--devices_per_host=2"], 4, False),
-    (["--hosts=2", "--devices_per_host=2"], 4, True),
+    (["--hosts=1", "--devices_per_host=1"], 1, "0"),
+    (["--hosts=2", "--devices_per_host=2"], 4, "0,1"),
 ])
 def test_user_model_fits_with_steps_per_execution(launch_args, replicas, jit):
     output = fit_under(launch_args, jit)
     hosts = int(launch_args[0].split("=")[1])
     assert values(output, "REPLICAS") == [str(replicas)] * hosts
-    assert values(output, "STEPS") == ["24"] * hosts          # 3 epochs x 8 steps, none lost
-    losses = [eval(v) for v in values(output, "LOSS")]
-    assert losses[0][-1] < losses[0][0] / 2                   # it learns
-    assert values(output, "PREDICT") == ["(130, 1)"] * hosts  # every example, in order
-    assert len(set(values(output, "WEIGHTS"))) == 1           # hosts agree
-    assert len(set(values(output, "EVAL"))) == 1
+    for tag in ["_XLA" if mode == "1" else "" for mode in jit.split(",")]:
+        assert values(output, "STEPS" + tag) == ["24"] * hosts          # 3 epochs x 8 steps, none lost
+        losses = [eval(v) for v in values(output, "LOSS" + tag)]
+        assert losses[0][-1] < losses[0][0] / 2                         # it learns
+        assert values(output, "PREDICT" + tag) == ["(130, 1)"] * hosts  # every example, in order
+        assert len(set(values(output, "WEIGHTS" + tag))) == 1           # hosts agree
+        assert len(set(values(output, "EVAL" + tag))) == 1
 
 
 def test_xla_per_replica_step_matches_the_unjitted_step_under_mirrored():
     """Keras's own jit_compile fails under Mirrored (keras-team/keras#19005); the
     toolkit compiles each replica's step instead, and trains the same model."""
-    plain, xla = (fit_under(["--hosts=1", "--devices_per_host=4"], jit) for jit in (False, True))
-    assert values(plain, "REPLICAS") == values(xla, "REPLICAS") == ["4"]
-    assert values(xla, "STEPS") == ["24"]
-    plain_losses, xla_losses = eval(values(plain, "LOSS")[0]), eval(values(xla, "LOSS")[0])
+    output = fit_under(["--hosts=1", "--devices_per_host=4"], "0,1")
+    assert values(output, "REPLICAS") == ["4"]
+    assert values(output, "STEPS_XLA") == ["24"]
+    plain_losses, xla_losses = eval(values(output, "LOSS")[0]), eval(values(output, "LOSS_XLA")[0])
     assert xla_losses[-1] < xla_losses[0] / 2
     assert xla_losses == pytest.approx(plain_losses, rel=1e-3)
-    assert float(values(xla, "WEIGHTS")[0]) == pytest.approx(float(values(plain, "WEIGHTS")[0]), rel=1e-4)
+    assert float(values(output, "WEIGHTS_XLA")[0]) == pytest.approx(float(values(output, "WEIGHTS")[0]), rel=1e-4)

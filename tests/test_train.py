@@ -40,13 +40,14 @@ def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
 
 
 def test_mixed_bfloat16_trains_and_says_so(tmp_path, data_dir):
-    output = train(LM_TINY, tmp_path, "--config.train.precision=mixed_bfloat16",
+    # The digits MLP: XLA compiles it in seconds; the policy is the same for every model.
+    output = train("configs/digits.py:tiny", tmp_path, "--config.train.precision=mixed_bfloat16",
                    "--config.train.jit_compile=True", f"--config.data.data_dir={data_dir}").stdout
     assert "mixed_bfloat16, 5 steps per host call, XLA" in output
     assert json.loads((tmp_path / "config.json").read_text())["train"]["precision"] == "mixed_bfloat16"
     assert re.search(r"step 20/20 .*mfu 0\.\d+", output)
-    # It learns under bf16: below the 8 bits per byte of a uniform guess.
-    assert re.search(r"val_bits_per_byte [4-8]\.\d+", output), output[-1500:]
+    # It learns under bf16: well above the 0.1 of a guess (0.85 when measured).
+    assert float(re.findall(r"val_accuracy ([\d.]+)", output)[-1]) >= 0.5, output[-1500:]
 
 
 def test_export_predicts_like_the_keras_model(tiny_run):
@@ -69,14 +70,6 @@ print("MATCH", float(np.abs(model(tokens).numpy()).sum()))
     assert "MATCH" in result.stdout
 
 
-def test_four_virtual_devices_train_with_four_replicas(tmp_path, data_dir):
-    # The digits MLP: a transformer's 4-replica graph takes TensorFlow ~1 min to trace.
-    result = train("configs/digits.py:tiny", tmp_path, f"--config.data.data_dir={data_dir}",
-                   "--config.cluster.virtual_devices=4")
-    assert "mirrored strategy: 4 replica(s) on 1 host(s)" in result.stdout
-    assert logged_steps(result.stdout) == [10, 20]
-
-
 def test_two_hosts_train_four_replicas_and_end_with_identical_weights(tmp_path, data_dir):
     result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
                   "--timeout=400", "--", sys.executable, "-m", "tpu_keras.train",
@@ -91,8 +84,11 @@ def test_two_hosts_train_four_replicas_and_end_with_identical_weights(tmp_path, 
     assert not (tmp_path / "tmp").exists() or not os.listdir(tmp_path / "tmp")
 
 
-def test_digits_reaches_95_percent_validation_accuracy(tmp_path, data_dir):
-    result = train("configs/digits.py", tmp_path, f"--config.data.data_dir={data_dir}")
+def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path, data_dir):
+    result = train("configs/digits.py", tmp_path, f"--config.data.data_dir={data_dir}",
+                   "--config.cluster.virtual_devices=4")
+    assert "mirrored strategy: 4 replica(s) on 1 host(s)" in result.stdout
+    assert logged_steps(result.stdout)[-1] == 600
     accuracy = float(re.findall(r"val_accuracy ([\d.]+)", result.stdout)[-1])
     print("digits val_accuracy", accuracy)
     assert accuracy >= 0.95
