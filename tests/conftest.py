@@ -13,6 +13,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Test modules by CPU time, slowest first (one full run on the 2-core machine).
+# xdist's loadscope hands whole modules to the workers in collection order, so
+# starting with the longest lets the short ones fill in at the end, and both
+# workers finish together instead of one running a long module alone.
+SLOWEST_FIRST = ("test_data.py", "test_parallel.py", "test_train.py", "test_errors.py",
+                 "test_reliability.py", "test_steps.py", "test_host_failure.py", "test_plan.py",
+                 "test_nonfinite.py", "test_builders.py", "test_cluster.py", "test_user_code.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
+
 
 def run(args, *, timeout=300, env=None, check=True, merge_stderr=True):
     """Runs `args` from the repo root; returns the CompletedProcess (text; stderr merged

@@ -11,6 +11,7 @@ fallback a run would use. With --json each host prints one line of JSON.
 """
 
 import json
+import os
 import sys
 
 from absl import app, flags, logging
@@ -68,10 +69,9 @@ def _slice_facts(slice_type: str) -> dict:
 
 
 def _peak_source(cluster) -> str:
-    import os
     from tpu_keras import peak, topology
     if os.environ.get(peak.PEAK_ENV):
-        return f"{peak.PEAK_ENV}"
+        return peak.PEAK_ENV
     if topology.generation_of_device_kind(cluster.device_kind) is not None:
         return "published bf16 peak per device (tpu_keras.topology) x devices"
     if cluster.kind == "tpu":
