@@ -26,11 +26,9 @@ _ENGINE = flags.DEFINE_enum("engine", None, ["tf", "jax"], "Overrides the config
 _JSON = flags.DEFINE_bool("json", False, "Print one line of JSON instead of a table.")
 
 
-def describe(cluster, precision: str = "auto") -> dict:
-    """What a run on `cluster` would see, JSON-ready."""
+def describe(cluster, policy: str = "float32") -> dict:
+    """What a run on `cluster` in the dtype policy `policy` would see, JSON-ready."""
     from tpu_keras import peak, performance, topology, tpu
-    policy = precision if precision != "auto" else ("mixed_bfloat16" if cluster.kind == "tpu"
-                                                     else "float32")
     dtype = performance.compute_dtype(policy)
     on_tpu = topology.generation_of_device_kind(cluster.device_kind) is not None or cluster.kind == "tpu"
     slice_type = tpu.accelerator_type() if on_tpu else ""
@@ -119,7 +117,8 @@ def main(argv):
         engine.select(config.engine, config.cluster.virtual_devices)
         import tpu_keras
         cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-        info = describe(cluster, config.train.precision)
+        from tpu_keras import performance
+        info = describe(cluster, performance.precision(config.train, cluster))
     except UserError as error:
         sys.exit(f"error: {error}")
     print(json.dumps(info) if _JSON.value else format_table(info), flush=True)

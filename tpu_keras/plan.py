@@ -98,6 +98,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
 
 
 def format_plan(p: dict) -> str:
+    from tpu_keras.layout.report import format_bytes
     mesh, d = p["mesh"], p["per_device"]
     note = {"parameters": "exact (the layout tool's arithmetic)", "optimizer": "exact",
             "gradients": "exact",
@@ -105,21 +106,21 @@ def format_plan(p: dict) -> str:
                            + (" (upper bound: counted whole on each model-axis device)"
                               if p["activations_upper_bound"] else "")}
     lines = [f"{p['model']} on {p['slice']}: {p['devices']} devices on {p['hosts']} host(s), "
-             f"{_size(p['hbm_bytes_per_device'])} HBM per device",
+             f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
              f"mesh data={mesh['data']} x model={mesh['model']}, global batch "
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}", "",
              "per device"]
     labels = {"parameters": "parameters", "optimizer": "optimizer state",
               "gradients": "gradients", "activations": "activations"}
     for key, label in labels.items():
-        lines.append(f"  {label:<16} {_size(d[key]):>11}  {note[key]}")
-    lines.append(f"  {'total':<16} {_size(d['total']):>11}")
+        lines.append(f"  {label:<16} {format_bytes(d[key]):>11}  {note[key]}")
+    lines.append(f"  {'total':<16} {format_bytes(d['total']):>11}")
     if "measured_activations" in p:
         measured = p["measured_activations"]
         ratio = d["activations"] / measured["bytes"] if measured["bytes"] else float("inf")
-        lines.append(f"  {'measured':<16} {_size(measured['bytes']):>11}  activations by XLA on "
+        lines.append(f"  {'measured':<16} {format_bytes(measured['bytes']):>11}  activations by XLA on "
                      f"{measured['backend']} (estimate / measured = {ratio:.2f})")
-    lines += ["", f"usable HBM: {_size(p['usable_bytes_per_device'])} per device "
+    lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
                   f"({p['margin']:.0%} kept free)"]
     share = d["total"] / p["usable_bytes_per_device"]
     if p["fits"]:
@@ -135,13 +136,6 @@ def format_plan(p: dict) -> str:
         lines.append("largest global batch that fits: none (the weights, optimizer state and "
                      "gradients alone fill HBM)")
     return "\n".join(lines)
-
-
-def _size(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if num_bytes < 1024 or unit == "TiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
-        num_bytes /= 1024
 
 
 def main(argv):

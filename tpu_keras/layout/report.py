@@ -49,7 +49,7 @@ def describe(config, num_devices: int) -> dict:
 def format_table(report: dict) -> str:
     """The report as a table: one row per weight, then the totals per device."""
     mesh = report["mesh"]
-    rows = [(w["path"], "x".join(map(str, w["shape"])) or "scalar", w["layout"], _size(w["bytes_per_device"]))
+    rows = [(w["path"], "x".join(map(str, w["shape"])) or "scalar", w["layout"], format_bytes(w["bytes_per_device"]))
             for w in report["weights"]]
     widths = [max(len(r[i]) for r in rows + [("weight", "shape", "layout", "per device")]) for i in range(4)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w)
@@ -60,8 +60,8 @@ def format_table(report: dict) -> str:
     out.append("")
     for name, label in (("parameters", "parameters"), ("optimizer", "optimizer state")):
         t = report["totals"][name]
-        out.append(f"{label:<16} {t['count']:>14,} values  {_size(t['bytes']):>11} in all  "
-                   f"{_size(t['bytes_per_device']):>11} per device")
+        out.append(f"{label:<16} {t['count']:>14,} values  {format_bytes(t['bytes']):>11} in all  "
+                   f"{format_bytes(t['bytes_per_device']):>11} per device")
     return "\n".join(out)
 
 
@@ -93,7 +93,8 @@ def _totals(placements, mesh) -> dict:
             "bytes_per_device": sum(p.bytes_per_device(mesh) for p in placements)}
 
 
-def _size(num_bytes: int) -> str:
+def format_bytes(num_bytes: float) -> str:
+    """1.83 MiB, 939.00 KiB, 512 B: sizes as the layout tool and the planner print them."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if num_bytes < 1024 or unit == "TiB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
