@@ -12,6 +12,7 @@ fallback a run would use. With --json each host prints one line of JSON.
 
 import json
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -28,10 +29,9 @@ _JSON = flags.DEFINE_bool("json", False, "Print one line of JSON instead of a ta
 
 def describe(cluster, policy: str = "float32") -> dict:
     """What a run on `cluster` in the dtype policy `policy` would see, JSON-ready."""
-    from tpu_keras import peak, performance, topology, tpu
+    from tpu_keras import peak, performance
     dtype = performance.compute_dtype(policy)
-    on_tpu = topology.generation_of_device_kind(cluster.device_kind) is not None or cluster.kind == "tpu"
-    slice_type = tpu.accelerator_type() if on_tpu else ""
+    slice_type = _slice_type(cluster)
     return {
         "engine": cluster.engine,
         "strategy": cluster.kind,
@@ -49,6 +49,17 @@ def describe(cluster, policy: str = "float32") -> dict:
         "peak_flops": peak.peak_flops(cluster, dtype),
         "peak_flops_source": _peak_source(cluster),
     }
+
+
+def _slice_type(cluster) -> str:
+    """'v4-32', or '' off a TPU. TPUStrategy's device kind already names the slice
+    (`connect` asked for it); a jax device kind names only the chip, so ask again."""
+    from tpu_keras import topology, tpu
+    named = re.search(r"\bv\w+-\d+$", cluster.device_kind)
+    if named:
+        return named.group(0)
+    on_tpu = cluster.kind == "tpu" or topology.generation_of_device_kind(cluster.device_kind)
+    return tpu.accelerator_type() if on_tpu else ""
 
 
 def _slice_facts(slice_type: str) -> dict:
