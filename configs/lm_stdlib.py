@@ -3,8 +3,11 @@
     python -m tpu_keras.train --config=configs/lm_stdlib.py --workdir=/tmp/lm
     python -m tpu_keras.train --config=configs/lm_stdlib.py:tiny --workdir=/tmp/lm_tiny
 
-Variants: '' (a few minutes on a 2-core CPU, validation < 3.2 bits per byte)
-and 'tiny' (seconds; for tests and for checking a cluster end to end).
+Variants: '' (a few minutes on a 2-core CPU, validation < 3.2 bits per byte),
+'tiny' (seconds; for tests and for checking a cluster end to end) and 'wide'
+(width 256, depth 4: 2.5 GFLOP per sequence, the size of the design brief's
+"small GPT"; matmuls dominate its step, so it shows how close to the matmul
+ceiling a CPU gets once the model is not too narrow - see README "Performance").
 """
 
 from tpu_keras.config import defaults
@@ -34,6 +37,8 @@ def get_config(arg=None):
                             eval_steps=2, steps_per_execution=5, jit_compile=False)
         config.checkpoint.every_steps = 10
         config.log.every_steps = 10
+    elif arg == "wide":
+        config.model.update(width=256, depth=4, num_heads=4)
     elif arg:
-        raise ValueError(f"unknown variant {arg!r} of lm_stdlib; use '' or 'tiny'")
+        raise ValueError(f"unknown variant {arg!r} of lm_stdlib; use '', 'tiny' or 'wide'")
     return config

@@ -38,7 +38,8 @@ _FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaul
 _MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device layouts to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "--fit: turns each variant gets; the median counts.")
 _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
-_CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits"], "Config modules under configs/.")
+_CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits"],
+                              "Config modules under configs/, each optionally with :VARIANT.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate.")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
@@ -55,14 +56,20 @@ def _rate(run_once, examples_per_call, seconds):
     return calls * examples_per_call / (time.perf_counter() - start)
 
 
+def _config(name):
+    """The config of `module` or `module:variant` under configs/ (as --config=path:variant)."""
+    import importlib
+    module, _, variant = name.partition(":")
+    return importlib.import_module(module).get_config(variant or None)
+
+
 def data_benchmark(name, seconds):
     """One config's pipeline rate and training rate on one device, in examples/s."""
-    import importlib
     import tensorflow as tf
     import tpu_keras
     from tpu_keras import data, models, optimization
 
-    config = importlib.import_module(name).get_config()
+    config = _config(name)
     cluster = tpu_keras.connect({"strategy": "one_device"})
     batch = config.train.batch_size
     host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
@@ -84,15 +91,7 @@ def data_benchmark(name, seconds):
     model = models.build(config.model, cluster)
     optimization.compile_model(model, builder, config.train, cluster)
     steps = model.steps_per_execution
-
-    def fit(calls):
-        start = time.perf_counter()
-        model.fit(cached, epochs=1, steps_per_epoch=calls * steps, verbose=0)
-        return time.perf_counter() - start
-
-    fit(2)  # traces and compiles
-    calls = max(2, round(2 * seconds / fit(2)))  # a run that lasts about `seconds`
-    training = calls * steps * batch / fit(calls)
+    training = _training_rate(model, cached, batch, seconds)
     return {"config": name, "global_batch": batch, "steps_per_execution": steps,
             "pipeline_examples_per_second": round(pipeline, 1),
             "through_strategy_examples_per_second": round(distributed, 1),
@@ -106,7 +105,6 @@ KERAS_VARIANTS = {"keras_defaults": {}, "keras_tuned": {"steps_per_execution": 1
 
 def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     """One device layout: every config's variants, in turns; returns result dicts."""
-    import importlib
     import statistics
     import tensorflow as tf
     import tpu_keras
@@ -117,7 +115,7 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     ceilings = {dtype: peak.measure_matmul(dtype, "tf") for dtype in ("float32", "bfloat16")}
     results = []
     for name in names:
-        config = importlib.import_module(name).get_config()
+        config = _config(name)
         batch = config.train.batch_size
         host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
         # The host pipeline yields one replica's share at a time: regroup a global batch.
@@ -134,7 +132,7 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
                 if variant in errors:
                     continue
                 try:
-                    rates[variant].append(_fit_rate(model, cached, batch, seconds))
+                    rates[variant].append(_training_rate(model, cached, batch, seconds))
                 except Exception as error:  # plain Keras fails under some strategies: report it
                     errors[variant] = _first_reason(error)
         per_example = flops.training_flops_per_example(variants["toolkit"])
@@ -227,17 +225,37 @@ def _first_reason(error) -> str:
     return f"{type(error).__name__}: {reason[:200]}"
 
 
-def _fit_rate(model, dataset, batch, seconds):
-    """examples/s of `model.fit` over about `seconds`, after a call that traces and compiles."""
+def _training_rate(model, dataset, batch, seconds):
+    """examples/s of `model.fit`'s training loop: the median host call, after one fit that compiles.
+
+    Each call to the train function is timed from a callback, so what `fit`
+    does before the first step and after the last is left out. That matters:
+    TensorFlow's input iterators can take seconds to delete when `fit`
+    returns (the tf.data autotuner's thread of each per-device iterator is
+    waited for), a cost per `fit` call rather than per step that would
+    otherwise fall on whichever variant happened to pay it.
+    """
+    import keras
+    import statistics
+
+    class CallTimes(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = CallTimes()
     steps_per_execution = model.steps_per_execution
 
-    def fit(executions):
-        start = time.perf_counter()
-        model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0)
-        return time.perf_counter() - start
-    fit(2)
-    executions = max(2, round(2 * seconds / fit(2)))
-    return executions * steps_per_execution * batch / fit(executions)
+    def median_call(executions):
+        timer.times = []
+        model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0,
+                  callbacks=[timer])
+        return statistics.median(timer.times)
+    warm = median_call(2)  # the first call traces and compiles
+    executions = max(3, round(seconds / warm))
+    return steps_per_execution * batch / median_call(executions)
 
 
 def _run_modes(modes):
