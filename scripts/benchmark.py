@@ -85,8 +85,10 @@ def data_benchmark(name, seconds):
     pipeline = _rate(lambda: drain(pipeline_batches), 100 * batch, seconds)
     distributed = _rate(lambda: drain(distributed_batches), 100 * batch, seconds)
 
-    # The step alone: one real batch, repeated from memory.
+    # The step alone: one real batch, repeated from memory. The pipelines'
+    # iterators go first: their background threads would share the cores.
     cached = tf.data.Dataset.from_tensors(next(pipeline_batches)).repeat()
+    del pipeline_batches, distributed_batches
     builder, _ = models.registry.get(config.model)
     model = models.build(config.model, cluster)
     optimization.compile_model(model, builder, config.train, cluster)
