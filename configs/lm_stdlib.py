@@ -5,9 +5,10 @@
 
 Variants: '' (a few minutes on a 2-core CPU, validation < 3.2 bits per byte),
 'tiny' (seconds; for tests and for checking a cluster end to end) and 'wide'
-(width 256, depth 4: 2.5 GFLOP per sequence, the size of the design brief's
-"small GPT"; matmuls dominate its step, so it shows how close to the matmul
-ceiling a CPU gets once the model is not too narrow - see README "Performance").
+(width 256, depth 4: 2.5 GFLOP per sequence, about the size the design
+brief's figures for its "small GPT" imply; matmuls weigh more in its step, so
+it shows how the fraction of the matmul ceiling grows with width on a CPU -
+see README "Performance").
 """
 
 from tpu_keras.config import defaults
