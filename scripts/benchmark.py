@@ -82,8 +82,9 @@ def data_benchmark(name, seconds):
         for _ in tf.range(count):
             next(iterator)
 
-    pipeline = _rate(lambda: drain(pipeline_batches), 100 * batch, seconds)
-    distributed = _rate(lambda: drain(distributed_batches), 100 * batch, seconds)
+    def drain_rate(batches):
+        return _rate(lambda: drain(batches), 100 * batch, seconds)
+    pipeline, distributed = drain_rate(pipeline_batches), drain_rate(distributed_batches)
 
     # The step alone: one real batch, repeated from memory. The pipelines'
     # iterators go first: their background threads would share the cores.
@@ -250,14 +251,14 @@ def _training_rate(model, dataset, batch, seconds):
     timer = CallTimes()
     steps_per_execution = model.steps_per_execution
 
-    def median_call(executions):
+    def call_times(executions):
         timer.times = []
         model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0,
                   callbacks=[timer])
-        return statistics.median(timer.times)
-    warm = median_call(2)  # the first call traces and compiles
-    executions = max(3, round(seconds / warm))
-    return steps_per_execution * batch / median_call(executions)
+        return timer.times
+    one_call = call_times(2)[-1]  # the first call traces and compiles; the second is one call
+    executions = max(3, round(seconds / one_call))  # timed calls that last about `seconds`
+    return steps_per_execution * batch / statistics.median(call_times(executions))
 
 
 def _run_modes(modes):
