@@ -25,6 +25,8 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     # Model FLOP/s and MFU, in the log and in TensorBoard (tag names are stored verbatim).
     assert re.search(r"model_flops_per_second [\d.e+]+ \| mfu 0\.\d+", output), output[-2000:]
     assert b"mfu" in open(events[0], "rb").read()
+    # The global gradient norm, which the NaN guard watches too.
+    assert re.search(r"grad_norm \d[\d.e+-]* ", output) and b"grad_norm" in open(events[0], "rb").read()
     assert (workdir / "checkpoints" / "ckpt-20.index").exists()
     assert (workdir / "export" / "saved_model.pb").exists()
 
@@ -99,6 +101,9 @@ def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, data_dir
     first = train("configs/digits.py:tiny", tmp_path, *args)
     assert "jax mesh data=1 x model=1 over 1 process(es)" in first.stdout
     assert logged_steps(first.stdout) == [10, 20]
+    assert re.search(r"step 20/20 .*grad_norm \d[\d.e+-]* ", first.stdout), first.stdout[-2000:]
+    events = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+    assert events and b"grad_norm" in open(events[0], "rb").read()
     assert re.search(r"done at step 20: val_accuracy [\d.]+", first.stdout), first.stdout[-2000:]
     assert (tmp_path / "checkpoints" / "20").is_dir() and (tmp_path / "export" / "saved_model.pb").exists()
     again = train("configs/digits.py:tiny", tmp_path, *args, "--config.train.steps=30")

@@ -76,7 +76,7 @@ def defaults() -> ml_collections.ConfigDict:
         warmup_steps=100,
         min_learning_rate_ratio=0.1,  # cosine decays to this fraction of the peak
         weight_decay=0.01,
-        clipnorm=1.0,         # 0 disables gradient clipping
+        clipnorm=1.0,         # clips the global gradient norm; 0: no clipping
         eval_every=200,       # steps between validations
         eval_steps=0,         # 0: the whole eval split
         steps_per_execution=0,  # steps per host call; 0: auto (TPU: the log interval, else 10)

@@ -30,8 +30,8 @@ def make_optimizer(train_cfg):
         decay_steps=max(1, train_cfg.steps - train_cfg.warmup_steps),
         alpha=train_cfg.min_learning_rate_ratio)
     kwargs = dict(learning_rate=schedule)
-    if train_cfg.clipnorm:
-        kwargs["clipnorm"] = train_cfg.clipnorm
+    if train_cfg.clipnorm:  # the global norm, the one logged as grad_norm
+        kwargs["global_clipnorm"] = train_cfg.clipnorm
     if train_cfg.weight_decay and train_cfg.optimizer in ("adamw", "lion", "sgd", "adam"):
         kwargs["weight_decay"] = train_cfg.weight_decay
     try:

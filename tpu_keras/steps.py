@@ -1,7 +1,7 @@
 """Train/test functions for `model.fit` that work under every tf.distribute strategy.
 
-Keras 3's TensorFlow trainer breaks in two places once there is more than one
-replica (DESIGN.md facts 1 and 3):
+Keras 3's TensorFlow trainer breaks in three places once there is more than
+one replica:
 
 * its `steps_per_execution` loop runs `strategy.run` inside a `tf.cond` on an
   `Optional`, which fails under a multi-device MirroredStrategy
@@ -19,7 +19,9 @@ host loop in cross-replica context - one unconditional step, then
 `steps_per_execution - 1` more that stop when the iterator runs dry - and
 average each scalar over replicas with `strategy.reduce(..., axis=None)`.
 With `jit_compile`, XLA compiles each replica's forward and backward pass
-(`xla_train_step`), so every strategy gets both XLA and many steps per call.
+(`guarded_train_step`), so every strategy gets both XLA and many steps per
+call. The same step logs the global gradient norm and applies no update
+whose gradient or loss is not finite.
 """
 
 import types
@@ -27,6 +29,7 @@ import types
 import keras
 import tensorflow as tf
 
+GRAD_NORM = "grad_norm"  # the logged global gradient norm
 _HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build")
 
 
@@ -34,11 +37,13 @@ def distributed_steps(model: keras.Model) -> keras.Model:
     """Gives `model` step functions that work under any strategy; returns it.
 
     Call it once, on a model built inside `strategy.scope()`, before `fit`.
-    Compiling again keeps the fix. On the jax engine Keras's own trainer
-    already runs under `keras.distribution`, and the model is returned as is.
+    Compiling again keeps the fix. On the jax engine Keras's own host loop
+    already runs under `keras.distribution`; only its train step changes
+    (`jax_steps`), to log the gradient norm and skip non-finite updates.
     """
-    if keras.backend.backend() != "tensorflow":
-        return model
+    if keras.backend.backend() == "jax":
+        from tpu_keras import jax_steps
+        return jax_steps.install(model)
     for hook in _HOOKS:
         setattr(model, hook, types.MethodType(globals()[hook], model))
     return model
@@ -46,16 +51,20 @@ def distributed_steps(model: keras.Model) -> keras.Model:
 
 def make_train_function(self, force=False):
     if self.train_function is None or force:
-        # A loss-scaling optimizer (float16) scales inside Keras's own step: keep it.
-        scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-        self.train_function = _host_loop(self, self.train_step, None if scaled else xla_train_step(self),
-                                         stop_on_nonfinite=True)
+        # A loss-scaling optimizer (float16) checks its gradients and skips
+        # steps in Keras's own step: keep it.
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            step, xla = self.train_step, self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
+        else:
+            step, xla = guarded_train_step(self), False  # compiles its own part with XLA
+        self.train_function = _host_loop(self, step, jit_whole_step=xla, stop_on_nonfinite=True)
     return self.train_function
 
 
 def make_test_function(self, force=False):
     if self.test_function is None or force:
-        self.test_function = _host_loop(self, self.test_step)
+        xla = self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
+        self.test_function = _host_loop(self, self.test_step, jit_whole_step=xla)
     return self.test_function
 
 
@@ -80,29 +89,30 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=data_batch)
 
 
-def _host_loop(model, step_fn, xla_step=None, stop_on_nonfinite=False):
+def _host_loop(model, step_fn, jit_whole_step=False, stop_on_nonfinite=False):
     """Runs up to `steps_per_execution` steps per call to the host.
 
-    With `jit_compile`, `xla_step` (when given) replaces `step_fn`: it keeps
-    the XLA part inside each replica, which works under every strategy.
-    With `stop_on_nonfinite`, a step whose loss is NaN or Inf ends the call,
-    so the host sees the step that diverged (see `nonfinite`).
+    `jit_whole_step` compiles `step_fn` with XLA as a whole, which works on
+    one replica only (keras-team/keras#19005). With `stop_on_nonfinite`, a
+    step whose loss or gradient norm is NaN or Inf ends the call, so the host
+    sees the step that diverged (see `nonfinite`).
     """
     strategy = model.distribute_strategy
-    if model.jit_compile and not model.run_eagerly:
-        if xla_step is not None:
-            step_fn = xla_step
-        elif strategy.num_replicas_in_sync == 1:
-            step_fn = tf.function(step_fn, jit_compile=True, reduce_retracing=True)
+    if jit_whole_step and not model.run_eagerly:
+        step_fn = tf.function(step_fn, jit_compile=True, reduce_retracing=True)
 
     def one_step(batch):
         outputs = strategy.run(step_fn, args=(batch,))
         return tf.nest.map_structure(lambda v: _mean_over_replicas(strategy, v), outputs)
 
+    def finite(outputs):
+        return tf.reduce_all([tf.math.is_finite(outputs[key]) for key in ("loss", GRAD_NORM)
+                              if key in outputs])
+
     def steps(iterator):
         outputs = one_step(next(iterator))
         for _ in tf.range(model.steps_per_execution - 1):
-            if stop_on_nonfinite and "loss" in outputs and not tf.math.is_finite(outputs["loss"]):
+            if stop_on_nonfinite and not finite(outputs):
                 break
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
@@ -113,18 +123,24 @@ def _host_loop(model, step_fn, xla_step=None, stop_on_nonfinite=False):
     return steps if model.run_eagerly else tf.function(steps, reduce_retracing=True)
 
 
-def xla_train_step(model):
-    """A train step whose forward and backward pass XLA compiles on each replica.
+def guarded_train_step(model):
+    """The train step under every strategy: XLA on each replica, and no update from a
+    non-finite gradient.
 
-    XLA cannot wrap `strategy.run` (keras-team/keras#19005), nor Keras's whole
+    With `jit_compile`, XLA compiles the forward and backward pass. It cannot
+    wrap `strategy.run` (keras-team/keras#19005), nor Keras's whole
     `train_step` on a replica: a compiled function that captures variables is
     traced once and reused by every replica, and the optimizer all-reduces
     through `merge_call`. So XLA compiles a pure function - variable values
-    in; loss, gradients, predictions and updated state out - and the
-    optimizer applies the gradients outside it, where the strategy can
-    all-reduce them. It is Keras's JAX trainer, in TensorFlow.
+    in; loss, gradients, predictions and updated state out - as Keras's JAX
+    trainer does. Then the step sums the gradients over replicas itself, so
+    that every replica sees the global gradient: its norm is logged as
+    `grad_norm`, and when it or the loss is not finite the optimizer is not
+    applied at all (the weights, the optimizer state and its step count stay
+    as they were). A loss alone can miss a divergence: a fused
+    `relu(matmul(x, w) + b)` on CPU turns a NaN row of `x` into zeros, so the
+    loss stays finite while the gradient of `w` is NaN.
     """
-    @tf.function(jit_compile=True, reduce_retracing=True)
     def loss_and_gradients(trainable, non_trainable, metrics, x, y, sample_weight):
         with tf.GradientTape() as tape:
             tape.watch(trainable)
@@ -138,6 +154,9 @@ def xla_train_step(model):
             model._losses_override = []
         return loss, tape.gradient(loss, trainable), y_pred, non_trainable, metrics
 
+    if model.jit_compile and not model.run_eagerly:
+        loss_and_gradients = tf.function(loss_and_gradients, jit_compile=True, reduce_retracing=True)
+
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         values = lambda variables: [v.value for v in variables]
@@ -147,13 +166,46 @@ def xla_train_step(model):
         for variable, value in zip(model.non_trainable_variables + model.metrics_variables,
                                    non_trainable + metrics):
             variable.assign(value)
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        model._loss_tracker.update_state(  # compute_loss divided it by the replicas
-            loss * replicas, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
-        model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables) if g is not None]
+        # compute_loss divided the loss by the replicas, so the sums are global means.
+        replica = tf.distribute.get_replica_context()
+        global_loss, gradients = replica.all_reduce("SUM", (loss, [g for g, _ in pairs]))
+        grad_norm = tf.linalg.global_norm(gradients)
+        finite = tf.math.is_finite(grad_norm) & tf.math.is_finite(global_loss)
+        _apply_if_finite(model.optimizer, gradients, [v for _, v in pairs], finite)
+        model._loss_tracker.update_state(
+            loss * replica.num_replicas_in_sync, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        return {**model.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
+                GRAD_NORM: grad_norm}
 
     return train_step
+
+
+def _apply_if_finite(optimizer, gradients, variables, finite):
+    """`optimizer.apply(gradients, variables)` when `finite` (the same on every replica);
+    otherwise nothing changes, not even the optimizer's step count.
+
+    The gradients are already summed over replicas. Keras 3's TensorFlow
+    optimizer would sum them again inside `apply`, and unlike Keras 2
+    (`skip_gradients_aggregation=True`) it has no switch to say they are, so
+    its one summing hook is bypassed while the update is traced. The branch
+    runs in cross-replica context, as Keras's LossScaleOptimizer does it: a
+    `tf.cond` in replica context cannot hold the `merge_call` that applying
+    gradients makes.
+    """
+    def apply(gradients):
+        optimizer.apply(gradients, variables)
+
+    def cross_replica(strategy, gradients, finite):
+        optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+        try:
+            tf.cond(strategy.experimental_local_results(finite)[0],
+                    lambda: strategy.extended.call_for_each_replica(apply, args=(gradients,)),
+                    lambda: None)
+        finally:
+            del optimizer._all_reduce_sum_gradients
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(gradients, finite))
 
 
 def _mean_over_replicas(strategy, value):

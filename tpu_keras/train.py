@@ -91,7 +91,7 @@ def train(config, workdir: str):
         flops_per_example=flops.training_flops_per_example(model),
         peak_flops=peak.peak_flops(cluster, performance.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
-    run_callbacks = [logger, nonfinite.StopOnNonFinite(saver),
+    run_callbacks = [logger, nonfinite.StopOnNonFinite(saver, train_cfg.steps),
                      preemption.SaveOnPreemption(saver, cluster),
                      checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)]
     while True:
@@ -102,7 +102,7 @@ def train(config, workdir: str):
             history = _fit(model, config, start_step, train_data, eval_data, eval_steps,
                            run_callbacks)
             break
-        except nonfinite.NonFiniteLoss as diverged:
+        except nonfinite.NonFiniteStep as diverged:
             skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
         except peer_errors as error:
             if cluster.num_processes == 1:
