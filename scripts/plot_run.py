@@ -5,20 +5,22 @@
 
 DIR is a run's workdir (or any folder holding event files). The panels are
 the scalars `tpu_keras.train` logs at each interval: every loss (training
-and validation), examples/s, and MFU - each panel only when the run has it.
+and validation), the gradient norm, examples/s, and MFU - each panel only when the run has it.
 Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
-import glob
+import io
 import os
 import sys
 
 from absl import app, flags
+import tensorflow as tf
 
 _OUT = flags.DEFINE_string("out", "", "PNG to write (default: DIR/run.png).")
 
 PANELS = (  # (title, y label, does a tag belong here)
     ("loss", "loss", lambda tag: tag == "loss" or tag.endswith("_loss")),
+    ("gradient norm", "global L2 norm", lambda tag: tag == "grad_norm"),
     ("throughput", "examples/s", lambda tag: tag == "examples_per_second"),
     ("model FLOPs utilization", "MFU", lambda tag: tag == "mfu"),
 )
@@ -28,7 +30,8 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in the event files under `run_dir`: tag -> [(step, value)], by step."""
     from tensorboard.backend.event_processing import event_accumulator
 
-    files = glob.glob(os.path.join(run_dir, "**", "events.out.tfevents.*"), recursive=True)
+    files = [os.path.join(root, f) for root, _, names in tf.io.gfile.walk(run_dir)
+             for f in names if f.startswith("events.out.tfevents.")]  # gs:// too
     series = {}
     for folder in sorted({os.path.dirname(f) for f in files}):
         events = event_accumulator.EventAccumulator(folder, size_guidance={"tensors": 0, "scalars": 0})
@@ -42,7 +45,6 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def _tensor_value(proto) -> float:
-    import tensorflow as tf
     return float(tf.make_ndarray(proto))
 
 
@@ -66,7 +68,10 @@ def plot(series: dict, title: str, out: str) -> list[str]:
     axes[-1, 0].set_xlabel("step")
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(out, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
+    with tf.io.gfile.GFile(out, "wb") as f:  # gs:// too
+        f.write(image.getvalue())
     return [tag for _, _, tags in panels for tag in tags]
 
 

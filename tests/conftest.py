@@ -27,12 +27,12 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
 
 
-def run(args, *, timeout=300, env=None, check=True, merge_stderr=True):
-    """Runs `args` from the repo root; returns the CompletedProcess (text; stderr merged
-    into stdout unless `merge_stderr=False`)."""
+def run(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO):
+    """Runs `args` (from the repo root unless `cwd` says otherwise); returns the
+    CompletedProcess (text; stderr merged into stdout unless `merge_stderr=False`)."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("TF_CONFIG", None)
-    result = subprocess.run(args, cwd=REPO, env=full_env, timeout=timeout, text=True,
+    result = subprocess.run(args, cwd=cwd, env=full_env, timeout=timeout, text=True,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
     if check and result.returncode != 0:

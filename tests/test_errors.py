@@ -98,6 +98,9 @@ CASES = [
                  id="missing-data-dir"),
     pytest.param(LM_TINY, ["--config.data.name=stdlib_byte", DATA],
                  ["unknown dataset 'stdlib_byte'", "stdlib_bytes"], id="unknown-dataset"),
+    pytest.param(LM_TINY, ["--config.data.name=stdlib_bytes/ctx999", DATA],
+                 ["'stdlib_bytes' has no variant 'ctx999'", "'stdlib_bytes/ctx128'"],
+                 id="unknown-dataset-variant"),
     pytest.param(LM_TINY, ["--config.data.eval_split=valdation", DATA],
                  ["data.eval_split='valdation'", "'validation'"], id="unknown-split"),
     pytest.param("{inputs}/tfrecords.py", ["--config.data.eval_files={inputs}/none-*.tfrecord"],
@@ -116,6 +119,9 @@ CASES = [
     pytest.param(DIGITS_TINY, ["--workdir={inputs}/afile/run"],
                  ["cannot write to --workdir=", "afile/run", "choose a directory"],
                  id="workdir-under-a-file"),
+    pytest.param(DIGITS_TINY, ["--workdir=nope://bucket/run"],
+                 ["cannot write to --workdir=nope://bucket/run", "scheme 'nope' not implemented"],
+                 id="workdir-on-an-unknown-filesystem"),
 ]
 
 

@@ -36,7 +36,7 @@ def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
     out = tmp_path / "run.png"
     result = run([sys.executable, "scripts/plot_run.py", str(workdir), f"--out={out}"])
     drawn = result.stdout.strip().splitlines()[-1]
-    for tag in ("loss", "val_loss", "examples_per_second", "mfu"):
+    for tag in ("loss", "val_loss", "grad_norm", "examples_per_second", "mfu"):
         assert re.search(rf"\b{tag}\b", drawn), drawn
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

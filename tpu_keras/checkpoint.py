@@ -20,7 +20,6 @@ the same: it writes into a temporary folder and renames it when complete.
 """
 
 import os
-import shutil
 import time
 
 from absl import logging
@@ -28,6 +27,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 
+from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError
 
 # Test hook: seconds to wait between writing a checkpoint's files and
@@ -102,7 +102,8 @@ class TFCheckpointer:
         step = self.step
         path = self._checkpoint.write(os.path.join(self._own_dir, f"ckpt-{step}"))
         if not self._is_chief:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+            if tf.io.gfile.exists(self._own_dir):
+                tf.io.gfile.rmtree(self._own_dir)
             return
         time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
         previous = [p for p in self.committed() if p != path]
@@ -122,7 +123,7 @@ class OrbaxCheckpointer:
     def __init__(self, workdir: str, model: keras.Model, keep: int = 3):
         import orbax.checkpoint as ocp
         self._ocp, self._model = ocp, model
-        self.shared_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.shared_dir = workdir_lib.absolute(os.path.join(workdir, "checkpoints"))
         self._manager = ocp.CheckpointManager(self.shared_dir, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=False))
 

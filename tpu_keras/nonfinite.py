@@ -28,6 +28,7 @@ import os
 import keras
 import tensorflow as tf
 
+from tpu_keras import workdir
 from tpu_keras.errors import UserError
 from tpu_keras.steps import GRAD_NORM
 
@@ -100,7 +101,4 @@ def load_skipped(checkpoint_dir: str) -> list[int]:
 def save_skipped(checkpoint_dir: str, positions: list[int]) -> None:
     """Writes the positions with a rename, so a reader never sees half a file."""
     tf.io.gfile.makedirs(checkpoint_dir)
-    path = os.path.join(checkpoint_dir, SKIPPED_FILE)
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-        json.dump(sorted(positions), f)
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    workdir.write_text(os.path.join(checkpoint_dir, SKIPPED_FILE), json.dumps(sorted(positions)))

@@ -10,7 +10,6 @@ import logging as std_logging
 import os
 import re
 import sys
-import tempfile
 import threading
 import traceback
 import warnings
@@ -41,8 +40,9 @@ def train(config, workdir: str):
     import tpu_keras
     from tpu_keras import (callbacks, checkpoint, data, flops, models, nonfinite, optimization, peak,
                            performance, preemption)
+    from tpu_keras import workdir as workdir_lib
     builder, model_kwargs = models.registry.get(config.model)
-    _make_workdir(workdir)
+    workdir_lib.prepare(workdir)
     if threading.current_thread() is threading.main_thread():
         preemption.watch()  # from here on, SIGTERM means "save and exit 42"
 
@@ -50,8 +50,7 @@ def train(config, workdir: str):
     cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
     performance.resolve(config, cluster)
     if cluster.is_chief:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        workdir_lib.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
     keras.utils.set_random_seed(config.seed)
     if config.deterministic and config.engine == "tf":
         import tensorflow as tf
@@ -181,18 +180,6 @@ def _fingerprint(model) -> float:
     """The sum of all weights, computed where they live (sharded jax arrays span hosts)."""
     import keras
     return sum(float(keras.ops.convert_to_numpy(keras.ops.sum(w.value))) for w in model.weights)
-
-
-def _make_workdir(workdir: str) -> None:
-    """Creates the workdir (or finds it) and checks that this process can write there."""
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        if "://" not in workdir:
-            with tempfile.TemporaryFile(dir=workdir):
-                pass
-    except OSError as error:
-        raise UserError(f"cannot write to --workdir={workdir} ({error.strerror or error}); "
-                        "choose a directory you can create and write to") from None
 
 
 def _parse_flags(argv):

@@ -10,7 +10,7 @@ import tensorflow_datasets as tfds
 
 from tpu_keras.data.digits import Digits
 from tpu_keras.data.stdlib_bytes import StdlibBytes
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, closest
 
 OFFLINE_BUILDERS = {"stdlib_bytes": StdlibBytes, "digits": Digits}
 LOCK_FILENAME = ".prepare.lock"
@@ -48,7 +48,8 @@ def prepare(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     Our offline builders are generated on first use; any other name is returned
     unprepared, exactly as `tfds.builder` gives it.
     """
-    dataset_name, _ = tfds.core.naming.parse_builder_name_kwargs(name)
+    dataset_name, kwargs = tfds.core.naming.parse_builder_name_kwargs(name)
+    _check_variant(dataset_name.name, kwargs.get("config"))
     if dataset_name.namespace or dataset_name.name not in OFFLINE_BUILDERS:
         return tfds.builder(name, data_dir=data_dir)
     with _exclusive(os.fspath(data_dir)):
@@ -59,3 +60,14 @@ def prepare(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     return builder
+
+
+def _check_variant(name: str, variant) -> None:
+    """A one-line error for `name/variant` when the builder has no such variant (config)."""
+    try:
+        configs = [c.name for c in tfds.builder_cls(name).BUILDER_CONFIGS]
+    except tfds.core.registered.DatasetNotFoundError:
+        return  # unknown names are reported by the caller, with the known ones
+    if variant and configs and variant not in configs:
+        raise UserError(f"dataset {name!r} has no variant {variant!r}{closest(variant, configs)}; "
+                        f"use one of {[f'{name}/{c}' for c in configs]}")

@@ -25,6 +25,7 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from tpu_keras import workdir
 from tpu_keras.data import sharding, sources
 from tpu_keras.data.preprocess import PREPROCESSORS
 from tpu_keras.errors import UserError, closest
@@ -128,7 +129,8 @@ def _epochs(plan, host, config, preprocess, batch, batches_per_step, steps_per_e
     """
     with_ids = bool(example_log)
     if with_ids:
-        tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(example_log)))
+        example_log = workdir.absolute(example_log)
+        tf.io.gfile.makedirs(os.path.dirname(example_log))
 
     def blocks(order_seed=None):
         examples = plan.read(host, config.deterministic, order_seed=order_seed, with_ids=with_ids)
@@ -162,7 +164,7 @@ def _epochs(plan, host, config, preprocess, batch, batches_per_step, steps_per_e
     if with_ids:
         def log(position, element):
             examples, ids = element
-            tf.print(position, ids, output_stream=f"file://{os.path.abspath(example_log)}",
+            tf.print(position, ids, output_stream=f"file://{example_log}",
                      summarize=-1)
             return examples
         return batches.map(log)

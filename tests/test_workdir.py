@@ -1,0 +1,48 @@
+"""A workdir on a filesystem other than the local disk, as `gs://` is on a pod.
+
+TensorFlow's `ram://` filesystem stands in for `gs://`: it lives in one
+process's memory, so the run and its resume happen in one process, started
+in an empty folder that must stay empty.
+"""
+
+import json
+import sys
+
+from conftest import REPO, run
+
+SCRIPT = f"""
+import json, os, sys
+sys.path.insert(0, {str(REPO / "configs")!r})
+import lm_stdlib
+import tensorflow as tf
+from absl import logging
+from tpu_keras import train
+
+logging.set_verbosity(logging.INFO)
+
+config = lm_stdlib.get_config("tiny")
+config.data.update(data_dir=sys.argv[1], log_example_ids=True)
+config.train.steps = 10
+train.train(config, "ram://run")
+config.train.steps = 20
+history = train.train(config, "ram://run")
+print("FILES", json.dumps(sorted(os.path.relpath(os.path.join(root, f), "ram://run")
+                                  for root, _, files in tf.io.gfile.walk("ram://run") for f in files)))
+print("CWD", json.dumps(os.listdir(".")))
+"""
+
+
+def test_a_run_and_its_resume_on_ram_write_nothing_locally(tmp_path, data_dir):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = run([sys.executable, "-c", SCRIPT, data_dir], cwd=cwd)
+    output = result.stdout
+    assert "resumed from ram://run/checkpoints/ckpt-10 at step 10" in output, output[-3000:]
+    files = json.loads(output.split("FILES ", 1)[1].splitlines()[0])
+    for expected in ("config.json", "checkpoints/checkpoint", "checkpoints/ckpt-20.index",
+                     "example_ids/host0.txt",
+                     "export/saved_model.pb"):
+        assert expected in files, files
+    assert any(f.startswith("tensorboard/events.out.tfevents.") for f in files), files
+    assert json.loads(output.split("CWD ", 1)[1].splitlines()[0]) == []
+    assert not list(cwd.iterdir())

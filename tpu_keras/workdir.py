@@ -1,0 +1,45 @@
+"""A run's folder on any filesystem TensorFlow can write: local, `gs://` on a pod, `ram://` in tests.
+
+Everything a run writes or reads in its workdir goes through `tf.io.gfile`
+(or Orbax, which reads `gs://` itself), never through `open` or `os`: on a
+pod, `os.makedirs("gs://bucket/run")` would quietly create
+`./gs:/bucket/run` on worker 0's disk.
+"""
+
+import os
+import uuid
+
+import tensorflow as tf
+
+from tpu_keras.errors import UserError
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` names a filesystem by scheme (`gs://`, `ram://`, ...)."""
+    return "://" in path
+
+
+def absolute(path: str) -> str:
+    """`path` made absolute if it is local; a remote path is absolute already."""
+    return path if is_remote(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def prepare(workdir: str) -> None:
+    """Creates the workdir (or finds it) and checks that this process can write there."""
+    probe = os.path.join(workdir, f".write_check_{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(workdir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        reason = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
+        raise UserError(f"cannot write to --workdir={workdir} ({reason.splitlines()[0]}); "
+                        "choose a directory you can create and write to") from None
+
+
+def write_text(path: str, text: str) -> None:
+    """Writes `path` whole or not at all: a temporary file, then a rename."""
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
