@@ -2,6 +2,14 @@
 
     python scripts/benchmark.py --data
     python scripts/benchmark.py --fit [--modes=one_device,mirrored4]
+    python scripts/benchmark.py --run [--run_config=lm_stdlib]
+
+--run: one whole `python -m tpu_keras.train` run of the default config, on
+a dataset prepared beforehand, timed from outside, and where its wall time
+went (the run's own DIR/timings.json, plus the process's exit, which only
+the outside sees). `outside_steps_fraction` is the share of the wall time
+not spent in training steps: start-up, compiling, validation, checkpoints,
+export, exit and anything else the toolkit does around the work.
 
 --fit: the toolkit's `fit` next to plain Keras `fit` on the same model, the
 same initial weights and the same batch (one real batch repeated from
@@ -41,6 +49,9 @@ _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in thi
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits"],
                               "Config modules under configs/, each optionally with :VARIANT.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate.")
+_RUN = flags.DEFINE_bool("run", False, "A whole training run, timed, and where its time goes.")
+_RUN_CONFIG = flags.DEFINE_string("run_config", "lm_stdlib", "--run: a config module under "
+                                  "configs/, optionally with :VARIANT.")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -261,6 +272,35 @@ def _training_rate(model, dataset, batch, seconds):
     return steps_per_execution * batch / statistics.median(call_times(executions))
 
 
+def run_benchmark(name):
+    """One `python -m tpu_keras.train` run in a fresh process: its wall time and breakdown."""
+    import subprocess
+    import tempfile
+    from tpu_keras.data import builders
+
+    config = _config(name)
+    module, _, variant = name.partition(":")
+    config_arg = f"configs/{module}.py" + (f":{variant}" if variant else "")
+    if config.data.name:  # prepared first: the benchmark times training, not data preparation
+        builders.prepare(config.data.name, os.path.expanduser(config.data.data_dir))
+    with tempfile.TemporaryDirectory() as workdir:
+        start = time.time()
+        result = subprocess.run([sys.executable, "-m", "tpu_keras.train", f"--config={config_arg}",
+                                 f"--workdir={workdir}"], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        wall = time.time() - start
+        if result.returncode:
+            raise RuntimeError(f"the run exited {result.returncode}:\n{result.stdout[-3000:]}")
+        with open(os.path.join(workdir, "timings.json")) as f:
+            inside = json.load(f)
+    seconds = dict(inside["seconds"], exit=max(0.0, wall - inside["wall_seconds"]))
+    examples = config.train.steps * config.train.batch_size
+    return {"config": config_arg, "steps": config.train.steps, "wall_seconds": round(wall, 1),
+            "seconds": {name: round(value, 2) for name, value in seconds.items()},
+            "examples_per_second_in_steps": round(examples / seconds["steps"], 1),
+            "outside_steps_fraction": round(1 - seconds["steps"] / wall, 3)}
+
+
 def _run_modes(modes):
     """Runs each --fit mode in its own process (devices are fixed at start-up); merges the JSON."""
     import subprocess
@@ -289,11 +329,13 @@ def main(argv):
         else:
             results = _run_modes(_MODES.value)
         print(json.dumps({"benchmark": "fit", "results": results}, indent=2))
+    elif _RUN.value:
+        print(json.dumps({"benchmark": "run", "results": [run_benchmark(_RUN_CONFIG.value)]}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         print(json.dumps({"benchmark": "data", "results": results}, indent=2))
     else:
-        raise app.UsageError("choose a benchmark: --data or --fit")
+        raise app.UsageError("choose a benchmark: --data, --fit or --run")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ in an empty folder that must stay empty.
 import json
 import sys
 
+import pytest
+
 from conftest import REPO, run
 
 SCRIPT = f"""
@@ -28,6 +30,7 @@ config.train.steps = 20
 history = train.train(config, "ram://run")
 print("FILES", json.dumps(sorted(os.path.relpath(os.path.join(root, f), "ram://run")
                                   for root, _, files in tf.io.gfile.walk("ram://run") for f in files)))
+print("TIMINGS", json.dumps(json.load(tf.io.gfile.GFile("ram://run/timings.json"))))
 print("CWD", json.dumps(os.listdir(".")))
 """
 
@@ -41,8 +44,12 @@ def test_a_run_and_its_resume_on_ram_write_nothing_locally(tmp_path, data_dir):
     files = json.loads(output.split("FILES ", 1)[1].splitlines()[0])
     for expected in ("config.json", "checkpoints/checkpoint", "checkpoints/ckpt-20.index",
                      "example_ids/host0.txt",
-                     "export/saved_model.pb"):
+                     "export/saved_model.pb", "timings.json"):
         assert expected in files, files
     assert any(f.startswith("tensorboard/events.out.tfevents.") for f in files), files
+    # The second run's time breakdown: its phases add up to its wall time.
+    timings = json.loads(output.split("TIMINGS ", 1)[1].splitlines()[0])
+    assert timings["seconds"]["steps"] > 0 and 0 < timings["outside_steps_fraction"] < 1
+    assert sum(timings["seconds"].values()) == pytest.approx(timings["wall_seconds"], rel=0.01)
     assert json.loads(output.split("CWD ", 1)[1].splitlines()[0]) == []
     assert not list(cwd.iterdir())

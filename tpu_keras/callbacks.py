@@ -1,4 +1,5 @@
-"""One log line and a set of TensorBoard scalars per log interval.
+"""What the toolkit hooks into `fit`: one log line and TensorBoard scalars per log
+interval, and the timing of host calls for the run's time breakdown.
 
 `fit` runs with one Keras "epoch" per log interval, so epoch boundaries are
 where the step, the loss, the last validation and the throughput are known.
@@ -59,6 +60,45 @@ class IntervalLogger(keras.callbacks.Callback):
                 for name, value in scalars.items():
                     tf.summary.scalar(name, value)
             self._writer.flush()
+
+
+class FitTimer(keras.callbacks.Callback):
+    """Times host calls (the first of each fit apart), validations and fit's return
+    into a `timings.RunTimings`. Put it first: its batch end then times the call alone."""
+
+    def __init__(self, timings):
+        super().__init__()
+        self._timings = timings
+        self._first = True
+        self._call_start = self._test_start = self._train_end = None
+
+    def on_train_begin(self, logs=None):
+        self._first = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs and "loss" in logs:  # jax dispatches asynchronously: wait for the call's result
+            keras.ops.convert_to_numpy(logs["loss"])
+        calls = self._timings.first_host_calls if self._first else self._timings.host_calls
+        calls.append(time.perf_counter() - self._call_start)
+        self._first = False
+
+    def on_test_begin(self, logs=None):
+        self._test_start = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        self._timings.seconds["validation"] += time.perf_counter() - self._test_start
+
+    def on_train_end(self, logs=None):
+        self._train_end = time.perf_counter()
+
+    def fit_returned(self):
+        """Call right after `fit` returns or raises: the time it took after its last callback."""
+        if self._train_end is not None:
+            self._timings.seconds["fit_teardown"] += time.perf_counter() - self._train_end
+            self._train_end = None
 
 
 def _is_number(value):

@@ -24,7 +24,7 @@ def compile_model(model, builder, train_cfg, cluster):
 
 def make_optimizer(train_cfg):
     """The configured optimizer with a linear warmup and a cosine decay."""
-    schedule = keras.optimizers.schedules.CosineDecay(
+    schedule = WarmupCosineDecay(
         initial_learning_rate=0.0, warmup_target=train_cfg.learning_rate,
         warmup_steps=train_cfg.warmup_steps,
         decay_steps=max(1, train_cfg.steps - train_cfg.warmup_steps),
@@ -42,3 +42,25 @@ def make_optimizer(train_cfg):
         raise UserError(f"train.optimizer={train_cfg.optimizer!r} is not a keras.optimizers name"
                         f"{closest(train_cfg.optimizer.lower(), names)}; use one such as 'adamw', "
                         "'adam' or 'sgd'") from None
+
+
+class WarmupCosineDecay(keras.optimizers.schedules.CosineDecay):
+    """Keras's `CosineDecay` with warmup, computed without a `cond`.
+
+    Keras's TensorFlow optimizer evaluates the schedule once per weight (for
+    weight decay), and each `cond` is a pair of graphs to trace: for the
+    default gpt, the schedule's conds were a third of the train step's
+    tracing time. Both branches are cheap scalars, so `where` picks one.
+    """
+
+    def __call__(self, step):
+        dtype = keras.ops.convert_to_tensor(self.initial_learning_rate).dtype
+        warmup_steps = keras.ops.cast(self.warmup_steps, dtype)
+        step = keras.ops.minimum(keras.ops.cast(step, dtype),
+                                 keras.ops.cast(self.decay_steps, dtype) + warmup_steps)
+        decayed = self._decay_function(step - warmup_steps, keras.ops.cast(self.decay_steps, dtype),
+                                       keras.ops.cast(self.warmup_target, dtype), dtype)
+        warming = self._warmup_function(step, keras.ops.maximum(warmup_steps, 1.0),
+                                        keras.ops.cast(self.warmup_target, dtype),
+                                        keras.ops.cast(self.initial_learning_rate, dtype))
+        return keras.ops.where(step < warmup_steps, warming, decayed)

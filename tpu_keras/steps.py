@@ -55,16 +55,20 @@ def make_train_function(self, force=False):
         # steps in Keras's own step: keep it.
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             step, xla = self.train_step, self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
+            first_outputs = self.get_metrics_result
         else:
             step, xla = guarded_train_step(self), False  # compiles its own part with XLA
-        self.train_function = _host_loop(self, step, jit_whole_step=xla, stop_on_nonfinite=True)
+            first_outputs = lambda: {**self.get_metrics_result(), GRAD_NORM: tf.constant(0.0)}
+        self.train_function = _host_loop(self, step, first_outputs, jit_whole_step=xla,
+                                         stop_on_nonfinite=True)
     return self.train_function
 
 
 def make_test_function(self, force=False):
     if self.test_function is None or force:
         xla = self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
-        self.test_function = _host_loop(self, self.test_step, jit_whole_step=xla)
+        self.test_function = _host_loop(self, self.test_step, self.get_metrics_result,
+                                        jit_whole_step=xla)
     return self.test_function
 
 
@@ -89,13 +93,16 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=data_batch)
 
 
-def _host_loop(model, step_fn, jit_whole_step=False, stop_on_nonfinite=False):
+def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonfinite=False):
     """Runs up to `steps_per_execution` steps per call to the host.
 
-    `jit_whole_step` compiles `step_fn` with XLA as a whole, which works on
-    one replica only (keras-team/keras#19005). With `stop_on_nonfinite`, a
-    step whose loss or gradient norm is NaN or Inf ends the call, so the host
-    sees the step that diverged (see `nonfinite`).
+    `first_outputs()` gives tensors shaped as `step_fn`'s outputs, to start
+    the loop from: the step then has one call site, so it is traced once (for
+    a large model, most of the host loop's tracing time). `jit_whole_step`
+    compiles `step_fn` with XLA as a whole, which works on one replica only
+    (keras-team/keras#19005). With `stop_on_nonfinite`, a step whose loss or
+    gradient norm is NaN or Inf ends the call, so the host sees the step
+    that diverged (see `nonfinite`).
     """
     strategy = model.distribute_strategy
     if jit_whole_step and not model.run_eagerly:
@@ -110,14 +117,17 @@ def _host_loop(model, step_fn, jit_whole_step=False, stop_on_nonfinite=False):
                               if key in outputs])
 
     def steps(iterator):
-        outputs = one_step(next(iterator))
-        for _ in tf.range(model.steps_per_execution - 1):
+        outputs, ran = first_outputs(), 0
+        for _ in tf.range(model.steps_per_execution):
             if stop_on_nonfinite and not finite(outputs):
                 break
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
                 break
             outputs = one_step(batch.get_value())
+            ran += 1
+        if ran == 0:
+            next(iterator)  # no data left: raises the OutOfRangeError that ends Keras's epoch
         return outputs
 
     return steps if model.run_eagerly else tf.function(steps, reduce_retracing=True)
@@ -157,6 +167,7 @@ def guarded_train_step(model):
     if model.jit_compile and not model.run_eagerly:
         loss_and_gradients = tf.function(loss_and_gradients, jit_compile=True, reduce_retracing=True)
 
+    @tf.autograph.experimental.do_not_convert  # Keras's code needs no conversion; it costs seconds
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         values = lambda variables: [v.value for v in variables]
@@ -170,7 +181,7 @@ def guarded_train_step(model):
         # compute_loss divided the loss by the replicas, so the sums are global means.
         replica = tf.distribute.get_replica_context()
         global_loss, gradients = replica.all_reduce("SUM", (loss, [g for g, _ in pairs]))
-        grad_norm = tf.linalg.global_norm(gradients)
+        grad_norm = tf.cast(tf.linalg.global_norm(gradients), tf.float32)
         finite = tf.math.is_finite(grad_norm) & tf.math.is_finite(global_loss)
         _apply_if_finite(model.optimizer, gradients, [v for _, v in pairs], finite)
         model._loss_tracker.update_state(

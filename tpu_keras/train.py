@@ -11,12 +11,14 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 import warnings
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tpu_keras import timings
 from tpu_keras.errors import Preempted, UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py:tiny")
@@ -26,8 +28,13 @@ _VERBOSE = flags.DEFINE_boolean("verbose", False, "On a mistake in the config, f
                                 "environment, print the traceback above the one-line error.")
 
 
-def train(config, workdir: str):
-    """Runs (or resumes) one training run; returns the final Keras history."""
+def train(config, workdir: str, started: float | None = None):
+    """Runs (or resumes) one training run; returns the final Keras history.
+
+    `started` (a `time.time()`) is when the run began, for its time breakdown;
+    the command line passes the process's start, so imports count too.
+    """
+    started = time.time() if started is None else started
     from tpu_keras import config as config_lib
     from tpu_keras import engine
 
@@ -41,13 +48,15 @@ def train(config, workdir: str):
     from tpu_keras import (callbacks, checkpoint, data, flops, models, nonfinite, optimization, peak,
                            performance, preemption)
     from tpu_keras import workdir as workdir_lib
+    run_timings = timings.RunTimings(started)
     builder, model_kwargs = models.registry.get(config.model)
     workdir_lib.prepare(workdir)
     if threading.current_thread() is threading.main_thread():
         preemption.watch()  # from here on, SIGTERM means "save and exit 42"
 
     # ----- cluster -------------------------------------------------------------
-    cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    with run_timings.phase("cluster"):
+        cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
     performance.resolve(config, cluster)
     if cluster.is_chief:
         workdir_lib.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
@@ -58,25 +67,30 @@ def train(config, workdir: str):
 
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
-    model = models.build(config.model, cluster, config.layout)
-    optimization.compile_model(model, builder, train_cfg, cluster)
+    with run_timings.phase("model"):
+        model = models.build(config.model, cluster, config.layout)
+        optimization.compile_model(model, builder, train_cfg, cluster)
     logging.info("model: %s with %s parameters, %s, %d steps per host call%s", config.model.name,
                  f"{model.count_params():,}", train_cfg.precision, train_cfg.steps_per_execution,
                  ", XLA" if model.jit_compile else "")
 
     # ----- checkpoints ---------------------------------------------------------
     saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
+    saver.save = run_timings.timed("checkpoints", saver.save)
+    saver.restore_latest = run_timings.timed("restore", saver.restore_latest)
     skipped = nonfinite.load_skipped(saver.shared_dir)
 
     # ----- data ----------------------------------------------------------------
+    @functools.partial(run_timings.timed, "data")
     def train_data(start_step):
         """The training batches from `start_step` on: a pure function of the step."""
         return data.build(config.data, cluster, train_cfg.batch_size, training=True,
                           seed=config.seed, start_step=start_step, skip=skipped,
                           example_log=os.path.join(workdir, "example_ids", "host")
                           if config.data.log_example_ids else "")[0]
-    eval_data, eval_steps = data.build(config.data, cluster, train_cfg.batch_size,
-                                       training=False, max_eval_steps=train_cfg.eval_steps)
+    with run_timings.phase("data"):
+        eval_data, eval_steps = data.build(config.data, cluster, train_cfg.batch_size,
+                                           training=False, max_eval_steps=train_cfg.eval_steps)
 
     # ----- fit -----------------------------------------------------------------
     import tensorflow as tf
@@ -90,7 +104,8 @@ def train(config, workdir: str):
         flops_per_example=flops.training_flops_per_example(model),
         peak_flops=peak.peak_flops(cluster, performance.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
-    run_callbacks = [logger, nonfinite.StopOnNonFinite(saver, train_cfg.steps),
+    fit_timer = callbacks.FitTimer(run_timings)  # first: its batch end times the call alone
+    run_callbacks = [fit_timer, logger, nonfinite.StopOnNonFinite(saver, train_cfg.steps),
                      preemption.SaveOnPreemption(saver, cluster),
                      checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)]
     while True:
@@ -99,7 +114,7 @@ def train(config, workdir: str):
             saver.save()  # something good to go back to
         try:
             history = _fit(model, config, start_step, train_data, eval_data, eval_steps,
-                           run_callbacks)
+                           run_callbacks, fit_timer.fit_returned)
             break
         except nonfinite.NonFiniteStep as diverged:
             skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
@@ -121,12 +136,14 @@ def train(config, workdir: str):
     # ----- export --------------------------------------------------------------
     if cluster.is_chief:
         export_dir = os.path.join(workdir, "export")
-        model.export(export_dir, verbose=False)
+        with run_timings.phase("export"):
+            model.export(export_dir, verbose=False)
         logging.info("exported SavedModel to %s", export_dir)
+    run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
     return history
 
 
-def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callbacks):
+def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callbacks, fit_returned):
     """`model.fit` from `start_step` to `train.steps`, one Keras epoch per log interval.
 
     A run preempted mid-interval first finishes that interval in a fit of its
@@ -134,8 +151,14 @@ def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callb
     """
     train_cfg, interval = config.train, config.log.every_steps
     boundary = -(-start_step // interval) * interval
-    fit = functools.partial(model.fit, callbacks=run_callbacks,
-                            verbose=1 if sys.stdout.isatty() else 0)
+
+    def fit(*args, **kwargs):
+        try:
+            return model.fit(*args, callbacks=run_callbacks,
+                             verbose=1 if sys.stdout.isatty() else 0, **kwargs)
+        finally:
+            fit_returned()
+
     history = None
     if boundary > start_step:
         validate = boundary % train_cfg.eval_every == 0
@@ -291,7 +314,7 @@ def main(argv):
         reason = [line.strip() for line in str(error).splitlines() if line.strip()][-1]
         _exit_with(f"cannot load --config={flags.FLAGS['config'].serialize().split('=', 1)[-1]}: {reason}")
     try:
-        train(config, _WORKDIR.value)
+        train(config, _WORKDIR.value, started=timings.process_start())
     except UserError as error:
         _exit_with(str(error))
     except Preempted as preempted:

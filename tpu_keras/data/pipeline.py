@@ -26,7 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from tpu_keras import workdir
-from tpu_keras.data import sharding, sources
+from tpu_keras.data import iterator_reaper, sharding, sources
 from tpu_keras.data.preprocess import PREPROCESSORS
 from tpu_keras.errors import UserError, closest
 
@@ -43,9 +43,12 @@ def build(config, cluster, global_batch: int, *, training: bool, seed: int = 0,
                            start_step=start_step, max_eval_steps=max_eval_steps, skip=skip,
                            example_log=example_log)
     if cluster.strategy is None:  # jax: this host's pipeline, as Keras expects it
-        return fn(tf.distribute.InputContext(cluster.input_pipelines, cluster.input_index,
-                                             cluster.num_replicas)), steps
-    return cluster.strategy.distribute_datasets_from_function(fn), steps
+        dataset = fn(tf.distribute.InputContext(cluster.input_pipelines, cluster.input_index,
+                                                cluster.num_replicas))
+    else:
+        dataset = cluster.strategy.distribute_datasets_from_function(fn)
+    # Deleting an iterator can block for up to a minute: never on the training thread.
+    return iterator_reaper.release_off_thread(dataset), steps
 
 
 def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int = 0,

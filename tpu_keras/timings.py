@@ -1,0 +1,96 @@
+"""Where a run's wall time goes, from process start to export.
+
+Every run ends with one log line and `DIR/timings.json` that split its
+wall time into phases: start-up and imports, data, cluster, model build,
+checkpoint restore, the first compile of each step function, training
+steps, validation, checkpoint saves, the time `fit` takes to return after
+its last step (input iterator teardown), export, and what is left (`other`:
+callbacks, logging). `outside_steps_fraction` is the share of the wall time
+not spent in training steps: what the toolkit costs around the work.
+
+The training steps are the host calls of `fit`, timed by
+`callbacks.FitTimer`. A
+host call that traces and compiles the train function takes longer than
+the others; the excess over the median host call counts as compile time.
+Only the process's own exit is missing here; `scripts/benchmark.py --run`
+times it from outside.
+"""
+
+import collections
+import contextlib
+import json
+import os
+import statistics
+import time
+
+from absl import logging
+
+
+# Phases in the order a run meets them; the log line keeps it.
+PHASES = ("startup", "data", "cluster", "model", "restore", "compile", "steps", "validation",
+          "checkpoints", "fit_teardown", "export", "other")
+
+
+def process_start() -> float:
+    """When this process started (time.time() scale), from /proc; else when this module loaded."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return _MODULE_LOADED
+
+
+_MODULE_LOADED = time.time()
+
+
+class RunTimings:
+    """Accumulates seconds per phase; `callbacks.FitTimer` adds what happens inside `fit`."""
+
+    def __init__(self, started: float):
+        self._started = started
+        self.seconds = collections.defaultdict(float)
+        self.seconds["startup"] = time.time() - self._started  # until the run's code begins
+        self.host_calls, self.first_host_calls = [], []  # seconds; the first of each fit apart
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def timed(self, name: str, fn):
+        """`fn`, with the time of each call counted under `name`."""
+        def call(*args, **kwargs):
+            with self.phase(name):
+                return fn(*args, **kwargs)
+        return call
+
+    def report(self) -> dict:
+        """Seconds per phase, the wall time so far and the share outside training steps."""
+        wall = time.time() - self._started
+        calls, firsts = self.host_calls, self.first_host_calls
+        typical = statistics.median(calls) if calls else min(firsts, default=0.0)
+        self.seconds["compile"] = sum(max(0.0, first - typical) for first in firsts)
+        self.seconds["steps"] = sum(calls) + sum(firsts) - self.seconds["compile"]
+        seconds = {name: self.seconds.get(name, 0.0) for name in PHASES}
+        seconds["other"] = max(0.0, wall - sum(seconds.values()))
+        return {"wall_seconds": round(wall, 3),
+                "seconds": {name: round(value, 3) for name, value in seconds.items()},
+                "outside_steps_fraction": round(1 - seconds["steps"] / wall, 4) if wall else 0.0}
+
+    def finish(self, path: str | None) -> dict:
+        """Logs the breakdown in one line and writes it to `path` (when given); returns it."""
+        report = self.report()
+        logging.info("time: %.1f s in all, %.0f%% outside training steps | %s",
+                     report["wall_seconds"], 100 * report["outside_steps_fraction"],
+                     " | ".join(f"{name} {value:.1f}" for name, value in report["seconds"].items()
+                                if value >= 0.05))
+        if path:
+            from tpu_keras import workdir  # TensorFlow's filesystems; this module stays light
+            workdir.write_text(path, json.dumps(report, indent=2))
+        return report
