@@ -46,10 +46,8 @@ class _Reaper:
         while True:
             time.sleep(_POLL_SECONDS)
             with self._lock:
-                # References: the list, the comprehension's name, getrefcount's argument.
-                unused = [it for it in self._iterators if sys.getrefcount(it) <= 3]
-                self._iterators = [it for it in self._iterators if sys.getrefcount(it) > 3]
-            del unused  # the teardown waits here, on this thread, holding no lock
+                self._iterators, unused = _split_by_use(self._iterators)
+            unused.clear()  # the teardown waits here, on this thread, holding no lock
 
     def abandon(self):
         """At exit: hand what is left to the daemon thread, so that the interpreter's
@@ -58,6 +56,15 @@ class _Reaper:
             left, self._iterators = self._iterators, []
         if left:
             threading.Thread(target=lambda: left.clear(), daemon=True).start()
+
+
+def _split_by_use(iterators):
+    """(iterators someone else still holds, iterators only `iterators` holds)."""
+    kept, unused = [], []
+    for iterator in iterators:
+        # References: the list, this loop's name and getrefcount's argument.
+        (unused if sys.getrefcount(iterator) <= 3 else kept).append(iterator)
+    return kept, unused
 
 
 _REAPER = _Reaper()
