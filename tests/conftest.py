@@ -63,10 +63,12 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, data_dir):
-    """One finished `configs/lm_stdlib.py:tiny` run (20 steps): (workdir, output).
+    """One finished `configs/lm_stdlib.py:tiny` run (20 steps, steps 11-12 profiled):
+    (workdir, output).
 
     Tests read it; a test that would change it copies what it needs first.
     """
     workdir = tmp_path_factory.mktemp("lm_tiny")
-    result = train("configs/lm_stdlib.py:tiny", workdir, f"--config.data.data_dir={data_dir}")
+    result = train("configs/lm_stdlib.py:tiny", workdir, f"--config.data.data_dir={data_dir}",
+                   "--config.log.profile_steps=(11, 12)")
     return workdir, result.stdout

@@ -79,6 +79,8 @@ CASES = [
                  ["train.precision='bfloat16'", "'mixed_bfloat16'"], id="unknown-precision"),
     pytest.param(LM_TINY, ["--config.mesh.model=0"], ["'model': 0", "give each axis a positive size"],
                  id="mesh-axis-zero"),
+    pytest.param(LM_TINY, ["--config.log.profile_steps=(12, 11)"],
+                 ["log.profile_steps=(12, 11)", "1 <= first <= last"], id="profile-steps-backwards"),
     pytest.param(DIGITS_TINY, ["--config.train.optimizer=adamx"],
                  ["train.optimizer='adamx'", "'adamax'"], id="unknown-optimizer"),
     # Devices.

@@ -31,6 +31,17 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     assert (workdir / "export" / "saved_model.pb").exists()
 
 
+def assert_profiled(workdir, output):
+    """A TensorBoard profile of steps 11-12 (the host call 11-15), where its plugin looks."""
+    assert re.search(r"profiling from step 11 into \S+tensorboard", output), output[-2000:]
+    traces = glob.glob(str(workdir / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert traces and all(os.path.getsize(t) > 0 for t in traces), traces
+
+
+def test_profile_steps_trace_the_chosen_steps(tiny_run):
+    assert_profiled(*tiny_run)
+
+
 def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
     workdir, _ = tiny_run
     out = tmp_path / "run.png"
@@ -98,12 +109,13 @@ def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path
 
 def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, data_dir):
     args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}")
-    first = train("configs/digits.py:tiny", tmp_path, *args)
+    first = train("configs/digits.py:tiny", tmp_path, *args, "--config.log.profile_steps=(11, 12)")
     assert "jax mesh data=1 x model=1 over 1 process(es)" in first.stdout
     assert logged_steps(first.stdout) == [10, 20]
     assert re.search(r"step 20/20 .*grad_norm \d[\d.e+-]* ", first.stdout), first.stdout[-2000:]
     events = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
     assert events and b"grad_norm" in open(events[0], "rb").read()
+    assert_profiled(tmp_path, first.stdout)
     assert re.search(r"done at step 20: val_accuracy [\d.]+", first.stdout), first.stdout[-2000:]
     assert (tmp_path / "checkpoints" / "20").is_dir() and (tmp_path / "export" / "saved_model.pb").exists()
     again = train("configs/digits.py:tiny", tmp_path, *args, "--config.train.steps=30")

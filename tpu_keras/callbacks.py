@@ -61,6 +61,11 @@ class IntervalLogger(keras.callbacks.Callback):
                     tf.summary.scalar(name, value)
             self._writer.flush()
 
+    def close(self):
+        """Closes the TensorBoard event file (uploads its end on gs://)."""
+        if self._writer:
+            self._writer.close()
+
 
 class FitTimer(keras.callbacks.Callback):
     """Times host calls (the first of each fit apart), validations and fit's return

@@ -95,6 +95,9 @@ def defaults() -> ml_collections.ConfigDict:
 
     config.log = dict(
         every_steps=50,       # one log line, and TensorBoard scalars, per interval
+        # (first, last): a TensorBoard profile of these steps (1-based, whole host
+        # calls) in DIR/tensorboard; () is off.
+        profile_steps=(),
     )
     return config
 
@@ -126,6 +129,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     if train.steps_per_execution and log.every_steps % train.steps_per_execution:
         raise UserError(f"log.every_steps={log.every_steps} must be a multiple of "
                         f"train.steps_per_execution={train.steps_per_execution}")
+    profile = tuple(log.profile_steps)
+    if profile and (len(profile) != 2 or not all(isinstance(s, int) for s in profile)
+                    or not 1 <= profile[0] <= profile[1]):
+        raise UserError(f"log.profile_steps={profile!r} is not a (first, last) pair of steps with "
+                        "1 <= first <= last, such as (101, 110); use () for no profile")
     if train.steps % log.every_steps:
         raise UserError(f"train.steps={train.steps} must be a multiple of "
                         f"log.every_steps={log.every_steps}")

@@ -51,15 +51,17 @@ def distributed_steps(model: keras.Model) -> keras.Model:
 
 def make_train_function(self, force=False):
     if self.train_function is None or force:
-        # A loss-scaling optimizer (float16) checks its gradients and skips
-        # steps in Keras's own step: keep it.
+        # On one replica XLA compiles the whole step, optimizer included; with
+        # more, only each replica's forward and backward pass (see guarded_train_step).
+        whole = self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            step, xla = self.train_step, self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
-            first_outputs = self.get_metrics_result
+            # A loss-scaling optimizer (float16) checks its gradients and skips
+            # steps in Keras's own step: keep it.
+            step, first_outputs = self.train_step, self.get_metrics_result
         else:
-            step, xla = guarded_train_step(self), False  # compiles its own part with XLA
+            step = guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole)
             first_outputs = lambda: {**self.get_metrics_result(), GRAD_NORM: tf.constant(0.0)}
-        self.train_function = _host_loop(self, step, first_outputs, jit_whole_step=xla,
+        self.train_function = _host_loop(self, step, first_outputs, jit_whole_step=whole,
                                          stop_on_nonfinite=True)
     return self.train_function
 
@@ -133,11 +135,11 @@ def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonf
     return steps if model.run_eagerly else tf.function(steps, reduce_retracing=True)
 
 
-def guarded_train_step(model):
+def guarded_train_step(model, jit_forward_backward=False):
     """The train step under every strategy: XLA on each replica, and no update from a
     non-finite gradient.
 
-    With `jit_compile`, XLA compiles the forward and backward pass. It cannot
+    With `jit_forward_backward`, XLA compiles the forward and backward pass. It cannot
     wrap `strategy.run` (keras-team/keras#19005), nor Keras's whole
     `train_step` on a replica: a compiled function that captures variables is
     traced once and reused by every replica, and the optimizer all-reduces
@@ -164,7 +166,7 @@ def guarded_train_step(model):
             model._losses_override = []
         return loss, tape.gradient(loss, trainable), y_pred, non_trainable, metrics
 
-    if model.jit_compile and not model.run_eagerly:
+    if jit_forward_backward and not model.run_eagerly:
         loss_and_gradients = tf.function(loss_and_gradients, jit_compile=True, reduce_retracing=True)
 
     @tf.autograph.experimental.do_not_convert  # Keras's code needs no conversion; it costs seconds

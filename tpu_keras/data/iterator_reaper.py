@@ -13,16 +13,20 @@ have such threads too, and their options are TensorFlow's to set, not ours.
 `release_off_thread(dataset)` makes every iterator of `dataset` (whoever
 creates it: Keras's `fit` and `evaluate`, or user code) end on one daemon
 thread instead: the thread keeps a reference to each, and deletes the ones
-nobody else holds any more. The wait still happens, off to the side; at
-exit the process does not wait for it.
+nobody else holds any more. The wait still happens, off to the side.
+
+At the interpreter's exit the thread must not be inside a deletion (a
+daemon thread that returns into Python during shutdown aborts the process),
+so exit waits for the deletion under way; `python -m tpu_keras.train` ends
+with `os._exit` once all is written, and waits for nothing.
 """
 
 import atexit
 import sys
 import threading
-import time
 
 _POLL_SECONDS = 1.0
+_EXIT_WAIT_SECONDS = 120  # longer than the autotuner's longest sleep (60 s)
 
 
 class _Reaper:
@@ -31,6 +35,7 @@ class _Reaper:
     def __init__(self):
         self._iterators = []
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
         self._thread = None
 
     def keep(self, iterator):
@@ -43,19 +48,17 @@ class _Reaper:
         return iterator
 
     def _run(self):
-        while True:
-            time.sleep(_POLL_SECONDS)
+        while not self._stopping.wait(_POLL_SECONDS):
             with self._lock:
                 self._iterators, unused = _split_by_use(self._iterators)
             unused.clear()  # the teardown waits here, on this thread, holding no lock
 
-    def abandon(self):
-        """At exit: hand what is left to the daemon thread, so that the interpreter's
-        shutdown (on the main thread) never deletes an iterator."""
-        with self._lock:
-            left, self._iterators = self._iterators, []
-        if left:
-            threading.Thread(target=lambda: left.clear(), daemon=True).start()
+    def stop(self):
+        """At exit: no new deletions, and the one under way finishes first. Iterators
+        still kept are left to the interpreter's own teardown, on the main thread."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_EXIT_WAIT_SECONDS)
 
 
 def _split_by_use(iterators):
@@ -68,7 +71,7 @@ def _split_by_use(iterators):
 
 
 _REAPER = _Reaper()
-atexit.register(_REAPER.abandon)
+atexit.register(_REAPER.stop)
 _SUBCLASSES = {}
 
 
