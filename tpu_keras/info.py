@@ -85,7 +85,7 @@ def _peak_source(cluster) -> str:
         return "published bf16 peak per device (tpu_keras.topology) x devices"
     if cluster.kind == "tpu":
         return "unknown TPU type: set TPU_ACCELERATOR_TYPE (e.g. v4-32) or TPU_KERAS_PEAK_FLOPS"
-    return "measured matmul ceiling, cached in ~/.cache/tpu_keras"
+    return f"measured matmul ceiling, cached in {os.path.dirname(peak.cache_file())}"
 
 
 def format_table(info: dict) -> str:

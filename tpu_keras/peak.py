@@ -3,8 +3,9 @@
 On CPU and GPU there is no honest published figure for "this machine", so
 the peak is a matmul ceiling measured once - a large square matmul in the
 run's dtype, timed at its best - and cached per machine, backend and dtype
-under `~/.cache/tpu_keras`. `TPU_KERAS_PEAK_FLOPS` overrides it (FLOP/s for
-the whole run). On TPU the peak is the published bf16 figure per device from
+under `~/.cache/tpu_keras` (or `$TPU_KERAS_CACHE_DIR`: the test suite keeps
+its own, since a ceiling measured on a loaded machine would overstate every
+later MFU). `TPU_KERAS_PEAK_FLOPS` overrides it (FLOP/s for the whole run). On TPU the peak is the published bf16 figure per device from
 `tpu_keras.topology`, the rate MFU is conventionally quoted against.
 """
 
@@ -18,7 +19,7 @@ from absl import logging
 from tpu_keras import topology
 
 PEAK_ENV = "TPU_KERAS_PEAK_FLOPS"
-_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tpu_keras", "matmul_ceiling.json")
+CACHE_DIR_ENV = "TPU_KERAS_CACHE_DIR"
 
 
 def peak_flops(cluster, dtype: str = "float32") -> float:
@@ -43,7 +44,8 @@ def matmul_ceiling(dtype: str, engine: str, device_kind: str) -> float:
     cache = _read_cache()
     if key not in cache:
         cache[key] = measure_matmul(dtype, engine)
-        logging.info("measured the %s matmul ceiling: %.3g FLOP/s (cached in %s)", dtype, cache[key], _CACHE)
+        logging.info("measured the %s matmul ceiling: %.3g FLOP/s (cached in %s)", dtype, cache[key],
+                     cache_file())
         _write_cache(cache)
     return cache[key]
 
@@ -71,20 +73,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def cache_file() -> str:
+    folder = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tpu_keras")
+    return os.path.join(folder, "matmul_ceiling.json")
+
+
 def _read_cache() -> dict:
     try:
-        with open(_CACHE) as f:
+        with open(cache_file()) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
 
 
 def _write_cache(cache: dict) -> None:
+    path = cache_file()
     try:
-        os.makedirs(os.path.dirname(_CACHE), exist_ok=True)
-        tmp = f"{_CACHE}.{os.getpid()}"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(cache, f, indent=1)
-        os.replace(tmp, _CACHE)  # atomic: concurrent hosts never read half a file
+        os.replace(tmp, path)  # atomic: concurrent hosts never read half a file
     except OSError as error:
-        logging.warning("cannot cache the matmul ceiling in %s: %s", _CACHE, error)
+        logging.warning("cannot cache the matmul ceiling in %s: %s", path, error)

@@ -15,12 +15,12 @@ one replica:
 `distributed_steps(model)` replaces the three trainer hooks involved with one
 mechanism that holds for every strategy: build the model's metrics and
 optimizer from one replica's batch before anything is traced, then run the
-host loop in cross-replica context - one unconditional step, then
-`steps_per_execution - 1` more that stop when the iterator runs dry - and
-average each scalar over replicas with `strategy.reduce(..., axis=None)`.
-With `jit_compile`, XLA compiles each replica's forward and backward pass
-(`guarded_train_step`), so every strategy gets both XLA and many steps per
-call. The same step logs the global gradient norm and applies no update
+host loop in cross-replica context - up to `steps_per_execution` steps that
+stop when the iterator runs dry - and average each scalar over replicas
+with `strategy.reduce(..., axis=None)`. With `jit_compile`, XLA compiles
+each replica's forward and backward pass (on one replica, the whole step),
+so every strategy gets both XLA and many steps per call. The same step
+(`guarded_train_step`) logs the global gradient norm and applies no update
 whose gradient or loss is not finite.
 """
 
@@ -139,7 +139,8 @@ def guarded_train_step(model, jit_forward_backward=False):
     """The train step under every strategy: XLA on each replica, and no update from a
     non-finite gradient.
 
-    With `jit_forward_backward`, XLA compiles the forward and backward pass. It cannot
+    With `jit_forward_backward`, XLA compiles the forward and backward pass
+    (on one replica the caller compiles the whole step instead). XLA cannot
     wrap `strategy.run` (keras-team/keras#19005), nor Keras's whole
     `train_step` on a replica: a compiled function that captures variables is
     traced once and reused by every replica, and the optimizer all-reduces
