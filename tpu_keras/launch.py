@@ -151,7 +151,9 @@ def _wait(procs, deadline, timeout, failure_grace):
         if first_failure is None:
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                first_failure = failed[0]
+                # Found together in one poll, a host killed by a signal is the cause;
+                # the others exited because they lost it (a run exits at once then).
+                first_failure = min(failed, key=lambda i: (codes[i] >= 0, i))
                 _log(f"host {first_failure} failed first, with {_how(codes[first_failure])}; the "
                      f"others get {failure_grace:g} s to stop on their own")
                 deadline = min(deadline, time.monotonic() + failure_grace)
