@@ -24,9 +24,9 @@ import sys
 import threading
 import time
 
-from absl import app
 from absl import flags
 
+from tpu_keras import cli
 from tpu_keras.errors import UserError
 
 flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
@@ -158,7 +158,7 @@ def _wait(procs, deadline, timeout, failure_grace):
                      f"others get {failure_grace:g} s to stop on their own")
                 deadline = min(deadline, time.monotonic() + failure_grace)
                 reported = {first_failure}
-        else:
+        if first_failure is not None:  # those found in the same poll included
             for index, code in enumerate(codes):
                 if code is not None and index not in reported:
                     _log(f"host {index} stopped on its own, with {_how(code)}")
@@ -277,14 +277,10 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
 
 
 def main(argv):
-    """absl entry point: everything after '--' is the command."""
-    try:
-        return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
-                      FLAGS.data_service, FLAGS.failure_grace)
-    except UserError as error:
-        print(f"launch: error: {error}", file=sys.stderr)
-        return 2
+    """Everything after '--' is the command; a UserError is one `error:` line (`cli`)."""
+    return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
+                  FLAGS.data_service, FLAGS.failure_grace)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
