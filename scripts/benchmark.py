@@ -18,7 +18,7 @@ Keras hand-tuned (steps_per_execution=10, jit_compile=True). The three run in
 turns, round after round, and each reports its median, so drift on a shared
 machine hits all three alike. The float32 and bfloat16 matmul ceilings are
 measured in the same run; each result gives examples/s, model FLOP/s (see
-tpu_keras.flops), the fraction of the float32 ceiling, and the ratios to
+tpu_keras.measurement.flops), the fraction of the float32 ceiling, and the ratios to
 both peers. Each mode (one device; 4 logical CPU devices under Mirrored)
 runs in its own process, since TensorFlow fixes its devices at start-up.
 
@@ -78,7 +78,8 @@ def data_benchmark(name, seconds):
     """One config's pipeline rate and training rate on one device, in examples/s."""
     import tensorflow as tf
     import tpu_keras
-    from tpu_keras import data, models, optimization
+    from tpu_keras import data
+    from tpu_keras.training.run import build_model
 
     config = _config(name)
     cluster = tpu_keras.connect({"strategy": "one_device"})
@@ -101,9 +102,7 @@ def data_benchmark(name, seconds):
     # iterators go first: their background threads would share the cores.
     cached = tf.data.Dataset.from_tensors(next(pipeline_batches)).repeat()
     del pipeline_batches, distributed_batches
-    builder, _ = models.registry.get(config.model)
-    model = models.build(config.model, cluster)
-    optimization.compile_model(model, builder, config.train, cluster)
+    model = build_model(config, cluster)
     steps = model.steps_per_execution
     training = _training_rate(model, cached, batch, seconds)
     return {"config": name, "global_batch": batch, "steps_per_execution": steps,
@@ -122,7 +121,8 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     import statistics
     import tensorflow as tf
     import tpu_keras
-    from tpu_keras import data, flops, peak
+    from tpu_keras import data
+    from tpu_keras.measurement import flops, peak
 
     cluster = tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
                                 else {"strategy": "mirrored", "virtual_devices": 4})
@@ -180,7 +180,8 @@ def _variants(config, cluster):
     Each is built as its user would build it; the caller gives them all the
     same initial weights.
     """
-    from tpu_keras import models, optimization
+    from tpu_keras import models
+    from tpu_keras.training import optimization
 
     builder, kwargs = models.registry.get(config.model)
     variants = {"toolkit": _toolkit_model(config, cluster, "float32"),
@@ -197,13 +198,11 @@ def _variants(config, cluster):
 def _toolkit_model(config, cluster, precision):
     """The model `tpu_keras.train` would build and compile, in `precision`."""
     import keras
-    from tpu_keras import models, optimization
+    from tpu_keras.training.run import build_model
 
     keras.config.set_dtype_policy(precision)
     try:
-        model = models.build(config.model, cluster)
-        optimization.compile_model(model, models.registry.get(config.model)[0], config.train, cluster)
-        return model
+        return build_model(config, cluster)
     finally:
         keras.config.set_dtype_policy("float32")
 
@@ -232,11 +231,8 @@ def _precision_quality(config, cluster, initial, steps):
 
 
 def _first_reason(error) -> str:
-    """The line of a (long, graph) TensorFlow error that says what went wrong."""
-    lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-    reason = next((l for l in lines if "Error" not in l[:40] and not l.startswith(("File", "Detected", "[["))
-                   and len(l) > 30), lines[0] if lines else "")
-    return f"{type(error).__name__}: {reason[:200]}"
+    """The error's type and its message's first 300 characters, in one line (not parsed)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
 def _training_rate(model, dataset, batch, seconds):

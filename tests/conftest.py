@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_keras import peak
+from tpu_keras.measurement import peak
 
 REPO = Path(__file__).resolve().parents[1]
 

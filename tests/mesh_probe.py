@@ -23,7 +23,7 @@ steps = int(sys.argv[6]) if len(sys.argv) > 6 else 5
 devices = {d * m for d, m in meshes}
 assert len(devices) == 1, f"every mesh must use the same devices, not {sorted(devices)}"
 
-from tpu_keras import engine  # noqa: E402
+from tpu_keras.cluster import engine  # noqa: E402
 
 engine.select("jax", virtual_devices=devices.pop())
 
@@ -32,7 +32,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
-from tpu_keras import data, layout, models, optimization  # noqa: E402
+from tpu_keras import data, models, parallelism  # noqa: E402
+from tpu_keras.training.run import build_model  # noqa: E402
 
 sys.path.insert(0, "configs")
 import lm_stdlib  # noqa: E402
@@ -58,10 +59,8 @@ def probe(data_axis, model_axis):
     config.mesh.update(data=data_axis, model=model_axis)
 
     cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
-    builder, _ = models.registry.get(config.model)
     keras.utils.set_random_seed(0)
-    model = models.build(config.model, cluster, config.layout)
-    optimization.compile_model(model, builder, config.train, cluster)
+    model = build_model(config, cluster)
     if os.path.exists(init_path):
         model.set_weights(list(np.load(init_path).values()))
     else:
@@ -71,7 +70,7 @@ def probe(data_axis, model_axis):
     history = model.fit(train_data, steps_per_epoch=1, epochs=steps, verbose=0)
 
     rules = models.registry.layout_rules(config.model, config.layout)
-    expected = {p.path: list(p.axes) for p in layout.place_all(model.weights, rules, cluster.mesh)}
+    expected = {p.path: list(p.axes) for p in parallelism.place_all(model.weights, rules, cluster.mesh)}
     weights = {v.path: described(v) for v in model.weights}
     optimizer = {v.path: described(v) for v in model.optimizer.variables}
     print("PROBE " + json.dumps({

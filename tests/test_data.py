@@ -125,10 +125,11 @@ from tpu_keras.data.digits import TEST_EVERY, load_digits
 config = digits.get_config()
 config.data.data_dir = sys.argv[1]
 cluster = tpu_keras.connect({"virtual_devices": 4})
-model = models.build(config.model, cluster)
-with cluster.strategy.scope():
+with cluster.scope():
+    model = models.build(config.model)
     model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=["accuracy"], steps_per_execution=4)
+tpu_keras.distributed_steps(model)
 evaluation, steps = data.build(config.data, cluster, 64, training=False)
 toolkit = model.evaluate(evaluation, steps=steps, verbose=0, return_dict=True)["accuracy"]
 images, labels = load_digits()

@@ -1,10 +1,11 @@
 """Bad input ends in one line that says what to change, a non-zero exit and no traceback."""
 
 import shutil
+import sys
 
 import pytest
 
-from conftest import assert_one_line_error, train
+from conftest import assert_one_line_error, run, train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 DIGITS_TINY = "configs/digits.py:tiny"
@@ -135,6 +136,20 @@ def test_bad_input_is_one_line_that_says_what_to_change(tmp_path, inputs, data_d
                    check=False)
     assert result.returncode == 2, result.stdout[-3000:]
     assert_one_line_error(result, *fragments)
+
+
+@pytest.mark.parametrize("command, fragment", [
+    (["tpu_keras.info", "--bogus"], "Unknown command line flag 'bogus'"),
+    (["tpu_keras.plan"], "give --config=configs/<name>.py and --tpu=<slice>"),
+    (["tpu_keras.layout", "--config=nope.py"], "cannot load --config=nope.py"),
+    (["tpu_keras.train", "--config=nope.py", "--workdir=/tmp/unused"], "cannot load --config=nope.py"),
+    (["tpu_keras.launch", "--hosts=0", "--", "true"], "--hosts must be >= 1"),
+    (["tpu_keras.data.service", "--port=abc"], "port"),
+], ids=["info", "plan", "layout", "train", "launch", "data-service"])
+def test_every_command_fails_the_same_way(command, fragment):
+    result = run([sys.executable, "-m", *command], check=False)
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert_one_line_error(result, fragment)
 
 
 @pytest.mark.parametrize("override", ["--config.train.steps=0", "--config.train.steps=abc"])

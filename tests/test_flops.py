@@ -1,6 +1,7 @@
 """FLOPs counted from a model's layers equal a count by hand (MaxText's convention)."""
 
-from tpu_keras import flops, models
+from tpu_keras import models
+from tpu_keras.measurement import flops
 
 
 def build(**model_config):

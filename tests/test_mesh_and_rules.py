@@ -2,7 +2,8 @@
 
 import pytest
 
-from tpu_keras import layout, mesh
+from tpu_keras import parallelism
+from tpu_keras.parallelism import mesh
 from tpu_keras.errors import UserError
 
 
@@ -59,8 +60,8 @@ MESH = {"data": 2, "model": 4}
 
 
 def test_rules_place_weights_and_count_bytes_per_device():
-    rules = [layout.Rule(r"d\d+/kernel", (None, "model")), layout.replicated(r"d\d+/bias")]
-    placed = layout.place_all([W("d0/kernel", (16, 64)), W("d0/bias", (64,)), W("n/gamma", (16,))],
+    rules = [parallelism.Rule(r"d\d+/kernel", (None, "model")), parallelism.replicated(r"d\d+/bias")]
+    placed = parallelism.place_all([W("d0/kernel", (16, 64)), W("d0/bias", (64,)), W("n/gamma", (16,))],
                               rules, MESH)
     assert [p.axes for p in placed] == [(None, "model"), (None,), (None,)]
     assert [p.bytes_per_device(MESH) for p in placed] == [16 * 16 * 4, 64 * 4, 16 * 4]
@@ -68,18 +69,18 @@ def test_rules_place_weights_and_count_bytes_per_device():
 
 
 @pytest.mark.parametrize("rules, weights, message", [
-    ([layout.Rule("d0/kernel", (None, "modle"))], [W("d0/kernel", (4, 4))], "mesh axis 'modle'.*'model'"),
-    ([layout.Rule("d0/kernel", ("model",))], [W("d0/kernel", (4, 4))], "gives 1 axes .* of shape \\[4, 4\\]"),
-    ([layout.Rule("d0/.*", ()), layout.Rule("d0/kernel", ())], [W("d0/kernel", (4, 4))], "matches two layout rules"),
-    ([layout.Rule("d0/kernel", (None, "model"))], [W("d0/kernel", (4, 6))], "dimension 1 \\(6\\) does not divide"),
-    ([layout.Rule("d1/kernel", ())], [W("d0/kernel", (4, 4))], "'d1/kernel' matches no weight"),
+    ([parallelism.Rule("d0/kernel", (None, "modle"))], [W("d0/kernel", (4, 4))], "mesh axis 'modle'.*'model'"),
+    ([parallelism.Rule("d0/kernel", ("model",))], [W("d0/kernel", (4, 4))], "gives 1 axes .* of shape \\[4, 4\\]"),
+    ([parallelism.Rule("d0/.*", ()), parallelism.Rule("d0/kernel", ())], [W("d0/kernel", (4, 4))], "matches two layout rules"),
+    ([parallelism.Rule("d0/kernel", (None, "model"))], [W("d0/kernel", (4, 6))], "dimension 1 \\(6\\) does not divide"),
+    ([parallelism.Rule("d1/kernel", ())], [W("d0/kernel", (4, 4))], "'d1/kernel' matches no weight"),
     ([], [W("emb/embeddings", (512, 128))], "covered by no layout rule"),
 ])
 def test_bad_rules_are_refused(rules, weights, message):
     with pytest.raises(UserError, match=message):
-        layout.place_all(weights, rules, MESH)
+        parallelism.place_all(weights, rules, MESH)
 
 
 def test_large_weights_may_go_unruled_when_nothing_is_split():
-    placed = layout.place_all([W("emb/embeddings", (512, 128))], [], {"data": 8, "model": 1})
+    placed = parallelism.place_all([W("emb/embeddings", (512, 128))], [], {"data": 8, "model": 1})
     assert placed[0].axes == (None, None)

@@ -30,12 +30,17 @@ def reference(tmp_path_factory, data_dir):
     return workdir, ids
 
 
-def interrupted_then_resumed(workdir, data_dir, interrupt, *, env=None):
+def interrupted_then_resumed(workdir, data_dir, interrupt, *, slow_commits=False):
     """Starts a run, lets `interrupt(process)` stop it, then resumes it to the end.
 
-    Returns (first attempt's output, second attempt's output).
+    With `slow_commits` the first attempt waits between writing each
+    checkpoint and committing it (`slow_commit.py`). Returns (first
+    attempt's output, second attempt's output).
     """
-    first = start(train_args(workdir, data_dir), **(env or {}))
+    args = train_args(workdir, data_dir)
+    if slow_commits:
+        args = [args[0], "tests/slow_commit.py", *args[3:]]
+    first = start(args)
     try:
         first_output = interrupt(first)
     finally:
@@ -92,7 +97,7 @@ def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path, data_dir):
     def kill_mid_save(process):
-        # Each save waits 3 s between writing its files and committing them.
+        # Each save waits 3 s between writing its files and committing them (slow_commit.py).
         read_until(process, r"saved checkpoint \S+ckpt-10")
         deadline = time.time() + 120
         while not (tmp_path / "checkpoints" / "ckpt-20.index").exists():
@@ -101,8 +106,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference,
         process.send_signal(signal.SIGKILL)
         return ""
 
-    _, output = interrupted_then_resumed(tmp_path, data_dir, kill_mid_save,
-                                         env={"TPU_KERAS_TEST_SAVE_DELAY": "3"})
+    _, output = interrupted_then_resumed(tmp_path, data_dir, kill_mid_save, slow_commits=True)
     assert resumed_step(output) == 10, output[-2000:]
     assert_resumed_exactly(tmp_path, reference, 10)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tpu_keras import peak, topology
+from tpu_keras.cluster import topology
+from tpu_keras.measurement import peak
 from tpu_keras.errors import UserError
 
 GiB = 2 ** 30

@@ -14,11 +14,11 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.tpu import tpu_system_metadata
 
 from tpu_keras import cluster as cluster_lib
-from tpu_keras import peak, topology, tpu
+from tpu_keras.cluster import topology, tpu
 from tpu_keras.errors import UserError
+from tpu_keras.measurement import peak
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def fake_resolver_cls(slice_name, calls):
             tpus = [_Device(f"/job:worker/replica:0/task:{t}/device:TPU:{d}")
                     for t in range(found.hosts) for d in range(found.devices_per_host)]
             cpus = [_Device(f"/job:worker/replica:0/task:{t}/device:CPU:0") for t in range(found.hosts)]
-            return tpu_system_metadata.TPUSystemMetadata(
+            return tf.tpu.experimental.TPUSystemMetadata(
                 num_cores=found.devices, num_hosts=found.hosts,
                 num_of_cores_per_host=found.devices_per_host, topology=None, devices=tpus + cpus)
 

@@ -18,16 +18,16 @@ sys.path.insert(0, {str(REPO / "configs")!r})
 import lm_stdlib
 import tensorflow as tf
 from absl import logging
-from tpu_keras import train
+from tpu_keras.training import run
 
 logging.set_verbosity(logging.INFO)
 
 config = lm_stdlib.get_config("tiny")
 config.data.update(data_dir=sys.argv[1], log_example_ids=True)
 config.train.steps = 10
-train.train(config, "ram://run")
+run.train(config, "ram://run")
 config.train.steps = 20
-history = train.train(config, "ram://run")
+history = run.train(config, "ram://run")
 print("FILES", json.dumps(sorted(os.path.relpath(os.path.join(root, f), "ram://run")
                                   for root, _, files in tf.io.gfile.walk("ram://run") for f in files)))
 print("TIMINGS", json.dumps(json.load(tf.io.gfile.GFile("ram://run/timings.json"))))

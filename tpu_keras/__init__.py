@@ -1,5 +1,15 @@
 """tpu_keras: train Keras 3 models on a TPU pod, GPUs or a laptop CPU from one config.
 
+The packages, in the order a run meets them:
+
+- `cluster`: find the hardware (`connect`), as a tf.distribute strategy or a jax mesh;
+- `parallelism`: the mesh, layout rules, and the jax engine's distribution;
+- `data`: tf.data pipelines, sharded per host and batched per replica;
+- `models`: registered model builders, each with its layout rules;
+- `training`: the run, its step functions, checkpoints, callbacks and guards;
+- `measurement`: model FLOPs, the peak, activation memory, time per phase;
+- `tools`: the reports behind `python -m tpu_keras.info`, `.layout` and `.plan`.
+
 The public surface is small and imported lazily, so that light entry points
 (`python -m tpu_keras.launch`) start without importing TensorFlow.
 """
@@ -11,15 +21,17 @@ __version__ = "0.1.0"
 _LAZY = {
     "connect": "tpu_keras.cluster",
     "Cluster": "tpu_keras.cluster",
-    "distributed_steps": "tpu_keras.steps",
+    "distributed_steps": "tpu_keras.training",
     "UserError": "tpu_keras.errors",
 }
+_PACKAGES = ("cluster", "config", "data", "measurement", "models", "parallelism", "tools",
+             "training")
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("models", "data", "config", "engine", "layout", "mesh"):
+    if name in _PACKAGES:
         return importlib.import_module(f"tpu_keras.{name}")
     raise AttributeError(f"module 'tpu_keras' has no attribute {name!r}")
 

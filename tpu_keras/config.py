@@ -6,21 +6,27 @@ one, so a typo never silently falls back to a default. The `model` section is
 free-form here and checked against the chosen builder's arguments instead.
 """
 
+import contextlib
 import math
 
 import ml_collections
 
-from tpu_keras import engine, performance
-from tpu_keras import mesh as mesh_lib
+from tpu_keras.cluster import engine
+from tpu_keras.cluster.record import STRATEGIES
 from tpu_keras.errors import UserError, closest
+from tpu_keras.parallelism import mesh as mesh_lib
 
 NONFINITE_POLICIES = ("stop", "restore_and_skip")
-STRATEGIES = ("auto", "tpu", "multi_worker", "mirrored", "one_device")  # cluster.strategy
+# 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.defaults).
+PRECISIONS = ("auto", "float32", "mixed_bfloat16")
+
+
+_TYPE_CHECKS = [True]  # off only inside `without_type_checks()`
 
 
 def defaults() -> ml_collections.ConfigDict:
     """The full schema. Each config file overrides what it needs."""
-    config = ml_collections.ConfigDict()
+    config = ml_collections.ConfigDict(type_safe=_TYPE_CHECKS[-1])
     config.seed = 0
     # TensorFlow op determinism: the same run gives the same weights, bit for bit,
     # whether it ran through or was killed and resumed. Slower; tf engine.
@@ -118,7 +124,9 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise UserError(f"layout.rules entry {rule!r} is not a (regex, axes) pair such as "
                             "(r'dense\\d+/kernel', (None, 'model'))")
     train, log = config.train, config.log
-    performance.check_precision(train.precision)
+    if train.precision not in PRECISIONS:
+        raise UserError(f"train.precision={train.precision!r} is not one of "
+                        f"{', '.join(map(repr, PRECISIONS))}{closest(train.precision, PRECISIONS)}")
     if train.on_nonfinite not in NONFINITE_POLICIES:
         raise UserError(f"train.on_nonfinite={train.on_nonfinite!r} is not one of "
                         f"{NONFINITE_POLICIES}{closest(train.on_nonfinite, NONFINITE_POLICIES)}")
@@ -137,6 +145,49 @@ def check(config: ml_collections.ConfigDict) -> None:
     if train.steps % log.every_steps:
         raise UserError(f"train.steps={train.steps} must be a multiple of "
                         f"log.every_steps={log.every_steps}")
+
+
+@contextlib.contextmanager
+def without_type_checks():
+    """`defaults()` gives configs that take a value of any type, so that a config file
+    that sets a wrong one can be loaded, and `check_types` can name the key."""
+    _TYPE_CHECKS.append(False)
+    try:
+        yield
+    finally:
+        _TYPE_CHECKS.pop()
+
+
+def check_types(config, schema=None, prefix: str = "") -> None:
+    """A one-line error for the first value whose type is not its default's."""
+    schema = defaults() if schema is None else schema
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if key not in schema or path in _FREE_FORM:
+            continue
+        expected = schema[key]
+        if isinstance(expected, ml_collections.ConfigDict):
+            check_types(value, expected, f"{path}.")
+        elif not _same_kind(value, expected):
+            raise UserError(f"{path} takes {a_type(type(expected))}, not the "
+                            f"{type(value).__name__} {value!r}; set it to {a_type(type(expected))}"
+                            f" such as {expected!r}")
+
+
+def _same_kind(value, expected) -> bool:
+    if isinstance(expected, bool) or isinstance(value, bool):
+        return isinstance(value, bool) == isinstance(expected, bool)
+    if isinstance(expected, float):
+        return isinstance(value, (int, float))
+    if isinstance(expected, (tuple, list)):
+        return isinstance(value, (tuple, list))
+    return expected is None or isinstance(value, type(expected))
+
+
+def a_type(kind: type) -> str:
+    """'an int', 'a float', 'a tuple': a type's name as a sentence says it."""
+    name = kind.__name__
+    return f"an {name}" if name[:1] in "aeiou" else f"a {name}"
 
 
 # (key, lowest, highest or None): counts, intervals and rates. Checked before the

@@ -6,18 +6,19 @@
 
 Shows the strategy (or jax mesh) a run would get, hosts and this host's
 index, replicas, devices, the TPU slice and its published figures, and the
-peak FLOP/s that MFU divides by. On a machine without a TPU it shows the
-fallback a run would use. With --json each host prints one line of JSON.
+peak FLOP/s that MFU divides by (`tools.cluster_info`). On a machine without
+a TPU it shows the fallback a run would use. With --json each host prints
+one line of JSON.
 """
 
 import json
-import os
-import re
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from tpu_keras import cli
+from tpu_keras import config as config_lib
+from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -27,113 +28,22 @@ _ENGINE = flags.DEFINE_enum("engine", None, ["tf", "jax"], "Overrides the config
 _JSON = flags.DEFINE_bool("json", False, "Print one line of JSON instead of a table.")
 
 
-def describe(cluster, policy: str = "float32") -> dict:
-    """What a run on `cluster` in the dtype policy `policy` would see, JSON-ready."""
-    from tpu_keras import peak, performance
-    dtype = performance.compute_dtype(policy)
-    slice_type = _slice_type(cluster)
-    return {
-        "engine": cluster.engine,
-        "strategy": cluster.kind,
-        "hosts": cluster.num_hosts,
-        "processes": cluster.num_processes,
-        "host_index": cluster.host_index,
-        "replicas": cluster.num_replicas,
-        "replicas_per_host": cluster.replicas_per_host,
-        "mesh": dict(cluster.mesh),
-        "devices": cluster.num_replicas * cluster.mesh["model"],
-        "device_kind": cluster.device_kind,
-        "input_pipelines": cluster.input_pipelines,
-        "tpu": _slice_facts(slice_type) if slice_type else None,
-        "precision": policy,
-        "peak_flops": peak.peak_flops(cluster, dtype),
-        "peak_flops_source": _peak_source(cluster),
-    }
-
-
-def _slice_type(cluster) -> str:
-    """'v4-32', or '' off a TPU. TPUStrategy's device kind already names the slice
-    (`connect` asked for it); a jax device kind names only the chip, so ask again."""
-    from tpu_keras import topology, tpu
-    named = re.search(r"\bv\w+-\d+$", cluster.device_kind)
-    if named:
-        return named.group(0)
-    on_tpu = cluster.kind == "tpu" or topology.generation_of_device_kind(cluster.device_kind)
-    return tpu.accelerator_type() if on_tpu else ""
-
-
-def _slice_facts(slice_type: str) -> dict:
-    from tpu_keras import topology
-    try:
-        found = topology.parse_slice(slice_type)
-    except UserError as error:
-        return {"slice": slice_type, "error": str(error)}
-    gen = found.generation
-    return {"slice": found.name, "generation": gen.name, "hosts": found.hosts,
-            "chips": found.chips, "devices": found.devices,
-            "devices_per_host": found.devices_per_host,
-            "tensorcores_per_chip": gen.tensorcores_per_chip,
-            "hbm_bytes_per_device": found.hbm_bytes_per_device,
-            "peak_bf16_flops_per_device": found.peak_flops_per_device}
-
-
-def _peak_source(cluster) -> str:
-    from tpu_keras import peak, topology
-    if os.environ.get(peak.PEAK_ENV):
-        return peak.PEAK_ENV
-    if topology.generation_of_device_kind(cluster.device_kind) is not None:
-        return "published bf16 peak per device (tpu_keras.topology) x devices"
-    if cluster.kind == "tpu":
-        return "unknown TPU type: set TPU_ACCELERATOR_TYPE (e.g. v4-32) or TPU_KERAS_PEAK_FLOPS"
-    return f"measured matmul ceiling, cached in {os.path.dirname(peak.cache_file())}"
-
-
-def format_table(info: dict) -> str:
-    rows = [("engine", info["engine"]), ("strategy", info["strategy"]),
-            ("hosts", f"{info['hosts']} ({info['processes']} process(es); this is host "
-                      f"{info['host_index']})"),
-            ("replicas", f"{info['replicas']} ({info['replicas_per_host']} per host)"),
-            ("mesh", f"data={info['mesh']['data']} x model={info['mesh']['model']}"),
-            ("devices", info["device_kind"] if info["device_kind"][:1].isdigit()
-                        else f"{info['devices']} x {info['device_kind']}"),
-            ("input pipelines", str(info["input_pipelines"]))]
-    slice_facts = info["tpu"]
-    if slice_facts and "error" in slice_facts:
-        rows.append(("TPU slice", f"{slice_facts['slice']} ({slice_facts['error']})"))
-    elif slice_facts:
-        rows.append(("TPU slice", (
-            f"{slice_facts['slice']} ({slice_facts['generation']}): {slice_facts['hosts']} host(s), "
-            f"{slice_facts['chips']} chips, {slice_facts['devices']} devices "
-            f"({slice_facts['devices_per_host']} per host), "
-            f"{slice_facts['hbm_bytes_per_device'] / 2 ** 30:.0f} GiB HBM per device")))
-    else:
-        rows.append(("TPU slice", "none"))
-    rows += [("precision", info["precision"]),
-             ("MFU peak", f"{info['peak_flops'] / 1e12:.3g} TFLOP/s ({info['peak_flops_source']})")]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
 def main(argv):
     if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments {argv[1:]}")
+        raise UserError(f"unexpected arguments {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
-    try:
-        from tpu_keras import config as config_lib
-        from tpu_keras import engine
-        config = _CONFIG.value if _CONFIG.value is not None else config_lib.defaults()
-        if _ENGINE.value:
-            config.engine = _ENGINE.value
-        config_lib.check(config)
-        engine.select(config.engine, config.cluster.virtual_devices)
-        import tpu_keras
-        cluster = tpu_keras.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-        from tpu_keras import performance
-        info = describe(cluster, performance.precision(config.train, cluster))
-    except UserError as error:
-        sys.exit(f"error: {error}")
-    print(json.dumps(info) if _JSON.value else format_table(info), flush=True)
+    config = _CONFIG.value if _CONFIG.value is not None else config_lib.defaults()
+    if _ENGINE.value:
+        config.engine = _ENGINE.value
+    config_lib.check(config)
+    engine.select(config.engine, config.cluster.virtual_devices)
+    from tpu_keras import cluster as cluster_lib
+    from tpu_keras.tools import cluster_info
+    from tpu_keras.training import defaults
+    cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    info = cluster_info.describe(cluster, defaults.precision(config.train, cluster))
+    print(json.dumps(info) if _JSON.value else cluster_info.format_table(info), flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

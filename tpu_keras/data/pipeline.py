@@ -2,7 +2,7 @@
 
 `build()` returns a dataset made with `strategy.distribute_datasets_from_function`:
 TensorFlow calls the function from `dataset_fn()` once per input pipeline (one
-per host) with an `InputContext`. Each host reads its share (see `sharding`), and every batch
+per host) with an `InputContext`. Each host reads its share of the files (see `file_shards`), and every batch
 it yields goes to one of its replicas. On the jax engine the host's pipeline
 yields the host's whole share of the global batch, which Keras lays out
 over the host's devices with `jax.make_array_from_process_local_data`.
@@ -26,7 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from tpu_keras import workdir
-from tpu_keras.data import iterator_reaper, sharding, sources
+from tpu_keras.data import file_shards, iterator_reaper, sources
 from tpu_keras.data.preprocess import PREPROCESSORS
 from tpu_keras.errors import UserError, closest
 
@@ -73,7 +73,7 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
     preprocess = PREPROCESSORS[config.preprocess](config)
     service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
     source = sources.open_source(config, training)
-    plan = sharding.plan(source, cluster.input_pipelines)
+    plan = file_shards.plan(source, cluster.input_pipelines)
     per_replica = global_batch // cluster.num_replicas
     per_host = global_batch // cluster.input_pipelines
     # A tf.distribute strategy takes one replica's batch at a time, Keras on jax a host's.

@@ -8,8 +8,10 @@ input work scales beyond the TPU hosts; pipelines reach them through
 and prints `ready grpc://127.0.0.1:PORT` once both servers are up.
 """
 
-from absl import app, flags
+from absl import flags
 import tensorflow as tf
+
+from tpu_keras import cli
 
 _PORT = flags.DEFINE_integer("port", 0, "Dispatcher port; 0 picks a free one.")
 
@@ -25,4 +27,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -7,7 +7,7 @@ weight paths are stable and readable for layout rules and checkpoints.
 import keras
 from keras import layers
 
-from tpu_keras.layout import Rule, replicated
+from tpu_keras.parallelism import Rule, replicated
 from tpu_keras.models.metrics import bits_per_byte
 from tpu_keras.models.registry import register
 
@@ -32,7 +32,22 @@ class PositionEmbedding(layers.Layer):
           layout=lambda kwargs: gpt_layout_rules())
 def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
         mlp_ratio=4, dropout=0.0):
-    """Returns logits of shape (batch, context_length, vocab_size) for int32 tokens."""
+    """A decoder-only transformer LM; returns logits (batch, context_length, vocab_size).
+
+    Pre-norm blocks of causal multi-head attention and a GELU MLP, with
+    learned position embeddings; inputs are int32 token ids of shape
+    (batch, context_length).
+
+    Args:
+        vocab_size: int, default 256. Tokens in the vocabulary (256: bytes).
+        context_length: int, default 128. Tokens per sequence.
+        width: int, default 128. The model width (embedding size).
+        depth: int, default 4. Transformer blocks.
+        num_heads: int, default 4. Attention heads; must divide `width`.
+        mlp_ratio: int, default 4. MLP hidden units per unit of width.
+        dropout: float, default 0.0. Dropout rate on attention weights and on
+            each block's residual branches.
+    """
     tokens = keras.Input((context_length,), dtype="int32", name="tokens")
     x = layers.Embedding(vocab_size, width, name="token_embedding",
                          embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02))(tokens)

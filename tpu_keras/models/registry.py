@@ -2,7 +2,7 @@
 
 A builder is a plain function whose keyword arguments are the `model` config
 section (minus `name`), so its signature is the schema that section is
-checked against. Each builder also has layout rules (`tpu_keras.layout`):
+checked against. Each builder also has layout rules (`tpu_keras.parallelism`):
 which weights split over the mesh's `model` axis.
 """
 
@@ -11,11 +11,9 @@ import inspect
 from typing import Callable
 
 import keras
-import tensorflow as tf
 
-from tpu_keras import layout as layout_lib
+from tpu_keras import parallelism
 from tpu_keras.errors import UserError, closest
-from tpu_keras.steps import distributed_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +26,7 @@ class Builder:
     # Tokens per example, for tokens/s in the log (0 for non-sequence models).
     tokens_per_example: Callable[[dict], int] = lambda kwargs: 0
     # Layout rules for the model these keyword arguments build.
-    layout: Callable[[dict], list[layout_lib.Rule]] = lambda kwargs: []
+    layout: Callable[[dict], list[parallelism.Rule]] = lambda kwargs: []
 
 
 REGISTRY: dict[str, Builder] = {}
@@ -58,39 +56,27 @@ def get(model_config) -> tuple[Builder, dict]:
     return builder, kwargs
 
 
-def layout_rules(model_config, layout_config=None) -> list[layout_lib.Rule]:
+def layout_rules(model_config, layout_config=None) -> list[parallelism.Rule]:
     """The builder's layout rules, or `layout.rules` from the config when it sets any."""
     return _rules(*get(model_config), layout_config)
 
 
 def _rules(builder, kwargs, layout_config):
     if layout_config and layout_config.get("rules"):
-        return layout_lib.rules_from_pairs(layout_config["rules"])
+        return parallelism.rules_from_pairs(layout_config["rules"])
     return builder.layout(kwargs)
 
 
-def build(model_config, cluster=None, layout_config=None) -> keras.Model:
-    """Builds the model laid out on `cluster`, with step functions that work under it.
+def build(model_config) -> keras.Model:
+    """Builds the model `model_config` names, under the current strategy scope or distribution.
 
-    Without a cluster it builds under the current tf.distribute strategy (or
-    Keras distribution). Either way the layout rules are checked against the
-    model's weights: a rule that matches nothing is an error, not a no-op.
+    It only builds: laying the weights out and checking the layout rules
+    against them is the caller's (see `tpu_keras.training.run.build_model`).
     """
     builder, kwargs = get(model_config)
-    placer = layout_lib.Placer(
-        _rules(builder, kwargs, layout_config),
-        cluster.mesh if cluster is not None else {"data": 1, "model": 1},
-        (layout_config or {}).get("replicate_below") or layout_lib.REPLICATE_BELOW)
-    if cluster is not None:
-        cluster.set_layout(placer)
-    with cluster.scope() if cluster is not None else tf.distribute.get_strategy().scope():
-        try:
-            made = builder.make(**kwargs)
-        except (TypeError, ValueError) as error:  # a model.* value the builder cannot use
-            reason = " ".join(str(error).split())[:300] or type(error).__name__
-            raise UserError(f"model {dict(model_config).get('name')!r} cannot be built "
-                            f"from model={kwargs} ({reason}); check the model.* values") from None
-        model = distributed_steps(made)
-    placer.place_all(model.weights)  # on jax, already placed as they were created
-    placer.check_all_rules_used()
-    return model
+    try:
+        return builder.make(**kwargs)
+    except (TypeError, ValueError) as error:  # a model.* value the builder cannot use
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise UserError(f"model {dict(model_config).get('name')!r} cannot be built "
+                        f"from model={kwargs} ({reason}); check the model.* values") from None

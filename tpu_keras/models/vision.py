@@ -3,7 +3,7 @@
 import keras
 from keras import layers
 
-from tpu_keras.layout import Rule, replicated
+from tpu_keras.parallelism import Rule, replicated
 from tpu_keras.models.registry import register
 
 
@@ -52,6 +52,15 @@ def cnn_layout_rules(**_) -> list[Rule]:
 
 @_classification("mlp", layout=lambda kwargs: mlp_layout_rules(**kwargs))
 def mlp(image_shape=(8, 8, 1), num_classes=10, width=256, depth=2, dropout=0.1):
+    """A multilayer perceptron on flattened images; returns logits of shape (batch, num_classes).
+
+    Args:
+        image_shape: tuple, default (8, 8, 1). One image's shape, without the batch.
+        num_classes: int, default 10. Classes, the width of the head.
+        width: int, default 256. Units of each hidden layer.
+        depth: int, default 2. Hidden layers, each Dense + ReLU + Dropout.
+        dropout: float, default 0.1. Dropout rate after each hidden layer.
+    """
     images = keras.Input(tuple(image_shape), name="images")
     x = layers.Flatten()(images)
     for i in range(depth):
@@ -63,6 +72,16 @@ def mlp(image_shape=(8, 8, 1), num_classes=10, width=256, depth=2, dropout=0.1):
 
 @_classification("cnn", layout=lambda kwargs: cnn_layout_rules(**kwargs))
 def cnn(image_shape=(8, 8, 1), num_classes=10, channels=(32, 64), width=128, dropout=0.1):
+    """A small convolutional classifier; returns logits of shape (batch, num_classes).
+
+    Args:
+        image_shape: tuple, default (8, 8, 1). One image's shape (height, width, channels).
+        num_classes: int, default 10. Classes, the width of the head.
+        channels: tuple of int, default (32, 64). Output channels of each 3x3 convolution
+            ('same' padding, ReLU), in order.
+        width: int, default 128. Units of the dense layer after the convolutions.
+        dropout: float, default 0.1. Dropout rate before the head.
+    """
     images = keras.Input(tuple(image_shape), name="images")
     x = images
     for i, c in enumerate(channels):

@@ -1,4 +1,4 @@
-"""Per-platform performance defaults: precision and steps per host call.
+"""Per-platform training defaults: precision and steps per host call.
 
 The choices `auto` makes, and why (figures: README "Performance"):
 
@@ -6,29 +6,21 @@ The choices `auto` makes, and why (figures: README "Performance"):
   published peak is a bf16 peak; and one host call per log interval, since a
   TPU step is short and every return to Python idles the chips. TPUStrategy
   compiles every step with XLA whatever `train.jit_compile` says.
-- CPU and GPU: float32, since on the CPUs measured here a bf16 matmul runs at
-  the float32 rate, so bf16 would cost precision and buy nothing; and 10 steps
-  per call, past which the host loop no longer shows in a step's time. XLA
-  is each config's measured choice (`train.jit_compile`).
+- CPU and GPU: float32, since XLA's CPU code runs bf16 no faster than
+  float32 (even where the CPU has bf16 units), so bf16 would cost precision
+  and buy nothing; and 10 steps per call, past which the host loop no longer
+  shows in a step's time. XLA is each config's measured choice
+  (`train.jit_compile`).
 """
 
 import math
 
-from tpu_keras.errors import UserError
-
-PRECISIONS = ("auto", "float32", "mixed_bfloat16")
 CPU_STEPS_PER_EXECUTION = 10
 TPU_STEPS_PER_EXECUTION = 100  # without a log interval to match
 
 
-def check_precision(name: str) -> None:
-    if name not in PRECISIONS:
-        raise UserError(f"train.precision={name!r} is not one of {', '.join(map(repr, PRECISIONS))}")
-
-
 def precision(train_cfg, cluster) -> str:
-    """The Keras dtype policy name this run trains in."""
-    check_precision(train_cfg.precision)
+    """The Keras dtype policy name this run trains in (`train.precision` is checked by `config`)."""
     if train_cfg.precision != "auto":
         return train_cfg.precision
     return "mixed_bfloat16" if cluster.kind == "tpu" else "float32"

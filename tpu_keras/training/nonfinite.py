@@ -1,6 +1,6 @@
 """The NaN/Inf guard: a non-finite loss or gradient stops the run before anything bad is saved.
 
-The train step (`steps`, `jax_steps`) applies no update whose loss or global
+The train step (`tf_steps`, `jax_steps`) applies no update whose loss or global
 gradient norm is NaN or Inf: the weights, the optimizer state and its step
 count stay as they were. Both are checked because either can stay finite
 while the other is not (a fused CPU kernel can turn a NaN input into a zero
@@ -30,8 +30,8 @@ import tensorflow as tf
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError
-from tpu_keras.steps import GRAD_NORM
 
+GRAD_NORM = "grad_norm"  # the log key of the global gradient norm, which the guard watches
 SKIPPED_FILE = "skipped_batches.json"
 _WATCHED = (("loss", "loss"), (GRAD_NORM, "gradient norm"))  # (log key, what it is)
 

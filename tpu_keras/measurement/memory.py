@@ -40,14 +40,23 @@ def _abstract(variables):
 
 
 def activation_bytes(model, loss, batch: int) -> int:
-    """Bytes of the residuals a training step on `batch` examples keeps, weights excluded."""
-    # The function behind the public `jax.ad_checkpoint.print_saved_residuals`.
-    from jax._src.ad_checkpoint import saved_residuals
-    x, y = abstract_inputs(model, batch)
-    residuals = saved_residuals(_loss_fn(model, loss), _abstract(model.trainable_variables),
-                                _abstract(model.non_trainable_variables), x, y)
-    return sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, source in residuals
-               if not source.startswith(("from the argument weights", "from the argument state")))
+    """Bytes of the residuals a training step on `batch` examples keeps, weights excluded.
+
+    The residuals are what `jax.vjp` closes over for the backward pass: the
+    outputs of the traced function that returns the vjp. Those that are an
+    input passed straight through (the weights and state) are not counted.
+    """
+    loss_of = _loss_fn(model, loss)
+
+    def backward_function(weights, state, x, y):
+        return jax.vjp(lambda w: loss_of(w, state, x, y), weights)[1]
+
+    traced = jax.make_jaxpr(backward_function)(_abstract(model.trainable_variables),
+                                               _abstract(model.non_trainable_variables),
+                                               *abstract_inputs(model, batch))
+    inputs = {id(v) for v in traced.jaxpr.invars}
+    return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in traced.jaxpr.outvars
+               if id(v) not in inputs)
 
 
 def measured_activation_bytes(model, loss, batch: int) -> int:

@@ -13,7 +13,9 @@ Per example, forward:
   when the layer is called with `use_causal_mask=True`.
 
 Counted from the layers of a functional (or Sequential) model and the shapes
-recorded when it was built; layers inside a nested functional model count too.
+recorded when it was built (`layer.input`, `layer.output`), and the arguments
+each layer was called with (the model's config); layers inside a nested
+functional model count too.
 """
 
 import math
@@ -31,11 +33,12 @@ def training_flops_per_example(model: keras.Model) -> int:
 
 def forward_flops_per_example(model: keras.Model) -> int:
     total, skipped = 0, []
+    call_kwargs = _call_kwargs(model)
     for layer in model.layers:
-        if isinstance(layer, keras.Model) and hasattr(layer, "_inbound_nodes"):
+        if isinstance(layer, keras.Model):
             total += forward_flops_per_example(layer)
             continue
-        count = _layer_flops(layer)
+        count = _layer_flops(layer, call_kwargs.get(layer.name, {}))
         if count is None:
             skipped.append(layer.name)
         else:
@@ -45,20 +48,29 @@ def forward_flops_per_example(model: keras.Model) -> int:
     return total
 
 
-def _layer_flops(layer):
+def _call_kwargs(model) -> dict:
+    """{layer name: the keyword arguments of its first call}, from the model's config."""
+    layers = model.get_config().get("layers", []) if hasattr(model, "get_config") else []
+    return {layer["name"]: (layer.get("inbound_nodes") or [{}])[0].get("kwargs", {})
+            for layer in layers if isinstance(layer, dict) and "name" in layer}
+
+
+def _layer_flops(layer, kwargs):
     """Forward FLOPs of one layer per example; 0 if it has no matmul, None if unknown."""
-    if not layer.weights or not getattr(layer, "_inbound_nodes", None):
+    if not layer.weights:
         return 0
-    node = layer._inbound_nodes[0]  # shapes as built: Keras keeps them on the node
-    inputs, outputs = node.input_tensors, node.output_tensors
+    try:
+        inputs, outputs = keras.tree.flatten(layer.input), keras.tree.flatten(layer.output)
+    except (AttributeError, ValueError):  # never called: no shapes to count from
+        return 0
     if isinstance(layer, keras.layers.MultiHeadAttention):
         query, value = inputs[0], inputs[1]
         key = inputs[2] if len(inputs) > 2 else value
         lq, lk, lv = (_positions(t.shape) for t in (query, key, value))
-        projections = 2 * (lq * _size(layer._query_dense) + lk * _size(layer._key_dense)
-                           + lv * _size(layer._value_dense) + lq * _size(layer._output_dense))
-        products = 2 * lq * lk * layer._num_heads * (layer._key_dim + (layer._value_dim or layer._key_dim))
-        if node.arguments.kwargs.get("use_causal_mask"):
+        projections = 2 * (lq * _size(layer.query_dense) + lk * _size(layer.key_dense)
+                           + lv * _size(layer.value_dense) + lq * _size(layer.output_dense))
+        products = 2 * lq * lk * layer.num_heads * (layer.key_dim + (layer.value_dim or layer.key_dim))
+        if kwargs.get("use_causal_mask"):
             products //= 2
         return projections + products
     if isinstance(layer, keras.layers.EinsumDense):

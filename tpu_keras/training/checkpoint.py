@@ -1,8 +1,9 @@
 """Save and restore everything a run needs to continue exactly where it stopped.
 
 A checkpoint holds the model, the optimizer (whose `iterations` is the
-step) and the model's random-number state (dropout's seed generators, which
-TensorFlow's object graph does not reach by itself). The input position is
+step) and the model's non-trainable variables, named apart because they
+hold its random-number state (dropout's seed generators), which
+TensorFlow's object graph does not reach by itself. The input position is
 not saved: the pipeline is a pure function of the step (see
 `data.pipeline`), so a resumed run rebuilds it from the step.
 
@@ -20,19 +21,14 @@ the same: it writes into a temporary folder and renames it when complete.
 """
 
 import os
-import time
 
 from absl import logging
 import keras
 import tensorflow as tf
-from tensorflow.python.checkpoint import checkpoint_management
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError
 
-# Test hook: seconds to wait between writing a checkpoint's files and
-# committing it, so a test can kill a run in the middle of a save.
-SAVE_DELAY_ENV = "TPU_KERAS_TEST_SAVE_DELAY"
 # Reading errors that mean "this checkpoint is damaged", as opposed to "it is
 # a checkpoint of another model".
 _UNREADABLE = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
@@ -46,12 +42,6 @@ def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
     return TFCheckpointer(workdir, model, cluster, keep)
 
 
-def random_states(model: keras.Model) -> list:
-    """The state variables of every seed generator in `model` (dropout and the like)."""
-    return [generator.state for layer in model._flatten_layers()
-            for generator in getattr(layer, "_seed_generators", [])]
-
-
 class TFCheckpointer:
     def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3):
         self.shared_dir = os.path.join(workdir, "checkpoints")
@@ -60,7 +50,7 @@ class TFCheckpointer:
                          else os.path.join(workdir, "tmp", f"host{cluster.host_index}"))
         self._model, self._keep = model, keep
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                               rng=random_states(model))
+                                               rng=list(model.non_trainable_variables))
         self._checkpoint.save_counter  # created now, so every checkpoint holds it and restores match
 
     @property
@@ -105,12 +95,15 @@ class TFCheckpointer:
             if tf.io.gfile.exists(self._own_dir):
                 tf.io.gfile.rmtree(self._own_dir)
             return
-        time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
         previous = [p for p in self.committed() if p != path]
         kept = previous[len(previous) - self._keep + 1:] if self._keep > 1 else []
-        # The commit: one atomic rewrite of the state file, as CheckpointManager does it.
-        checkpoint_management.update_checkpoint_state_internal(
-            self.shared_dir, path, all_model_checkpoint_paths=kept + [path], save_relative_paths=True)
+        # The commit: one atomic rewrite of the state file `tf.train.get_checkpoint_state`
+        # reads (a text proto), with names relative to the folder, as CheckpointManager
+        # writes it, so the folder can be moved (to gs:// and back).
+        names = [os.path.basename(p) for p in kept + [path]]
+        workdir_lib.write_text(os.path.join(self.shared_dir, "checkpoint"), "".join(
+            [f'model_checkpoint_path: "{names[-1]}"\n']
+            + [f'all_model_checkpoint_paths: "{name}"\n' for name in names]))
         for old in previous[:len(previous) - len(kept)]:
             for file in tf.io.gfile.glob(f"{old}.*"):
                 tf.io.gfile.remove(file)

@@ -6,7 +6,7 @@ run's dtype, timed at its best - and cached per machine, backend and dtype
 under `~/.cache/tpu_keras` (or `$TPU_KERAS_CACHE_DIR`: the test suite keeps
 its own, since a ceiling measured on a loaded machine would overstate every
 later MFU). `TPU_KERAS_PEAK_FLOPS` overrides it (FLOP/s for the whole run). On TPU the peak is the published bf16 figure per device from
-`tpu_keras.topology`, the rate MFU is conventionally quoted against.
+`tpu_keras.cluster.topology`, the rate MFU is conventionally quoted against.
 """
 
 import json
@@ -16,7 +16,7 @@ import time
 
 from absl import logging
 
-from tpu_keras import topology
+from tpu_keras.cluster import topology
 
 PEAK_ENV = "TPU_KERAS_PEAK_FLOPS"
 CACHE_DIR_ENV = "TPU_KERAS_CACHE_DIR"

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from tpu_keras.steps import GRAD_NORM
+from tpu_keras.training.nonfinite import GRAD_NORM
 
 
 def install(model: keras.Model) -> keras.Model:
+    """Gives `model` the guarded train step; returns it."""
     model.train_step = types.MethodType(guarded_train_step, model)
     return model
 

@@ -1,25 +1,27 @@
 """The optimizer (warmup then cosine decay) and how the toolkit compiles a model.
 
-Shared by `train`, the benchmark and the layout report, so all three see the
-same optimizer and the same optimizer state.
+Shared by the run, the benchmark and the layout report, so all three see
+the same optimizer and the same optimizer state.
 """
 
 import keras
 
-from tpu_keras import performance
 from tpu_keras.errors import UserError, closest
+from tpu_keras.training import defaults, distributed_steps
 
 
 def compile_model(model, builder, train_cfg, cluster):
-    """Compiles `model` as `train` does, with optimizer variables already built."""
+    """Compiles `model` as a run does: the configured optimizer (its variables built, so
+    a checkpoint can fill them), the builder's loss and metrics, and the toolkit's steps."""
+    distributed_steps(model)
     with cluster.scope():
         model.compile(optimizer=make_optimizer(train_cfg), loss=builder.loss(),
                       # Weighted, so padded eval rows (weight 0) do not count.
                       weighted_metrics=builder.metrics(),
-                      steps_per_execution=performance.steps_per_execution(train_cfg, cluster),
+                      steps_per_execution=defaults.steps_per_execution(train_cfg, cluster),
                       # The jax engine always compiles: JAX run op by op is far too slow.
                       jit_compile=train_cfg.jit_compile or cluster.engine == "jax")
-        model.optimizer.build(model.trainable_variables)  # so a checkpoint can fill its slots
+        model.optimizer.build(model.trainable_variables)
 
 
 def make_optimizer(train_cfg):

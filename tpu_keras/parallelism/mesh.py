@@ -1,7 +1,7 @@
 """The device mesh: `config.mesh = {'data': -1, 'model': M}` resolved against real devices.
 
 Two named axes cover data, model and hybrid parallelism: `data` splits the
-batch, `model` splits weights (see `tpu_keras.layout`). -1 means "all the
+batch, `model` splits weights (see `parallelism.rules`). -1 means "all the
 devices the other axis leaves". On the tf engine the model axis must be 1:
 Keras 3's TensorFlow backend ignores layouts (keras-team/keras#18473).
 """

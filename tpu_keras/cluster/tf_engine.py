@@ -1,126 +1,32 @@
-"""Find the hardware and build the tf.distribute strategy (or jax mesh) that fits it.
+"""The tf engine's side of `connect`: the tf.distribute strategy that fits the hardware.
 
-`connect(config.cluster)` is the only entry point. With `strategy='auto'` it
-picks, in order: a TPU, TF_CONFIG multi-worker, several local devices
-(mirrored), one device. On the jax engine it builds a `keras.distribution`
-device mesh instead (see `jax_distribution`). Everything above this module
-sees a `Cluster` and never asks which of those it got.
+TPU (through `tpu`), multi-worker from TF_CONFIG, mirrored over several
+local devices, or one device. Without a GPU or TPU the CPU can be split into
+logical devices (`split_cpu`), and several processes on one machine can
+form a multi-worker cluster of CPU-only hosts with several replicas each
+(`LocalDevicesMultiWorkerStrategy`): a pod simulated on a laptop.
 """
 
-import contextlib
 import dataclasses
 import json
 import os
-from typing import Any, Optional
 
-from absl import logging
 import tensorflow as tf
+# No public API makes a CPU-only worker hold several replicas (docs/design.md).
 from tensorflow.python.distribute import collective_all_reduce_strategy
-from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import distribute_lib
 
-from tpu_keras import config as config_lib
-from tpu_keras import engine as engine_lib
-from tpu_keras import mesh as mesh_lib
-from tpu_keras import tpu
-from tpu_keras.engine import VIRTUAL_DEVICES_ENV
+from tpu_keras.cluster import tpu
+from tpu_keras.cluster.engine import VIRTUAL_DEVICES_ENV
+from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError
-
-STRATEGIES = config_lib.STRATEGIES  # 'auto', then the kinds it picks from
-KINDS = STRATEGIES[1:]
+from tpu_keras.parallelism import mesh as mesh_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """What `connect` found: the strategy (or jax mesh) and the shape of the machine.
-
-    `num_replicas` is the number of data-parallel replicas - the `data` axis
-    of the mesh - that the global batch is split over.
-    """
-
-    strategy: Optional[tf.distribute.Strategy]  # None on the jax engine
-    kind: str
-    num_hosts: int
-    host_index: int
-    num_replicas: int
-    device_kind: str
-    topology: Optional[Any] = None
-    engine: str = "tf"
-    mesh: Optional[dict] = None          # {'data': D, 'model': M}, resolved
-    device_mesh: Optional[Any] = None    # keras.distribution.DeviceMesh (jax)
-    # Distinct input pipelines and the one this host runs: one per host,
-    # unless a jax model axis spans hosts that then read the same rows.
-    input_pipelines: int = 0
-    input_index: int = -1
-
-    def __post_init__(self):
-        if self.mesh is None:
-            object.__setattr__(self, "mesh", {"data": self.num_replicas, "model": 1})
-        if not self.input_pipelines:
-            object.__setattr__(self, "input_pipelines", self.num_hosts)
-            object.__setattr__(self, "input_index", self.host_index)
-
-    @property
-    def replicas_per_host(self) -> int:
-        return self.num_replicas // self.num_hosts
-
-    @property
-    def num_processes(self) -> int:
-        """Python processes in the run: one per host, except on TPUStrategy, whose single
-        client drives every host of the slice."""
-        return 1 if self.kind == "tpu" else self.num_hosts
-
-    @property
-    def is_chief(self) -> bool:
-        """The one host that writes shared files (config, checkpoints, export)."""
-        return self.host_index == 0
-
-    def scope(self):
-        """Where models and optimizers are created: the strategy's scope on tf.
-
-        On jax the distribution is global in Keras and already set (by
-        `connect`, or `set_layout`), so there is nothing to enter.
-        """
-        return self.strategy.scope() if self.strategy else contextlib.nullcontext()
-
-    def set_layout(self, placer) -> None:
-        """Makes models built from now on follow `placer`'s layout rules (jax engine).
-
-        On tf there is nothing to set: every weight is replicated, and the
-        placer still checks its rules against the model once it is built.
-        """
-        if self.engine == "jax":
-            from tpu_keras import jax_distribution
-            jax_distribution.set_layout(self, placer)
-
-    def describe(self) -> str:
-        if self.engine == "jax":
-            return (f"jax mesh data={self.mesh['data']} x model={self.mesh['model']} over "
-                    f"{self.num_hosts} process(es), this is process {self.host_index}, "
-                    f"devices: {self.device_kind}")
-        return (f"{self.kind} strategy: {self.num_replicas} replica(s) on "
-                f"{self.num_hosts} host(s) ({self.replicas_per_host} per host), "
-                f"this is host {self.host_index}, devices: {self.device_kind}")
-
-
-def connect(config, *, engine: Optional[str] = None, mesh=None) -> Cluster:
-    """Builds the strategy described by a `cluster` config section.
-
-    `engine` ('tf' or 'jax') defaults to the backend Keras runs on; `mesh`
-    is the `config.mesh` section (default: every device on the data axis).
-    """
+def connect(config, mesh=None) -> Cluster:
+    """The strategy `config.cluster.strategy` asks for ('auto': the first that fits)."""
     strategy = config.get("strategy", "auto")
-    if strategy not in STRATEGIES:
-        raise UserError(f"cluster.strategy={strategy!r} is not one of {STRATEGIES}")
-    engine = engine or engine_lib.current()
-    engine_lib.select(engine)  # a one-line error if Keras already runs another backend
-    if engine == "jax":
-        from tpu_keras import jax_distribution
-        cluster = jax_distribution.connect(config, mesh)
-        logging.info("cluster: %s", cluster.describe())
-        return cluster
     split_cpu(config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0)))
-
     if strategy == "tpu" or (strategy == "auto" and tpu.is_present(config.get("tpu", ""))):
         cluster = _connect_tpu(config)
     elif strategy == "multi_worker" or (strategy == "auto" and _tf_config_workers() > 1):
@@ -129,9 +35,7 @@ def connect(config, *, engine: Optional[str] = None, mesh=None) -> Cluster:
         cluster = _connect_mirrored()
     else:
         cluster = _connect_one_device()
-    cluster = dataclasses.replace(cluster, mesh=mesh_lib.resolve(mesh, cluster.num_replicas, "tf"))
-    logging.info("cluster: %s", cluster.describe())
-    return cluster
+    return dataclasses.replace(cluster, mesh=mesh_lib.resolve(mesh, cluster.num_replicas, "tf"))
 
 
 def split_cpu(num_devices: int) -> None:
@@ -250,6 +154,7 @@ class LocalDevicesMultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy)
 
     def __init__(self, cluster_resolver=None):
         # Skips the parent's __init__ only to swap in the extended class above.
+        options = tf.distribute.experimental.CommunicationOptions()
         distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
             self, _LocalDevicesExtended(self, cluster_resolver=cluster_resolver,
-                                        communication_options=collective_util.Options()))
+                                        communication_options=options))

@@ -5,19 +5,21 @@
 optimizer there), so it reads paths and shapes without allocating a weight,
 and places them by the same `Placer` the engines use. The arithmetic is
 exact: every sharded dimension divides its mesh axis, so every device holds
-the same bytes. The memory planner (`python -m tpu_keras.plan`) builds on these figures.
+the same bytes. `python -m tpu_keras.layout` prints it; the memory plan
+(`python -m tpu_keras.plan`) builds on these figures.
 """
 
 import math
 
-from tpu_keras import mesh as mesh_lib
-from tpu_keras.layout.rules import Placement, Placer, dtype_name
+from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.parallelism.rules import Placement, Placer, dtype_name
 
 
 def describe(config, num_devices: int) -> dict:
     """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready)."""
-    from keras.src.backend.common.stateless_scope import StatelessScope
-    from tpu_keras import models, optimization
+    import keras
+    from tpu_keras import models
+    from tpu_keras.training import optimization
 
     mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
     builder, kwargs = models.registry.get(config.model)
@@ -25,7 +27,7 @@ def describe(config, num_devices: int) -> dict:
     placer = Placer(rules, mesh, config.layout.replicate_below)
     optimizer = optimization.make_optimizer(config.train)
     # Deferred variables: paths, shapes and dtypes, and no memory behind them.
-    with StatelessScope(initialize_variables=False):
+    with keras.StatelessScope(initialize_variables=False):
         model = builder.make(**kwargs)
         optimizer.build(model.trainable_variables)
         weights = placer.place_all(model.weights)

@@ -6,7 +6,7 @@ the weight. Rules are backend-neutral: the jax engine turns them into a
 `keras.distribution.LayoutMap`; the tf engine, data parallel only, checks
 them and replicates every weight.
 
-Keras replicates a weight no rule matches, without a word (DESIGN.md fact 5).
+Keras replicates a weight no rule matches, without a word (docs/design.md).
 `Placer` refuses instead, with one line, when:
 - a rule matches no weight (a typo, or a renamed layer);
 - two rules match the same weight;
@@ -129,6 +129,12 @@ class Placer:
                                 f"'{rule.pattern}', the model size, or mesh.{axis}")
         return Placement(path, shape, dtype, rule.axes, rule.pattern)
 
+    def check(self, variables) -> list[Placement]:
+        """Places every variable of a built model and checks that every rule was used."""
+        placements = self.place_all(variables)
+        self.check_all_rules_used()
+        return placements
+
     def check_all_rules_used(self) -> None:
         for rule in self.rules:
             if rule.pattern not in self._used:
@@ -142,10 +148,7 @@ class Placer:
 def place_all(variables, rules: Sequence[Rule], mesh: dict[str, int],
               replicate_below: int = REPLICATE_BELOW) -> list[Placement]:
     """Places every variable (anything with .path, .shape, .dtype); checks every rule was used."""
-    placer = Placer(rules, mesh, replicate_below)
-    placements = placer.place_all(variables)
-    placer.check_all_rules_used()
-    return placements
+    return Placer(rules, mesh, replicate_below).check(variables)
 
 
 def dtype_name(dtype) -> str:

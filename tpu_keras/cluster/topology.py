@@ -5,7 +5,7 @@ needs HBM per device, and launching needs to know how many hosts (TPU VMs, one
 process each) a slice name such as `v4-32` stands for. TPU names are easy to
 misread: the number after the dash counts TensorCores on v2, v3, v4 and v5p but
 chips on v5e and v6e, and a v4 (or v5p) chip has 2 TensorCores presented as
-ONE device (megacore), not 4 cores as the seed text said - see DESIGN.md.
+ONE device (megacore), not 4 cores as is sometimes said (docs/design.md).
 Importing this module must stay cheap: standard library only, no TensorFlow.
 """
 

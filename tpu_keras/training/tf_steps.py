@@ -1,4 +1,4 @@
-"""Train/test functions for `model.fit` that work under every tf.distribute strategy.
+"""The tf engine's train/test functions for `model.fit`, which work under every tf.distribute strategy.
 
 Keras 3's TensorFlow trainer breaks in three places once there is more than
 one replica:
@@ -12,7 +12,7 @@ one replica:
 * with `jit_compile=True` it wraps `strategy.run` itself in XLA, which fails
   under a multi-device MirroredStrategy (keras-team/keras#19005).
 
-`distributed_steps(model)` replaces the three trainer hooks involved with one
+`install(model)` replaces the three trainer hooks involved with one
 mechanism that holds for every strategy: build the model's metrics and
 optimizer from one replica's batch before anything is traced, then run the
 host loop in cross-replica context - up to `steps_per_execution` steps that
@@ -29,21 +29,19 @@ import types
 import keras
 import tensorflow as tf
 
-GRAD_NORM = "grad_norm"  # the logged global gradient norm
+from tpu_keras.training.nonfinite import GRAD_NORM
+
+# The Keras trainer hooks replaced: no public API lets a model bring its own
+# host loop to `fit` (docs/design.md).
 _HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build")
 
 
-def distributed_steps(model: keras.Model) -> keras.Model:
+def install(model: keras.Model) -> keras.Model:
     """Gives `model` step functions that work under any strategy; returns it.
 
     Call it once, on a model built inside `strategy.scope()`, before `fit`.
-    Compiling again keeps the fix. On the jax engine Keras's own host loop
-    already runs under `keras.distribution`; only its train step changes
-    (`jax_steps`), to log the gradient norm and skip non-finite updates.
+    Compiling again keeps them.
     """
-    if keras.backend.backend() == "jax":
-        from tpu_keras import jax_steps
-        return jax_steps.install(model)
     for hook in _HOOKS:
         setattr(model, hook, types.MethodType(globals()[hook], model))
     return model

@@ -1,0 +1,59 @@
+"""The jax engine's side of `connect`: the run's processes and the device mesh.
+
+`connect` joins the processes of a multi-host run (the local launcher's
+coordinator, or a TPU pod's), lays every device out on the `(data, model)`
+mesh, and makes Keras split the batch over `data` (a data-parallel
+`keras.distribution`, so user code that only connects trains data parallel).
+A run then replaces that with the distribution its model's layout rules
+give (`parallelism.distribution`).
+"""
+
+import os
+
+from absl import logging
+import jax
+import keras
+
+from tpu_keras.cluster import tpu
+from tpu_keras.cluster.engine import VIRTUAL_DEVICES_ENV
+from tpu_keras.cluster.record import Cluster
+from tpu_keras.errors import UserError
+from tpu_keras.parallelism import Placer, distribution
+from tpu_keras.parallelism import mesh as mesh_lib
+
+# Set by `python -m tpu_keras.launch` for every simulated host of a jax run.
+COORDINATOR_ENV = "TPU_KERAS_COORDINATOR"
+NUM_HOSTS_ENV, HOST_INDEX_ENV = "TPU_KERAS_NUM_HOSTS", "TPU_KERAS_HOST_INDEX"
+
+
+def connect(config, mesh_config) -> Cluster:
+    """The jax cluster: this process's place among the run's, and every device on the mesh."""
+    _initialize_processes(config)
+    wanted = config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0) or 0)
+    if wanted > 1 and jax.local_device_count() != wanted and jax.default_backend() == "cpu":
+        raise UserError(f"cluster.virtual_devices={wanted} on the jax engine must be set before JAX "
+                        f"starts: call tpu_keras.cluster.engine.select('jax', {wanted}) before importing "
+                        f"keras, or set XLA_FLAGS=--xla_force_host_platform_device_count={wanted}")
+    devices = keras.distribution.list_devices()
+    mesh = mesh_lib.resolve(mesh_config, len(devices), "jax")
+    device_mesh = keras.distribution.DeviceMesh((mesh["data"], mesh["model"]), mesh_lib.AXES, devices)
+    local = [f"{d.platform}:{d.id}" for d in jax.local_devices()]
+    pipelines, index = mesh_lib.input_pipelines(device_mesh.devices.tolist(), local)
+    cluster = Cluster(strategy=None, kind="jax", num_hosts=jax.process_count(),
+                      host_index=jax.process_index(), num_replicas=mesh["data"],
+                      device_kind=f"{len(devices)} x {jax.devices()[0].device_kind}",
+                      engine="jax", mesh=mesh, device_mesh=device_mesh,
+                      input_pipelines=pipelines, input_index=index)
+    distribution.set_layout(cluster, Placer((), mesh))
+    return cluster
+
+
+def _initialize_processes(config) -> None:
+    """Joins a multi-process run: the local launcher's coordinator, or a TPU pod's."""
+    coordinator = os.environ.get(COORDINATOR_ENV)
+    if coordinator:
+        num_hosts, index = int(os.environ[NUM_HOSTS_ENV]), int(os.environ[HOST_INDEX_ENV])
+        logging.info("jax: joining %s as process %d of %d", coordinator, index, num_hosts)
+        keras.distribution.initialize(coordinator, num_hosts, index)
+    elif tpu.is_present(config.get("tpu", "")):
+        keras.distribution.initialize()  # JAX finds the pod's coordinator itself

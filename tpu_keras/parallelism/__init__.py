@@ -1,0 +1,14 @@
+"""How a model is split over devices: the mesh, the layout rules, and the jax distribution.
+
+`mesh` resolves `config.mesh` against the devices; `rules` holds the
+backend-neutral layout rules (weight path regex -> mesh axes) and the
+`Placer` that checks them against a model; `distribution` turns them into
+the jax engine's `keras.distribution`. Nothing here trains: this package
+imports nothing from `tpu_keras.training`.
+"""
+
+from tpu_keras.parallelism.rules import (REPLICATE_BELOW, Placement, Placer, Rule, place_all,
+                                         replicated, rules_from_pairs)
+
+__all__ = ["REPLICATE_BELOW", "Placement", "Placer", "Rule", "place_all", "replicated",
+           "rules_from_pairs"]

@@ -1,0 +1,22 @@
+"""The training loop: step functions, the optimizer, checkpoints, callbacks and the run.
+
+`run.train` is the whole run, stage by stage. `distributed_steps(model)`
+gives any Keras model (yours too) the toolkit's train and test steps for its
+engine: a host loop that works under every tf.distribute strategy on the tf
+engine (`tf_steps`), the guarded step on jax (`jax_steps`). Both log the
+global gradient norm and apply no update from a non-finite step.
+"""
+
+
+def distributed_steps(model):
+    """Gives `model` step functions that work under any strategy (tf) or mesh (jax); returns it.
+
+    Call it once, on a model built inside `cluster.scope()`, before `fit`.
+    (Keras is imported here, not above: a run selects its engine first.)
+    """
+    import keras
+    if keras.backend.backend() == "jax":
+        from tpu_keras.training import jax_steps
+        return jax_steps.install(model)
+    from tpu_keras.training import tf_steps
+    return tf_steps.install(model)

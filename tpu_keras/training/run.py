@@ -1,0 +1,223 @@
+"""One training run, stage by stage: `train(config, workdir)`.
+
+Reads top to bottom as the run goes: config -> cluster -> parallelism ->
+model -> checkpoint -> data -> fit -> export. Running it again on the same
+workdir resumes from the latest checkpoint. `python -m tpu_keras.train` is
+its command line; a notebook or a test can call `train` directly.
+
+Keras reads its backend once, when it is first imported, so everything that
+imports Keras is imported inside `train`, after the engine is selected.
+"""
+
+import functools
+import os
+import re
+import sys
+import threading
+import time
+
+from absl import logging
+
+from tpu_keras import config as config_lib
+from tpu_keras.cluster import engine
+from tpu_keras.errors import UserError
+from tpu_keras.measurement import timings
+
+
+def train(config, workdir: str, started: float | None = None):
+    """Runs (or resumes) one training run; returns the final Keras history.
+
+    `started` (a `time.time()`) is when the run began, for its time breakdown;
+    the command line passes the process's start, so imports count too.
+    """
+    started = time.time() if started is None else started
+
+    # ----- config --------------------------------------------------------------
+    config_lib.check(config)
+    # Before Keras is imported: it reads its backend once.
+    engine.select(config.engine, config.cluster.virtual_devices)
+    import keras
+    import tensorflow as tf
+    from tpu_keras import cluster as cluster_lib
+    from tpu_keras import data, models, workdir as workdir_lib
+    from tpu_keras.measurement import flops, peak
+    from tpu_keras.training import callbacks, checkpoint, defaults, nonfinite, preemption, profiler
+    run_timings = timings.RunTimings(started)
+    builder, model_kwargs = models.registry.get(config.model)
+    workdir_lib.prepare(workdir)
+    if threading.current_thread() is threading.main_thread():
+        preemption.watch()  # from here on, SIGTERM means "save and exit 42"
+
+    # ----- cluster -------------------------------------------------------------
+    with run_timings.phase("cluster"):
+        cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    defaults.resolve(config, cluster)
+    if cluster.is_chief:
+        workdir_lib.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+    keras.utils.set_random_seed(config.seed)
+    if config.deterministic and config.engine == "tf":
+        tf.config.experimental.enable_op_determinism()
+
+    # ----- model ---------------------------------------------------------------
+    train_cfg = config.train
+    with run_timings.phase("model"):
+        model = build_model(config, cluster)
+    logging.info("model: %s with %s parameters, %s, %d steps per host call%s", config.model.name,
+                 f"{model.count_params():,}", train_cfg.precision, train_cfg.steps_per_execution,
+                 ", XLA" if model.jit_compile else "")
+
+    # ----- checkpoints ---------------------------------------------------------
+    saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
+    saver.save = run_timings.timed("checkpoints", saver.save)
+    saver.restore_latest = run_timings.timed("restore", saver.restore_latest)
+    skipped = nonfinite.load_skipped(saver.shared_dir)
+
+    # ----- data ----------------------------------------------------------------
+    @functools.partial(run_timings.timed, "data")
+    def train_data(start_step):
+        """The training batches from `start_step` on: a pure function of the step."""
+        return data.build(config.data, cluster, train_cfg.batch_size, training=True,
+                          seed=config.seed, start_step=start_step, skip=skipped,
+                          example_log=os.path.join(workdir, "example_ids", "host")
+                          if config.data.log_example_ids else "")[0]
+    with run_timings.phase("data"):
+        eval_data, eval_steps = data.build(config.data, cluster, train_cfg.batch_size,
+                                           training=False, max_eval_steps=train_cfg.eval_steps)
+
+    # ----- fit -----------------------------------------------------------------
+    # What a collective raises when a peer host is gone (connection refused or
+    # reset, or MultiWorkerMirroredStrategy's health check gave up on it).
+    peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                    tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+    logger = callbacks.IntervalLogger(
+        total_steps=train_cfg.steps, global_batch=train_cfg.batch_size,
+        tokens_per_example=builder.tokens_per_example(model_kwargs),
+        flops_per_example=flops.training_flops_per_example(model),
+        peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
+        summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
+    fit_timer = callbacks.FitTimer(run_timings)  # first: its batch end times the call alone
+    run_callbacks = [fit_timer, logger, nonfinite.StopOnNonFinite(saver, train_cfg.steps),
+                     preemption.SaveOnPreemption(saver, cluster),
+                     checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)]
+    if config.log.profile_steps:
+        run_callbacks.append(profiler.ProfileSteps(saver, *config.log.profile_steps,
+                                                   logdir=os.path.join(workdir, "tensorboard")))
+    while True:
+        start_step = saver.restore_latest()
+        if start_step == 0 and train_cfg.on_nonfinite == "restore_and_skip":
+            saver.save()  # something good to go back to
+        try:
+            history = _fit(model, config, start_step, train_data, eval_data, eval_steps,
+                           run_callbacks, fit_timer.fit_returned)
+            break
+        except nonfinite.NonFiniteStep as diverged:
+            skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
+        except peer_errors as error:
+            if cluster.num_processes == 1:
+                raise
+            raise UserError(f"lost contact with another host after step {saver.step} "
+                            f"({_peer_reason(error)}); the other hosts stop too; start every "
+                            "host again with the same command to resume from the last "
+                            "checkpoint") from None
+
+    final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
+    if final:
+        headline = f"val_{builder.headline}"
+        logging.info("done at step %d: %s %.4g", saver.step, headline, final.get(headline, float("nan")))
+    # Equal on every host of a synchronous run: a cheap check that hosts agree.
+    logging.info("weights fingerprint: %.12e", _fingerprint(model))
+
+    # ----- export --------------------------------------------------------------
+    if cluster.is_chief:
+        export_dir = os.path.join(workdir, "export")
+        with run_timings.phase("export"):
+            model.export(export_dir, verbose=False)
+        logging.info("exported SavedModel to %s", export_dir)
+    logger.close()
+    run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
+    return history
+
+
+def build_model(config, cluster):
+    """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
+
+    On jax this first sets the process's `keras.distribution` from the
+    model's layout rules, so that Keras lays each weight out as it creates
+    it; on tf every weight is replicated and the rules are only checked.
+    """
+    from tpu_keras import models
+    from tpu_keras.parallelism import Placer
+    from tpu_keras.training import optimization
+    builder, _ = models.registry.get(config.model)
+    placer = Placer(models.registry.layout_rules(config.model, config.layout), cluster.mesh,
+                    config.layout.replicate_below)
+    if cluster.engine == "jax":
+        from tpu_keras.parallelism import distribution
+        distribution.set_layout(cluster, placer)
+    with cluster.scope():
+        model = models.build(config.model)
+    placer.check(model.weights)
+    optimization.compile_model(model, builder, config.train, cluster)
+    return model
+
+
+def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callbacks, fit_returned):
+    """`model.fit` from `start_step` to `train.steps`, one Keras epoch per log interval.
+
+    A run preempted mid-interval first finishes that interval in a fit of its
+    own, so log lines, validations and checkpoints stay on the same steps.
+    """
+    train_cfg, interval = config.train, config.log.every_steps
+    boundary = -(-start_step // interval) * interval
+
+    def fit(*args, **kwargs):
+        try:
+            return model.fit(*args, callbacks=run_callbacks,
+                             verbose=1 if sys.stdout.isatty() else 0, **kwargs)
+        finally:
+            fit_returned()
+
+    history = None
+    if boundary > start_step:
+        validate = boundary % train_cfg.eval_every == 0
+        history = fit(train_data(start_step), epochs=1, steps_per_epoch=boundary - start_step,
+                      validation_data=eval_data if validate else None, validation_steps=eval_steps)
+    if boundary < train_cfg.steps or history is None:
+        history = fit(train_data(boundary), epochs=train_cfg.steps // interval,
+                      steps_per_epoch=interval, initial_epoch=boundary // interval,
+                      validation_data=eval_data, validation_steps=eval_steps,
+                      validation_freq=train_cfg.eval_every // interval)
+    return history
+
+
+def _skip_or_stop(diverged, skipped, train_cfg, saver, cluster):
+    """Applies train.on_nonfinite: returns the batch positions to leave out, or raises."""
+    from tpu_keras.data.pipeline import position_of_step
+    from tpu_keras.training import nonfinite
+    if train_cfg.on_nonfinite == "stop" or len(skipped) >= train_cfg.max_nonfinite_skips:
+        limit = (f"after {len(skipped)} skipped batch(es), train.max_nonfinite_skips"
+                 if train_cfg.on_nonfinite != "stop" else "train.on_nonfinite='stop'")
+        last = saver.latest_saved_step()
+        kept = (f"the last good checkpoint (step {last}) is kept in {saver.shared_dir}"
+                if last is not None else "nothing was saved")
+        raise UserError(f"{diverged} ({limit}); {kept}; lower train.learning_rate or check the "
+                        "data, or set train.on_nonfinite='restore_and_skip' to leave such batches out")
+    positions = [position_of_step(step - 1, skipped) for step in range(diverged.first, diverged.last + 1)]
+    logging.warning("%s; going back to the last good checkpoint and leaving out batch(es) %s",
+                    diverged, positions)
+    skipped = sorted(skipped + positions)
+    if cluster.is_chief:
+        nonfinite.save_skipped(saver.shared_dir, skipped)
+    return skipped
+
+
+def _peer_reason(error) -> str:
+    """The first line of a collective's error, without TensorFlow's function-node prefix."""
+    text = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error)).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _fingerprint(model) -> float:
+    """The sum of all weights, computed where they live (sharded jax arrays span hosts)."""
+    import keras
+    return sum(float(keras.ops.convert_to_numpy(keras.ops.sum(w.value))) for w in model.weights)
