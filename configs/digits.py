@@ -3,7 +3,8 @@
     python -m tpu_keras.train --config=configs/digits.py --workdir=/tmp/digits
     python -m tpu_keras.train --config=configs/digits.py:cnn --workdir=/tmp/digits_cnn
 
-Variants: 'mlp' (the default), 'cnn', and 'tiny' (a few steps, for tests).
+Variants: 'mlp' (the default), 'cnn', 'resnet' (keras-hub's ResNetImageClassifier;
+the 'hub' extra) and 'tiny' (a few steps, for tests).
 """
 
 from tpu_keras.config import defaults
@@ -27,10 +28,16 @@ def get_config(arg=None):
     config.checkpoint.every_steps = 200
     config.log.every_steps = 100
 
+    if arg == "resnet":  # keras-hub's ResNet (the 'hub' extra), sized for 8x8 images
+        config.model = dict(name="keras_hub:ResNetImageClassifier", num_classes=10,
+                            image_shape=(8, 8, 1), input_conv_filters=(64,),
+                            input_conv_kernel_sizes=(3,), stackwise_num_filters=(64, 64),
+                            stackwise_num_blocks=(1, 1), stackwise_num_strides=(1, 2),
+                            block_type="basic_block", use_pre_activation=True)
     if arg == "tiny":
         config.train.update(steps=20, warmup_steps=5, eval_every=10, steps_per_execution=5)
         config.checkpoint.every_steps = 10
         config.log.every_steps = 10
-    elif arg not in (None, "", "mlp", "cnn", "tiny"):
-        raise ValueError(f"unknown variant {arg!r} of digits; use 'mlp', 'cnn' or 'tiny'")
+    elif arg not in (None, "", "mlp", "cnn", "resnet"):
+        raise ValueError(f"unknown variant {arg!r} of digits; use 'mlp', 'cnn', 'resnet' or 'tiny'")
     return config

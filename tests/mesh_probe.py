@@ -4,8 +4,9 @@
 
 Runs in its own process (JAX fixes its device count at start-up) with
 DATA x MODEL fake CPU devices (the same count for every mesh listed, which
-then share one start-up), on `configs/lm_stdlib.py:VARIANT` ('' or 'tiny')
-with the model arguments in MODEL_JSON changed. The first run of a series
+then share one start-up), on `configs/lm_stdlib.py:VARIANT` ('' or 'tiny';
+'llama_stdlib:tiny' names another config file) with the model arguments in
+MODEL_JSON changed. The first run of a series
 saves its initial weights to INIT.npz; later runs load them, so losses
 compare across meshes. Prints one JSON line per mesh: per-step losses, each
 variable's sharding and shard shape, and the bytes device 0 holds.
@@ -17,7 +18,8 @@ import sys
 
 meshes = [tuple(map(int, m.split("x"))) for m in sys.argv[1].split(",")]
 data_dir, init_path = sys.argv[2], sys.argv[3]
-variant = sys.argv[4] or None
+config_name, _, variant = sys.argv[4].rpartition(":")
+config_name, variant = config_name or "lm_stdlib", variant or None
 model_overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 steps = int(sys.argv[6]) if len(sys.argv) > 6 else 5
 devices = {d * m for d, m in meshes}
@@ -32,11 +34,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
-from tpu_keras import data, models, parallelism  # noqa: E402
+from tpu_keras import data, models  # noqa: E402
 from tpu_keras.training.run import build_model  # noqa: E402
 
 sys.path.insert(0, "configs")
-import lm_stdlib  # noqa: E402
+config_module = __import__(config_name)  # noqa: E402
 
 device0 = jax.devices()[0]
 
@@ -52,7 +54,7 @@ def described(variable):
 
 def probe(data_axis, model_axis):
     keras.backend.clear_session()  # names as in a fresh process: 'adam_w', not 'adam_w_1'
-    config = lm_stdlib.get_config(variant)
+    config = config_module.get_config(variant)
     config.data.data_dir = data_dir
     config.model.update(model_overrides)
     config.train.steps_per_execution = 1
@@ -69,8 +71,8 @@ def probe(data_axis, model_axis):
     train_data, _ = data.build(config.data, cluster, config.train.batch_size, training=True)
     history = model.fit(train_data, steps_per_epoch=1, epochs=steps, verbose=0)
 
-    rules = models.registry.layout_rules(config.model, config.layout)
-    expected = {p.path: list(p.axes) for p in parallelism.place_all(model.weights, rules, cluster.mesh)}
+    placer = models.registry.placer(config.model, config.layout, cluster.mesh)
+    expected = {p.path: list(p.axes) for p in placer.check(model.weights)}
     weights = {v.path: described(v) for v in model.weights}
     optimizer = {v.path: described(v) for v in model.optimizer.variables}
     print("PROBE " + json.dumps({

@@ -59,6 +59,20 @@ class W:  # what place_all reads from a variable
 MESH = {"data": 2, "model": 4}
 
 
+def test_a_rule_that_is_the_path_wins_over_patterns_as_in_keras_layout_map():
+    rules = [parallelism.Rule("d0/.*", ("model", None)), parallelism.Rule("d0/kernel", (None, "model"))]
+    placed = parallelism.place_all([W("d0/kernel", (16, 64)), W("d0/bias", (64, 4))], rules, MESH)
+    assert [p.axes for p in placed] == [(None, "model"), ("model", None)]
+    # The same lookup as keras.distribution.LayoutMap's, on the same keys.
+    import keras
+    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+        (1, 1), ["data", "model"], [["cpu:0"]]))
+    for rule in rules:
+        layout_map[rule.pattern] = rule.axes
+    assert [layout_map[p].axes for p in ("d0/kernel", "d0/bias")] == [p.axes for p in placed]
+    assert parallelism.rules_from_layout_map(layout_map) == rules
+
+
 def test_rules_place_weights_and_count_bytes_per_device():
     rules = [parallelism.Rule(r"d\d+/kernel", (None, "model")), parallelism.replicated(r"d\d+/bias")]
     placed = parallelism.place_all([W("d0/kernel", (16, 64)), W("d0/bias", (64,)), W("n/gamma", (16,))],
@@ -71,7 +85,7 @@ def test_rules_place_weights_and_count_bytes_per_device():
 @pytest.mark.parametrize("rules, weights, message", [
     ([parallelism.Rule("d0/kernel", (None, "modle"))], [W("d0/kernel", (4, 4))], "mesh axis 'modle'.*'model'"),
     ([parallelism.Rule("d0/kernel", ("model",))], [W("d0/kernel", (4, 4))], "gives 1 axes .* of shape \\[4, 4\\]"),
-    ([parallelism.Rule("d0/.*", ()), parallelism.Rule("d0/kernel", ())], [W("d0/kernel", (4, 4))], "matches two layout rules"),
+    ([parallelism.Rule("d0/.*", ()), parallelism.Rule(r"d\d/kernel", ())], [W("d0/kernel", (4, 4))], "matches two layout rules"),
     ([parallelism.Rule("d0/kernel", (None, "model"))], [W("d0/kernel", (4, 6))], "dimension 1 \\(6\\) does not divide"),
     ([parallelism.Rule("d1/kernel", ())], [W("d0/kernel", (4, 4))], "'d1/kernel' matches no weight"),
     ([], [W("emb/embeddings", (512, 128))], "covered by no layout rule"),

@@ -38,9 +38,10 @@ def defaults() -> ml_collections.ConfigDict:
     # weights by the builder's layout rules (jax engine only). -1: the rest.
     config.mesh = dict(data=-1, model=1)
 
-    # Replaces the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
+    # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
+    # extra_rules: added to the builder's rules (or to `rules`), in the same form.
     # Weights this large (elements) must match a rule when the mesh splits weights.
-    config.layout = dict(rules=(), replicate_below=65_536)
+    config.layout = dict(rules=(), extra_rules=(), replicate_below=65_536)
 
     # Where to run. strategy: auto | tpu | multi_worker | mirrored | one_device.
     config.cluster = dict(
@@ -119,10 +120,12 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise UserError(f"cluster.strategy={strategy!r} is not one of {STRATEGIES}"
                         f"{closest(strategy, STRATEGIES)}")
     mesh_lib.check(config.mesh)  # against the devices: when the cluster connects
-    for rule in config.layout.rules:
-        if len(rule) != 2 or not isinstance(rule[0], str) or isinstance(rule[1], str):
-            raise UserError(f"layout.rules entry {rule!r} is not a (regex, axes) pair such as "
-                            "(r'dense\\d+/kernel', (None, 'model'))")
+    for key in ("rules", "extra_rules"):
+        for rule in config.layout[key]:
+            if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str)
+                    or isinstance(rule[1], str)):
+                raise UserError(f"layout.{key} entry {rule!r} is not a (regex, axes) pair such as "
+                                "(r'dense\\d+/kernel', (None, 'model'))")
     train, log = config.train, config.log
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "

@@ -1,6 +1,6 @@
-"""Registered model builders; `build(config.model, strategy)` makes one in scope."""
+"""Registered model builders (ours, and keras-hub tasks by name); `build(config.model)` makes one."""
 
 from tpu_keras.models.registry import REGISTRY, build, register
-from tpu_keras.models import gpt, vision  # noqa: F401  (registers the builders)
+from tpu_keras.models import gpt, hub, vision  # noqa: F401  (registers the builders)
 
 __all__ = ["REGISTRY", "build", "register"]

@@ -13,3 +13,8 @@ def bits_per_token(y_true, y_pred):
 
 def bits_per_byte():
     return keras.metrics.MeanMetricWrapper(bits_per_token, name="bits_per_byte")
+
+
+def bits_per_token_metric():
+    """Bits per token, for a vocabulary that is not bytes (compare runs of one tokenizer)."""
+    return keras.metrics.MeanMetricWrapper(bits_per_token, name="bits_per_token")

@@ -3,7 +3,9 @@
 A builder is a plain function whose keyword arguments are the `model` config
 section (minus `name`), so its signature is the schema that section is
 checked against. Each builder also has layout rules (`tpu_keras.parallelism`):
-which weights split over the mesh's `model` axis.
+which weights split over the mesh's `model` axis. A family of builders can
+also be registered by a name prefix (`keras_hub:LlamaCausalLM`, see
+`tpu_keras.models.hub`), each made when a config names it.
 """
 
 import dataclasses
@@ -27,28 +29,45 @@ class Builder:
     tokens_per_example: Callable[[dict], int] = lambda kwargs: 0
     # Layout rules for the model these keyword arguments build.
     layout: Callable[[dict], list[parallelism.Rule]] = lambda kwargs: []
+    # Dimensions that must be split alike (attention heads, MLP units).
+    ties: Callable[[dict], list[parallelism.Tie]] = lambda kwargs: []
+    # The model.* keys it takes; None: the arguments of `make`.
+    arguments: tuple[str, ...] | None = None
 
 
 REGISTRY: dict[str, Builder] = {}
+# Families of builders made on demand from a name: prefix -> (make_builder(rest, kwargs), example).
+FAMILIES: dict[str, tuple[Callable[[str, dict], Builder], str]] = {}
 
 
 def register(name, *, loss, metrics, headline, tokens_per_example=lambda kwargs: 0,
-             layout=lambda kwargs: []):
+             layout=lambda kwargs: [], ties=lambda kwargs: []):
     def decorate(make):
-        REGISTRY[name] = Builder(make, loss, metrics, headline, tokens_per_example, layout)
+        REGISTRY[name] = Builder(make, loss, metrics, headline, tokens_per_example, layout, ties)
         return make
     return decorate
+
+
+def register_family(prefix: str, make_builder, example: str):
+    """Names that start with `prefix` are builders `make_builder(rest_of_name, kwargs)` makes."""
+    FAMILIES[prefix] = (make_builder, example)
 
 
 def get(model_config) -> tuple[Builder, dict]:
     """Looks up a builder and checks the config's keys against its arguments."""
     kwargs = dict(model_config)
     name = kwargs.pop("name", "")
-    if name not in REGISTRY:
+    family = next((prefix for prefix in FAMILIES if name.startswith(prefix)), None)
+    if family is not None:
+        builder = FAMILIES[family][0](name[len(family):], kwargs)
+    elif name in REGISTRY:
+        builder = REGISTRY[name]
+    else:
+        examples = "".join(f", or {example!r}" for _, example in FAMILIES.values())
         raise UserError(f"model.name={name!r} is not a registered builder{closest(name, REGISTRY)}; "
-                        f"choose one of {sorted(REGISTRY)}")
-    builder = REGISTRY[name]
-    accepted = inspect.signature(builder.make).parameters
+                        f"choose one of {sorted(REGISTRY)}{examples}")
+    accepted = (builder.arguments if builder.arguments is not None
+                else inspect.signature(builder.make).parameters)
     for key in kwargs:
         if key not in accepted:
             raise UserError(f"unknown config key 'model.{key}' for builder {name!r}"
@@ -57,14 +76,24 @@ def get(model_config) -> tuple[Builder, dict]:
 
 
 def layout_rules(model_config, layout_config=None) -> list[parallelism.Rule]:
-    """The builder's layout rules, or `layout.rules` from the config when it sets any."""
+    """The builder's layout rules, or `layout.rules` from the config when it sets any,
+    followed by `layout.extra_rules`."""
     return _rules(*get(model_config), layout_config)
 
 
+def placer(model_config, layout_config, mesh: dict) -> parallelism.Placer:
+    """The `Placer` for this model on `mesh`: its rules, its ties, `layout.replicate_below`."""
+    builder, kwargs = get(model_config)
+    return parallelism.Placer(_rules(builder, kwargs, layout_config), mesh,
+                              layout_config.get("replicate_below", parallelism.REPLICATE_BELOW),
+                              ties=builder.ties(kwargs))
+
+
 def _rules(builder, kwargs, layout_config):
-    if layout_config and layout_config.get("rules"):
-        return parallelism.rules_from_pairs(layout_config["rules"])
-    return builder.layout(kwargs)
+    layout_config = layout_config or {}
+    rules = (parallelism.rules_from_pairs(layout_config["rules"]) if layout_config.get("rules")
+             else builder.layout(kwargs))
+    return rules + parallelism.rules_from_pairs(layout_config.get("extra_rules", ()))
 
 
 def build(model_config) -> keras.Model:

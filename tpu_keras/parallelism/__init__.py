@@ -7,8 +7,8 @@ the jax engine's `keras.distribution`. Nothing here trains: this package
 imports nothing from `tpu_keras.training`.
 """
 
-from tpu_keras.parallelism.rules import (REPLICATE_BELOW, Placement, Placer, Rule, place_all,
-                                         replicated, rules_from_pairs)
+from tpu_keras.parallelism.rules import (REPLICATE_BELOW, Placement, Placer, Rule, Tie, place_all,
+                                         replicated, rules_from_layout_map, rules_from_pairs)
 
-__all__ = ["REPLICATE_BELOW", "Placement", "Placer", "Rule", "place_all", "replicated",
-           "rules_from_pairs"]
+__all__ = ["REPLICATE_BELOW", "Placement", "Placer", "Rule", "Tie", "place_all", "replicated",
+           "rules_from_layout_map", "rules_from_pairs"]

@@ -13,7 +13,13 @@ Keras replicates a weight no rule matches, without a word (docs/design.md).
 - a sharded dimension does not divide by its mesh axis;
 - on a mesh that splits weights (model axis > 1), a weight of
   `replicate_below` elements or more matches no rule (list it with
-  `replicated(...)` if that is intended).
+  `replicated(...)` if that is intended);
+- the dimensions a `Tie` names (attention heads in the query and the output
+  kernels, say) are split over different axes.
+
+A rule that is a weight's path itself wins over patterns, and two patterns
+matching one path are an error: Keras's `LayoutMap` looks paths up the same
+way, so a keras-hub `get_layout_map` means here what it means to Keras.
 """
 
 import dataclasses
@@ -82,8 +88,9 @@ class Placer:
     """
 
     def __init__(self, rules: Sequence[Rule], mesh: dict[str, int],
-                 replicate_below: int = REPLICATE_BELOW):
+                 replicate_below: int = REPLICATE_BELOW, ties: Sequence["Tie"] = ()):
         self.rules, self.mesh, self.replicate_below = list(rules), dict(mesh), replicate_below
+        self.ties = list(ties)
         # Only a mesh that splits weights makes an uncovered large weight a likely mistake.
         self._splits_weights = any(size > 1 for axis, size in self.mesh.items() if axis != "data")
         self._used: set[str] = set()
@@ -100,20 +107,36 @@ class Placer:
             self._placed[path, shape] = self._place(path, shape, dtype)
         return self._placed[path, shape]
 
+    def _suggest(self, path: str, shape: tuple[int, ...]) -> str:
+        """', such as layout.extra_rules=((r'PATH', (None, 'model')),)': the widest weight
+        axis split over its largest dimension that divides by it."""
+        axes = [a for a in self.mesh if a != "data" and self.mesh[a] > 1]
+        axis = max(axes, key=lambda a: self.mesh[a])
+        fits = [d for d, n in enumerate(shape) if n % self.mesh[axis] == 0]
+        if not fits:
+            return ""
+        dim = max(fits, key=lambda d: shape[d])
+        spec = ", ".join(repr(axis) if d == dim else "None" for d in range(len(shape)))
+        return f", such as layout.extra_rules=((r'{path}', ({spec}{',' if len(shape) == 1 else ''})),)"
+
     def place_all(self, variables) -> list[Placement]:
         """Places every variable (anything with .path, .shape, .dtype)."""
         return [self.place(v.path, v.shape, dtype_name(v.dtype)) for v in variables]
 
     def _place(self, path: str, shape: tuple[int, ...], dtype: str) -> Placement:
-        matching = [rule for rule in self.rules if rule.matches(path)]
+        # As Keras's LayoutMap looks a path up: a rule that is the path itself wins,
+        # otherwise every rule is re.fullmatch-ed, and two matches are an error.
+        matching = ([rule for rule in self.rules if rule.pattern == path]
+                    or [rule for rule in self.rules if rule.matches(path)])
         if len(matching) > 1:
             raise UserError(f"weight {path!r} matches two layout rules, '{matching[0].pattern}' "
                             f"and '{matching[1].pattern}'; make the patterns exclusive")
         if not matching:
             if self._splits_weights and math.prod(shape) >= self.replicate_below:
                 raise UserError(f"weight {path!r} {list(shape)} ({math.prod(shape):,} elements) is "
-                                "covered by no layout rule; add a rule that shards it, or "
-                                f"replicated({path!r}) to keep it whole on every device")
+                                "covered by no layout rule; add a rule that shards it"
+                                f"{self._suggest(path, shape)}, or replicated({path!r}) to "
+                                "keep it whole on every device")
             return Placement(path, shape, dtype, (None,) * len(shape), None)
         rule = matching[0]
         self._used.add(rule.pattern)
@@ -130,9 +153,12 @@ class Placer:
         return Placement(path, shape, dtype, rule.axes, rule.pattern)
 
     def check(self, variables) -> list[Placement]:
-        """Places every variable of a built model and checks that every rule was used."""
+        """Places every variable of a built model; checks that every rule was used and
+        that every tie holds."""
         placements = self.place_all(variables)
         self.check_all_rules_used()
+        for tie in self.ties:
+            tie.check(placements, self.mesh)
         return placements
 
     def check_all_rules_used(self) -> None:
@@ -143,6 +169,42 @@ class Placer:
                 raise UserError(f"layout rule '{rule.pattern}' matches no weight"
                                 f"{closest(rule.pattern, paths)}; rules are re.fullmatch-ed "
                                 f"against weight paths such as {example!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """Dimensions of several weights that are one dimension of the model, such as
+    attention heads in the query, key, value and output kernels.
+
+    Split two ways (heads over `data` in the query kernel, over `model` in the
+    output kernel), every step reshuffles the activations between the two
+    matmuls across devices: the result is right and slow. `members` are
+    `(pattern, dimension)` pairs; `name` says what the dimension is.
+    """
+
+    name: str
+    members: tuple[tuple[str, int], ...]
+
+    def check(self, placements: Sequence[Placement], mesh: dict[str, int]) -> None:
+        seen = {}  # axis (None: whole) -> (path, dimension) of the first weight split so
+        for placement in placements:
+            for pattern, dim in self.members:
+                if re.fullmatch(pattern, placement.path) and dim < len(placement.axes):
+                    axis = placement.axes[dim]
+                    axis = axis if axis and mesh.get(axis, 1) > 1 else None  # size 1 splits nothing
+                    seen.setdefault(axis, (placement.path, dim))
+        if len(seen) > 1:
+            (axis_a, (path_a, dim_a)), (axis_b, (path_b, dim_b)) = list(seen.items())[:2]
+            raise UserError(f"the {self.name} are split two ways: {path_a!r} dimension {dim_a} "
+                            f"over {axis_a!r}, {path_b!r} dimension {dim_b} over {axis_b!r}, so "
+                            "every step reshuffles activations between devices; split them over "
+                            "one mesh axis in the layout rules")
+
+
+def rules_from_layout_map(layout_map) -> list[Rule]:
+    """Rules from a `keras.distribution.LayoutMap` (a keras-hub `get_layout_map`), in
+    its order; `Placer` then looks paths up exactly as the LayoutMap would."""
+    return [Rule(key, tuple(layout_map[key].axes)) for key in layout_map]
 
 
 def place_all(variables, rules: Sequence[Rule], mesh: dict[str, int],

@@ -12,7 +12,7 @@ the same bytes. `python -m tpu_keras.layout` prints it; the memory plan
 import math
 
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.parallelism.rules import Placement, Placer, dtype_name
+from tpu_keras.parallelism.rules import Placement, dtype_name
 
 
 def describe(config, num_devices: int) -> dict:
@@ -23,15 +23,13 @@ def describe(config, num_devices: int) -> dict:
 
     mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
     builder, kwargs = models.registry.get(config.model)
-    rules = models.registry.layout_rules(config.model, config.layout)
-    placer = Placer(rules, mesh, config.layout.replicate_below)
+    placer = models.registry.placer(config.model, config.layout, mesh)
     optimizer = optimization.make_optimizer(config.train)
     # Deferred variables: paths, shapes and dtypes, and no memory behind them.
     with keras.StatelessScope(initialize_variables=False):
         model = builder.make(**kwargs)
         optimizer.build(model.trainable_variables)
-        weights = placer.place_all(model.weights)
-        placer.check_all_rules_used()
+        weights = placer.check(model.weights)
         trainable = {v.path for v in model.trainable_variables}
         by_path = {p.path: p for p in weights}
         state = [_follow(v, by_path) for v in optimizer.variables]

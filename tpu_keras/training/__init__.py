@@ -20,3 +20,4 @@ def distributed_steps(model):
         return jax_steps.install(model)
     from tpu_keras.training import tf_steps
     return tf_steps.install(model)
+

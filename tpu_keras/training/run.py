@@ -31,6 +31,8 @@ def train(config, workdir: str, started: float | None = None):
     the command line passes the process's start, so imports count too.
     """
     started = time.time() if started is None else started
+    if logging.get_verbosity() < logging.INFO:  # a script's own call: the log is the progress
+        logging.set_verbosity(logging.INFO)
 
     # ----- config --------------------------------------------------------------
     config_lib.check(config)
@@ -60,11 +62,14 @@ def train(config, workdir: str, started: float | None = None):
 
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
+    if config.model.name.startswith(models.hub.KERAS_HUB):
+        from tpu_keras.models import hub
+        hub.prepare_preset(config.model, workdir, cluster.is_chief)
     with run_timings.phase("model"):
         model = build_model(config, cluster)
-    logging.info("model: %s with %s parameters, %s, %d steps per host call%s", config.model.name,
-                 f"{model.count_params():,}", train_cfg.precision, train_cfg.steps_per_execution,
-                 ", XLA" if model.jit_compile else "")
+    logging.info("model: %s with %s parameters%s, %s, %d steps per host call%s", config.model.name,
+                 f"{model.count_params():,}", _trainable_share(model), train_cfg.precision,
+                 train_cfg.steps_per_execution, ", XLA" if model.jit_compile else "")
 
     # ----- checkpoints ---------------------------------------------------------
     saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
@@ -146,11 +151,9 @@ def build_model(config, cluster):
     it; on tf every weight is replicated and the rules are only checked.
     """
     from tpu_keras import models
-    from tpu_keras.parallelism import Placer
     from tpu_keras.training import optimization
     builder, _ = models.registry.get(config.model)
-    placer = Placer(models.registry.layout_rules(config.model, config.layout), cluster.mesh,
-                    config.layout.replicate_below)
+    placer = models.registry.placer(config.model, config.layout, cluster.mesh)
     if cluster.engine == "jax":
         from tpu_keras.parallelism import distribution
         distribution.set_layout(cluster, placer)
@@ -215,6 +218,16 @@ def _peer_reason(error) -> str:
     """The first line of a collective's error, without TensorFlow's function-node prefix."""
     text = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error)).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _trainable_share(model) -> str:
+    """', 3,328 of them trainable (3.1%)' when some weights are frozen (LoRA), else ''."""
+    import math
+    trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
+    total = model.count_params()
+    if trainable == total:
+        return ""
+    return f", {trainable:,} of them trainable ({trainable / max(total, 1):.1%})"
 
 
 def _fingerprint(model) -> float:

@@ -1,0 +1,199 @@
+"""keras-hub models through the toolkit: both engines, a hybrid mesh, checked layout maps,
+presets, LoRA, and text generation."""
+
+import json
+import re
+import sys
+import textwrap
+
+import numpy as np
+
+from conftest import REPO, assert_one_line_error, run, train
+from resume import read_until, start
+
+LLAMA_TINY = "configs/llama_stdlib.py:tiny"
+LLAMA_LORA = "configs/llama_stdlib.py:lora"
+
+
+def generate(workdir, *flags):
+    return run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}", *flags],
+               merge_stderr=False)
+
+
+def test_tiny_llama_trains_exports_and_generates_on_both_engines(data_dir, tmp_path):
+    for engine in ("tf", "jax"):
+        workdir = tmp_path / engine
+        out = train(LLAMA_TINY, workdir, f"--config.data.data_dir={data_dir}",
+                    f"--config.engine={engine}").stdout
+        assert "model: keras_hub:LlamaCausalLM with 26,720 parameters, float32" in out, out[-2000:]
+        losses = [float(x) for x in re.findall(r"step \d+/20 \| .*? loss (\S+)", out)]
+        assert len(losses) == 2 and losses[1] < losses[0] < 6, losses
+        assert re.search(r"done at step 20: val_bits_per_byte \d", out)
+        assert (workdir / "export" / "saved_model.pb").exists()
+        texts = [generate(workdir, "--prompt=def ", "--max_length=40", "--seed=3",
+                          "--top_k=20").stdout for _ in range(2)]
+        assert texts[0] == texts[1] and texts[0].startswith("def "), texts
+
+
+def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):
+    init, results = tmp_path / "init.npz", {}
+    for mesh in ("1x1", "4x2"):  # the first run saves the initial weights the second loads
+        out = run([sys.executable, "tests/mesh_probe.py", mesh, data_dir, str(init),
+                   "llama_stdlib:tiny"], timeout=500).stdout
+        line = next(line for line in out.splitlines() if line.startswith("PROBE "))
+        results[mesh] = json.loads(line[len("PROBE "):])
+    reference, result = results["1x1"], results["4x2"]
+    mesh = result["mesh"]
+    assert mesh == {"data": 4, "model": 2}
+    split = 0
+    for path, weight in result["weights"].items():
+        axes = [a if a and mesh[a] > 1 else None for a in result["expected"][path]]
+        assert weight["spec"] + [None] * (len(axes) - len(weight["spec"])) == axes, path
+        assert weight["shard_shape"] == [n // mesh[a] if a else n
+                                         for n, a in zip(weight["shape"], axes)], path
+        split += weight["shard_shape"] != weight["shape"]
+    # Both embeddings, the query/key/value/output kernels and the three MLP kernels.
+    assert split == 9, split
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        assert abs(got - want) <= 1e-4, (step, result["losses"], reference["losses"])
+
+
+LAYOUT = [sys.executable, "-m", "tpu_keras.layout", f"--config={LLAMA_TINY}",
+          "--config.mesh.data=2", "--config.mesh.model=2", "--config.layout.replicate_below=4096"]
+REVERSE_RULE = "((r'token_embedding/reverse_embeddings', (None, 'model')),)"
+
+
+def test_keras_hub_llama_map_is_refused_and_the_toolkit_rules_pass():
+    # keras-hub's own map leaves the untied output head out: one line, with the fix.
+    assert_one_line_error(run(LAYOUT + ["--config.model.layout_map=keras_hub"], check=False),
+                          "weight 'token_embedding/reverse_embeddings' [32, 256]",
+                          "covered by no layout rule", f"layout.extra_rules={REVERSE_RULE}")
+    # With that added, the next gap: heads over 'data' in Q/K/V, over 'model' in the output.
+    assert_one_line_error(run(LAYOUT + ["--config.model.layout_map=keras_hub",
+                                        f"--config.layout.extra_rules={REVERSE_RULE}"], check=False),
+                          "the attention heads are split two ways",
+                          "'transformer_layer_0/self_attention/query/kernel' dimension 1 over 'data'",
+                          "attention_output/kernel' dimension 0 over 'model'")
+    table = run(LAYOUT).stdout  # the toolkit's rules for the Llama family
+    assert re.search(r"^token_embedding/reverse_embeddings\s+32x256\s+P\(None, 'model'\)", table, re.M), table
+    assert re.search(r"^transformer_layer_0/self_attention/attention_output/kernel\s+2x16x32\s+"
+                     r"P\('model', None, None\)", table, re.M), table
+
+
+FAMILIES = '''
+from tpu_keras.config import defaults
+
+FAMILIES = {
+    "gemma": dict(name="keras_hub:GemmaCausalLM", vocabulary_size=256, num_layers=1,
+                  num_query_heads=4, num_key_value_heads=1, hidden_dim=64, intermediate_dim=128,
+                  head_dim=16),
+    "qwen3_moe": dict(name="keras_hub:Qwen3MoeCausalLM", vocabulary_size=256, num_layers=1,
+                      num_query_heads=4, num_key_value_heads=2, hidden_dim=64, intermediate_dim=128,
+                      moe_intermediate_dim=64, num_experts=4, top_k=2, head_dim=16),
+}
+
+
+def get_config(family):
+    config = defaults()
+    config.engine = "jax"
+    config.model = dict(FAMILIES[family], context_length=64)
+    config.mesh = dict(data=1, model=2)
+    config.layout.replicate_below = 4096
+    return config
+'''
+
+
+def test_keras_hub_maps_of_other_families_are_checked(tmp_path):
+    config = tmp_path / "families.py"
+    config.write_text(FAMILIES)
+
+    def layout(family, *flags):
+        return run([sys.executable, "-m", "tpu_keras.layout", f"--config={config}:{family}", *flags],
+                   check=False)
+    # Gemma splits key/value kernels by their KV heads: 1 in gemma_2b_en.
+    assert_one_line_error(layout("gemma"), "'decoder_block_0/attention/key/kernel' [1, 64, 16]: "
+                          "dimension 0 (1) does not divide by mesh axis 'model' (2)")
+    # Qwen3 MoE: the experts' weights have no /kernel suffix, so no rule of its map matches them.
+    assert_one_line_error(layout("qwen3_moe", f"--config.layout.extra_rules={REVERSE_RULE}"),
+                          "'transformer_layer_0/qwen3_sparse_moe_block/experts/"
+                          "expert_feedforward_gate_dense' [4, 64, 128]", "covered by no layout rule")
+
+
+def test_a_saved_preset_is_loaded_not_reinitialised_on_both_engines(tmp_path):
+    for engine in ("tf", "jax"):
+        out = run([sys.executable, "tests/hub_preset.py", engine, str(tmp_path / engine)]).stdout
+        losses = json.loads(next(l for l in out.splitlines() if l.startswith("PRESET "))[7:])
+        assert abs(losses["loaded"] - losses["saved"]) <= 1e-6, (engine, losses)
+        assert abs(losses["scratch"] - losses["saved"]) > 1e-4, (engine, losses)
+
+
+def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir, tmp_path):
+    args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
+    reference = train(LLAMA_LORA, tmp_path / "reference", *args).stdout
+    assert "wrote a freshly initialised LlamaBackbone" in reference
+    # LoRA rank 4 on the query and value kernels of one block:
+    # query A 32x2x4 + B 4x16, value A 32x2x4 + B 4x16.
+    assert "27,360 parameters, 640 of them trainable (2.3%)" in reference, reference[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+/40 \| .*? loss (\S+)", reference)]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+    # The optimizer holds two moments for the 640 LoRA values, and nothing for frozen weights.
+    import tensorflow as tf
+    latest = tf.train.latest_checkpoint(str(tmp_path / "reference" / "checkpoints"))
+    state = [np.prod(shape) for name, shape in tf.train.list_variables(latest)
+             if name.startswith("optimizer/_variables/") and shape]
+    assert sum(state) == 2 * 640, tf.train.list_variables(latest)
+
+    process = start([sys.executable, "-m", "tpu_keras.train", f"--config={LLAMA_LORA}",
+                     f"--workdir={tmp_path / 'killed'}", *args])
+    try:
+        read_until(process, r"saved checkpoint .*ckpt-20")
+    finally:
+        process.kill()
+        process.wait()
+    resumed = train(LLAMA_LORA, tmp_path / "killed", *args).stdout
+    assert re.search(r"resumed from .*ckpt-20 at step 20", resumed), resumed[-2000:]
+    fingerprint = re.compile(r"weights fingerprint: (\S+)")
+    assert fingerprint.search(resumed).group(1) == fingerprint.search(reference).group(1)
+
+
+def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(tiny_run, tmp_path):
+    workdir, _ = tiny_run
+    texts = [generate(workdir, "--prompt=import ", "--max_length=48", "--seed=7").stdout
+             for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0].startswith("import ") and len(texts[0]) > 10, texts
+    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate",
+                               f"--workdir={tmp_path / 'nowhere'}"], check=False),
+                          "holds no training run")
+    digits = tmp_path / "digits"
+    digits.mkdir()
+    config = json.loads((workdir / "config.json").read_text())
+    config["model"] = {"name": "mlp"}
+    (digits / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={digits}"],
+                              check=False), "trained 'mlp', which is not a language model")
+    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}",
+                               "--max_length=500"], check=False),
+                          "--max_length=500 must be", "context length, 64")
+
+
+def test_readme_lora_recipe_runs(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    code = textwrap.dedent(re.search(r"<!-- lora-recipe -->\n *```python\n(.*?) *```", readme,
+                                     re.S).group(1))
+    assert len([line for line in code.splitlines() if line.strip()]) <= 10
+    out = run([sys.executable, "-c", code.replace("/tmp/", f"{tmp_path}/")], cwd=tmp_path,
+              timeout=400).stdout
+    assert re.search(r"model: keras_hub:LlamaCausalLM with [\d,]+ parameters, 640 of them trainable", out), out[-2000:]
+    assert re.search(r"done at step 50: val_bits_per_byte \d", out), out[-2000:]
+
+
+def test_a_keras_hub_image_classifier_trains_under_two_replicas(data_dir, tmp_path):
+    out = train("configs/digits.py:resnet", tmp_path, f"--config.data.data_dir={data_dir}",
+                "--config.cluster.virtual_devices=2", "--config.train.steps=100",
+                "--config.train.eval_every=100", "--config.log.every_steps=50",
+                "--config.checkpoint.every_steps=100").stdout
+    assert "mirrored strategy: 2 replica(s)" in out, out[-2000:]
+    assert "model: keras_hub:ResNetImageClassifier with 154,058 parameters" in out, out[-2000:]
+    accuracy = float(re.search(r"done at step 100: val_accuracy (\S+)", out).group(1))
+    assert accuracy > 0.8, out[-2000:]

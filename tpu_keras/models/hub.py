@@ -1,0 +1,240 @@
+"""keras-hub tasks as toolkit models: `model.name = "keras_hub:LlamaCausalLM"`.
+
+The task's backbone comes from a preset (`model.preset`: a folder that
+`save_to_preset` wrote, or a handle such as `kaggle://...`, which needs the
+network) or, to train from scratch, from the backbone's constructor
+arguments given as `model.*` keys; with a preset those keys override its
+config (`dropout=0.1`). The task is then wrapped to read what the toolkit's
+pipelines give and to return float32 logits:
+
+- a causal LM (`...CausalLM`) takes token ids `(batch, model.context_length)`,
+  the contract of the `gpt` builder, so data, metrics and
+  `python -m tpu_keras.generate` work alike for both;
+- an image classifier (`...ImageClassifier`) takes images, with
+  `model.num_classes` outputs.
+
+The backbone is built in `train.precision`'s dtype policy, passed
+explicitly: `from_preset` replaces a preset's dtype with its `dtype`
+argument even when that is None.
+
+Layout: the toolkit's rules for the families it knows (`hub_layouts`),
+checked like any builder's; with `model.layout_map='keras_hub'`, the
+backbone's own `get_layout_map` instead, checked the same way (which is how
+its gaps show). `layout.extra_rules` adds to either.
+
+LoRA: `model.lora_rank=r` calls the backbone's `enable_lora(r)` once its
+weights are loaded, under the run's distribution: every other weight is
+frozen, and the optimizer holds state for the LoRA factors alone.
+"""
+
+import functools
+import inspect
+import json
+import os
+
+import keras
+
+from tpu_keras.errors import UserError, closest
+from tpu_keras.models import hub_layouts
+from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
+from tpu_keras.models.registry import Builder, register_family
+from tpu_keras.parallelism import rules_from_layout_map
+
+# model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
+_TOOLKIT_KEYS = {
+    "causal_lm": ("preset", "lora_rank", "layout_map", "context_length"),
+    "image_classifier": ("preset", "lora_rank", "layout_map", "num_classes"),
+}
+LAYOUT_MAPS = ("toolkit", "keras_hub")
+KERAS_HUB = "keras_hub:"  # the name prefix: model.name = "keras_hub:LlamaCausalLM"
+WORKDIR_PLACEHOLDER = "{workdir}"  # model.preset = "{workdir}/base_preset": see prepare_preset
+
+
+def builder(task_name: str, kwargs: dict) -> Builder:
+    """The toolkit `Builder` of keras-hub's task class `task_name` (say 'LlamaCausalLM')."""
+    keras_hub = import_keras_hub()
+    task_cls = _task_class(keras_hub, task_name)
+    kind = _kind(keras_hub, task_cls)
+    backbone_cls = task_cls.backbone_cls
+    own = set(inspect.signature(backbone_cls.__init__).parameters) - {"self", "kwargs", "dtype"}
+    arguments = _TOOLKIT_KEYS[kind] + tuple(sorted(own))
+    if kind == "causal_lm":
+        vocabulary = backbone_config(backbone_cls, kwargs).get("vocabulary_size")
+        metric, headline = ((bits_per_byte, "bits_per_byte") if vocabulary == 256
+                            else (bits_per_token_metric, "bits_per_token"))
+        return Builder(
+            make=functools.partial(_make, task_cls, kind),
+            loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=lambda: [metric()], headline=headline,
+            tokens_per_example=lambda kw: kw.get("context_length", 128),
+            layout=functools.partial(_layout, backbone_cls), ties=functools.partial(_ties, backbone_cls),
+            arguments=arguments)
+    return Builder(
+        make=functools.partial(_make, task_cls, kind),
+        loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=lambda: [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        headline="accuracy", layout=functools.partial(_layout, backbone_cls),
+        ties=functools.partial(_ties, backbone_cls), arguments=arguments)
+
+
+def import_keras_hub():
+    try:
+        import keras_hub
+    except ImportError:
+        raise UserError("keras-hub models need the 'hub' extra: pip install -e \".[hub]\"") from None
+    return keras_hub
+
+
+def backbone_config(backbone_cls, kwargs: dict) -> dict:
+    """The backbone's constructor arguments: a local preset's config with `kwargs` over it."""
+    own = {k: v for k, v in kwargs.items() if k not in _TOOLKIT_KEYS["causal_lm"] + ("num_classes",)}
+    preset = kwargs.get("preset", "")
+    if not preset or _is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
+        # A handle's config is known once it is downloaded, when the model is built; a
+        # preset the run writes (`prepare_preset`) is made from these arguments.
+        return own
+    config_file = os.path.join(preset, "config.json")
+    import tensorflow as tf  # tf.io.gfile: a preset folder may be on gs://
+    if not tf.io.gfile.exists(config_file):
+        raise UserError(f"model.preset={preset!r} has no config.json; point it at a folder that "
+                        "save_to_preset wrote, or at a keras-hub handle such as 'kaggle://...'")
+    with tf.io.gfile.GFile(config_file) as file:
+        saved = json.load(file)
+    if saved.get("class_name") and saved["class_name"] != backbone_cls.__name__:
+        raise UserError(f"model.preset={preset!r} holds a {saved['class_name']}, not the "
+                        f"{backbone_cls.__name__} that model.name needs; pick the matching task")
+    return {**saved.get("config", {}), **own}
+
+
+def _task_class(keras_hub, task_name):
+    tasks = {name: value for name, value in vars(keras_hub.models).items()
+             if isinstance(value, type) and issubclass(value, keras_hub.models.Task)
+             and getattr(value, "backbone_cls", None) is not None}
+    if task_name not in tasks:
+        raise UserError(f"model.name='{KERAS_HUB}{task_name}' is not a keras-hub task"
+                        f"{closest(task_name, tasks)}; use a class of keras_hub.models such as "
+                        f"'{KERAS_HUB}LlamaCausalLM'")
+    return tasks[task_name]
+
+
+def _kind(keras_hub, task_cls) -> str:
+    if issubclass(task_cls, keras_hub.models.CausalLM):
+        return "causal_lm"
+    if issubclass(task_cls, keras_hub.models.ImageClassifier):
+        return "image_classifier"
+    raise UserError(f"model.name='{KERAS_HUB}{task_cls.__name__}': the toolkit trains keras-hub "
+                    "causal LMs ('...CausalLM') and image classifiers ('...ImageClassifier'); "
+                    "build other tasks in your own code and give them tpu_keras.distributed_steps")
+
+
+def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_length=128,
+          num_classes=10, **backbone_kwargs):
+    """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits."""
+    del layout_map  # the rules' business
+    dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
+    backbone_cls = task_cls.backbone_cls
+    if preset:
+        try:
+            backbone = backbone_cls.from_preset(preset, dtype=dtype, **backbone_kwargs)
+        except (OSError, ValueError, ConnectionError) as error:
+            if not _is_handle(preset):
+                raise
+            raise UserError(f"model.preset={preset!r} could not be fetched ({_first_line(error)}); "
+                            "a handle needs the network: where there is one, save the preset "
+                            "with save_to_preset and set model.preset to that folder") from None
+    else:
+        backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
+    if lora_rank:
+        backbone.enable_lora(lora_rank)
+    name = task_cls.__name__.lower()
+    if kind == "causal_lm":
+        task = task_cls(backbone=backbone, preprocessor=None, compile=False)
+        tokens = keras.Input((context_length,), dtype="int32", name="tokens")
+        logits = task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+        return keras.Model(tokens, keras.ops.cast(logits, "float32"), name=name)
+    task = task_cls(backbone=backbone, num_classes=num_classes, preprocessor=None,
+                    compile=False)
+    images = keras.Input(backbone.input_shape[1:], name="images")
+    return keras.Model(images, keras.ops.cast(task(images), "float32"), name=name)
+
+
+def _layout(backbone_cls, kwargs):
+    config = backbone_config(backbone_cls, kwargs)
+    choice = kwargs.get("layout_map", "toolkit")
+    if choice not in LAYOUT_MAPS:
+        raise UserError(f"model.layout_map={choice!r} is not one of {LAYOUT_MAPS}"
+                        f"{closest(choice, LAYOUT_MAPS)}")
+    lora = bool(kwargs.get("lora_rank"))
+    if choice == "toolkit":
+        rules = hub_layouts.rules(backbone_cls, config, lora)
+        if rules is not None:
+            return rules
+    if "get_layout_map" not in dir(backbone_cls):
+        if choice == "keras_hub":
+            raise UserError(f"{backbone_cls.__name__} has no get_layout_map; drop "
+                            "model.layout_map='keras_hub', or give layout.rules")
+        return []  # replicated; on a mesh that splits weights, the Placer names what to cover
+    # Keras only needs axis names from this mesh: one stand-in device builds on any backend.
+    import numpy as np
+    mesh = keras.distribution.DeviceMesh((1, 1), ["data", "model"], np.array([["cpu:0"]]))
+    return rules_from_layout_map(backbone_cls.get_layout_map(
+        mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
+
+
+def _ties(backbone_cls, kwargs):
+    return hub_layouts.ties(backbone_cls)
+
+
+def _is_handle(preset: str) -> bool:
+    """A keras-hub handle (downloaded), as opposed to a folder (local or on gs://)."""
+    if preset.startswith(("kaggle://", "hf://", "modelscope://")):
+        return True
+    return "://" not in preset and "/" not in preset and not os.path.exists(preset)
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
+def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: float = 300) -> None:
+    """Expands `{workdir}` in `model.preset`; a preset there that does not exist yet is
+    first written from the `model.*` backbone arguments, freshly initialised (seeded).
+
+    That is the offline stand-in for a downloaded preset (configs/llama_stdlib.py:lora).
+    The chief writes it into a temporary folder and renames it when complete; the other
+    hosts wait for it, since each reads the same weights.
+    """
+    preset = model_config.get("preset", "")
+    if WORKDIR_PLACEHOLDER not in preset:
+        return
+    import tensorflow as tf
+    import time
+    path = preset.replace(WORKDIR_PLACEHOLDER, workdir)
+    model_config.preset = path
+    if tf.io.gfile.exists(os.path.join(path, "config.json")):
+        return
+    if is_chief:
+        keras_hub = import_keras_hub()
+        task_cls = _task_class(keras_hub, model_config.name[len(KERAS_HUB):])
+        kwargs = {k: v for k, v in model_config.items()
+                  if k not in ("name",) + _TOOLKIT_KEYS["causal_lm"] + ("num_classes",)}
+        backbone = task_cls.backbone_cls(dtype="float32", **kwargs)
+        partial = path + ".partial"
+        if tf.io.gfile.exists(partial):
+            tf.io.gfile.rmtree(partial)
+        backbone.save_to_preset(partial)
+        tf.io.gfile.rename(partial, path)
+        from absl import logging
+        logging.info("wrote a freshly initialised %s to %s as the preset to fine-tune",
+                     type(backbone).__name__, path)
+        return
+    deadline = time.monotonic() + wait_seconds
+    while not tf.io.gfile.exists(os.path.join(path, "config.json")):
+        if time.monotonic() > deadline:
+            raise UserError(f"the chief did not write the preset {path} within {wait_seconds:g} s; "
+                            "check its log")
+        time.sleep(1)
+
+
+register_family(KERAS_HUB, builder, example=f"{KERAS_HUB}LlamaCausalLM")
