@@ -13,16 +13,17 @@ variable's sharding and shard shape, and the bytes device 0 holds.
 """
 
 import json
-import os
 import sys
 
-meshes = [tuple(map(int, m.split("x"))) for m in sys.argv[1].split(",")]
+# DATAxMODEL, or DATAxFSDPxMODEL.
+meshes = [(lambda sizes: (sizes[0], 1, sizes[1]) if len(sizes) == 2 else tuple(sizes))(
+    list(map(int, m.split("x")))) for m in sys.argv[1].split(",")]
 data_dir, init_path = sys.argv[2], sys.argv[3]
 config_name, _, variant = sys.argv[4].rpartition(":")
 config_name, variant = config_name or "lm_stdlib", variant or None
 model_overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 steps = int(sys.argv[6]) if len(sys.argv) > 6 else 5
-devices = {d * m for d, m in meshes}
+devices = {d * f * m for d, f, m in meshes}
 assert len(devices) == 1, f"every mesh must use the same devices, not {sorted(devices)}"
 
 from tpu_keras.cluster import engine  # noqa: E402
@@ -31,11 +32,9 @@ engine.select("jax", virtual_devices=devices.pop())
 
 import jax  # noqa: E402
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
-import tpu_keras  # noqa: E402
-from tpu_keras import data, models  # noqa: E402
-from tpu_keras.training.run import build_model  # noqa: E402
+from probe_run import train_from_shared_init  # noqa: E402
+from tpu_keras import models  # noqa: E402
 
 sys.path.insert(0, "configs")
 config_module = __import__(config_name)  # noqa: E402
@@ -52,24 +51,13 @@ def described(variable):
             "bytes_device0": int(shard.data.nbytes)}
 
 
-def probe(data_axis, model_axis):
+def probe(data_axis, fsdp_axis, model_axis):
     keras.backend.clear_session()  # names as in a fresh process: 'adam_w', not 'adam_w_1'
     config = config_module.get_config(variant)
     config.data.data_dir = data_dir
     config.model.update(model_overrides)
-    config.train.steps_per_execution = 1
-    config.mesh.update(data=data_axis, model=model_axis)
-
-    cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
-    keras.utils.set_random_seed(0)
-    model = build_model(config, cluster)
-    if os.path.exists(init_path):
-        model.set_weights(list(np.load(init_path).values()))
-    else:
-        np.savez(init_path, *model.get_weights())
-
-    train_data, _ = data.build(config.data, cluster, config.train.batch_size, training=True)
-    history = model.fit(train_data, steps_per_epoch=1, epochs=steps, verbose=0)
+    config.mesh.update(data=data_axis, fsdp=fsdp_axis, model=model_axis)
+    model, history, cluster = train_from_shared_init(config, "jax", init_path, steps)
 
     placer = models.registry.placer(config.model, config.layout, cluster.mesh)
     expected = {p.path: list(p.axes) for p in placer.check(model.weights)}
@@ -86,5 +74,5 @@ def probe(data_axis, model_axis):
     }), flush=True)
 
 
-for data_axis, model_axis in meshes:
-    probe(data_axis, model_axis)
+for mesh in meshes:
+    probe(*mesh)

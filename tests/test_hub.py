@@ -44,7 +44,7 @@ def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_
         results[mesh] = json.loads(line[len("PROBE "):])
     reference, result = results["1x1"], results["4x2"]
     mesh = result["mesh"]
-    assert mesh == {"data": 4, "model": 2}
+    assert mesh == {"data": 4, "fsdp": 1, "model": 2}
     split = 0
     for path, weight in result["weights"].items():
         axes = [a if a and mesh[a] > 1 else None for a in result["expected"][path]]

@@ -8,11 +8,12 @@ from tpu_keras.errors import UserError
 
 
 @pytest.mark.parametrize("config, devices, expected", [
-    ({"data": -1, "model": 1}, 8, {"data": 8, "model": 1}),
-    ({"data": -1, "model": 2}, 8, {"data": 4, "model": 2}),
-    ({"data": 2, "model": -1}, 8, {"data": 2, "model": 4}),
-    ({"data": 4, "model": 2}, 8, {"data": 4, "model": 2}),
-    ({}, 1, {"data": 1, "model": 1}),
+    ({"data": -1, "model": 1}, 8, {"data": 8, "fsdp": 1, "model": 1}),
+    ({"data": -1, "model": 2}, 8, {"data": 4, "fsdp": 1, "model": 2}),
+    ({"data": 2, "model": -1}, 8, {"data": 2, "fsdp": 1, "model": 4}),
+    ({"data": 4, "model": 2}, 8, {"data": 4, "fsdp": 1, "model": 2}),
+    ({}, 1, {"data": 1, "fsdp": 1, "model": 1}),
+    ({"data": 2, "fsdp": -1, "model": 2}, 16, {"data": 2, "fsdp": 4, "model": 2}),
 ])
 def test_mesh_resolves_against_the_devices(config, devices, expected):
     assert mesh.resolve(config, devices) == expected
@@ -30,9 +31,12 @@ def test_mesh_that_cannot_be_built_says_why(config, devices, message):
 
 
 def test_tf_engine_accepts_only_a_data_axis():
-    assert mesh.resolve({"data": -1}, 4, "tf") == {"data": 4, "model": 1}
-    with pytest.raises(UserError, match="needs the jax engine"):
-        mesh.resolve({"data": -1, "model": 2}, 4, "tf")
+    assert mesh.resolve({"data": -1}, 4, "tf") == {"data": 4, "fsdp": 1, "model": 1}
+    for axis in ("model", "fsdp"):
+        with pytest.raises(UserError, match=f"mesh.{axis}=2 needs the jax engine"):
+            mesh.resolve({"data": -1, axis: 2}, 4, "tf")
+    with pytest.raises(UserError, match="mesh axis 'fdsp' is not one of"):
+        mesh.check({"fdsp": 2})
 
 
 def grid(data, model, first=0):

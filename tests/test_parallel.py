@@ -6,6 +6,7 @@ weights on the same batches and reports each variable's sharding.
 """
 
 import json
+import math
 import re
 import sys
 
@@ -16,13 +17,20 @@ from conftest import assert_one_line_error, run, train
 LM_TINY = "configs/lm_stdlib.py:tiny"
 
 
-# The gpt has 4 heads, so the widest model axis is 4 (2x4), not 8.
+# The gpt has 4 heads, so the widest model axis is 4 (2x4), not 8. Meshes are
+# (data, model), or (data, fsdp, model) for the fully-sharded ones.
 MESHES = [(8, 1), (2, 4), (4, 2)]
+FSDP_MESHES = [(1, 8, 1), (2, 2, 2), (2, 4, 1)]
+
+
+def _mesh_key(mesh) -> tuple[int, int, int]:
+    return (mesh[0], 1, mesh[1]) if len(mesh) == 2 else tuple(mesh)
 
 
 @pytest.fixture(scope="module")
 def probe(data_dir, tmp_path_factory):
-    """`probe(data, model)`: 5 steps of configs/lm_stdlib.py's gpt on that mesh (memoized).
+    """`probe(data, model)` or `probe(data, fsdp, model)`: 5 steps of configs/lm_stdlib.py's
+    gpt on that mesh (memoized).
 
     The first call runs on one device and saves the initial weights the
     others start from; the 8-device meshes then run in one process.
@@ -30,48 +38,81 @@ def probe(data_dir, tmp_path_factory):
     init, results = tmp_path_factory.mktemp("mesh") / "init.npz", {}
 
     def run_probe(*meshes):
-        out = run([sys.executable, "tests/mesh_probe.py", ",".join(f"{d}x{m}" for d, m in meshes),
+        out = run([sys.executable, "tests/mesh_probe.py",
+                   ",".join("x".join(map(str, _mesh_key(m))) for m in meshes),
                    data_dir, str(init), ""], timeout=500).stdout
         for line in out.splitlines():
             if line.startswith("PROBE "):
                 result = json.loads(line[len("PROBE "):])
-                results[result["mesh"]["data"], result["mesh"]["model"]] = result
+                results[tuple(result["mesh"][a] for a in ("data", "fsdp", "model"))] = result
 
-    def get(data_axis, model_axis):
-        if (data_axis, model_axis) not in results:
-            run_probe(*MESHES)
-        return results[data_axis, model_axis]
+    def get(*mesh):
+        if _mesh_key(mesh) not in results:
+            run_probe(*MESHES, *FSDP_MESHES)
+        return results[_mesh_key(mesh)]
     run_probe((1, 1))
     return get
+
+
+def _assert_laid_out_as_placed(result):
+    """Every weight's array is split as its placement says; returns how many are split."""
+    mesh, split = result["mesh"], 0
+    for path, weight in result["weights"].items():
+        # An axis of size 1 splits nothing: the same as None.
+        axes = [a if a and mesh[a] > 1 else None for a in result["expected"][path]]
+        spec = weight["spec"] + [None] * (len(axes) - len(weight["spec"]))
+        assert [a if a and mesh[a] > 1 else None for a in spec] == axes, path
+        assert weight["shard_shape"] == [n // mesh[a] if a else n for n, a in zip(weight["shape"], axes)], path
+        split += weight["shard_shape"] != weight["shape"]
+    return split
+
+
+def _assert_same_losses(result, reference):
+    assert len(result["losses"]) == len(reference["losses"]) == 5
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        assert abs(got - want) <= 1e-4, (step, result["losses"], reference["losses"])
 
 
 @pytest.mark.parametrize("data_axis,model_axis", MESHES,
                          ids=["data_8x1", "model_2x4", "hybrid_4x2"])
 def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis):
     reference, result = probe(1, 1), probe(data_axis, model_axis)
-    mesh = {"data": data_axis, "model": model_axis}
-    assert result["mesh"] == mesh
-
-    # Every weight is laid out as its rule says, and really split on the devices.
-    split = 0
-    for path, weight in result["weights"].items():
-        # An axis of size 1 splits nothing: the same as None.
-        axes = [a if a and mesh[a] > 1 else None for a in result["expected"][path]]
-        spec = weight["spec"] + [None] * (len(axes) - len(weight["spec"]))
-        assert spec == axes, path
-        assert weight["shard_shape"] == [n // mesh[a] if a else n for n, a in zip(weight["shape"], axes)], path
-        split += weight["shard_shape"] != weight["shape"]
+    assert result["mesh"] == {"data": data_axis, "fsdp": 1, "model": model_axis}
+    split = _assert_laid_out_as_placed(result)
     # 10 per block (QKV kernels and biases, attention-out, MLP up kernel and
     # bias, MLP down) + 2 embeddings + the head's kernel and bias.
     assert split == (0 if model_axis == 1 else 2 * 10 + 4), split
     # Optimizer state follows its variable.
     momentum = result["optimizer"]["adam_w/block0_mlp_up_kernel_momentum"]
     assert momentum["shard_shape"] == result["weights"]["block0_mlp_up/kernel"]["shard_shape"]
+    _assert_same_losses(result, reference)
 
-    # Same initial weights and batches: the same losses as on one device.
-    assert len(result["losses"]) == len(reference["losses"]) == 5
-    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
-        assert abs(got - want) <= 1e-4, (step, result["losses"], reference["losses"])
+
+@pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2", "fsdp_2x4x1"])
+def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, mesh):
+    reference, result = probe(1, 1), probe(*mesh)
+    assert result["mesh"] == dict(zip(("data", "fsdp", "model"), mesh))
+    _assert_laid_out_as_placed(result)
+    for path, weight in result["weights"].items():
+        if math.prod(weight["shape"]) >= 65_536:  # layout.replicate_below
+            assert "fsdp" in weight["spec"], (path, weight)
+            assert math.prod(weight["shard_shape"]) * mesh[1] * (
+                mesh[2] if "model" in weight["spec"] else 1) == math.prod(weight["shape"]), path
+    # Optimizer state follows its weight over fsdp too.
+    momentum = result["optimizer"]["adam_w/block0_mlp_up_kernel_momentum"]
+    assert momentum["spec"] == result["weights"]["block0_mlp_up/kernel"]["spec"]
+    assert momentum["shard_shape"] == result["weights"]["block0_mlp_up/kernel"]["shard_shape"]
+    _assert_same_losses(result, reference)
+
+    # Device 0 holds, to the byte, what the layout tool reports.
+    data, fsdp, model = mesh
+    report = json.loads(run([sys.executable, "-m", "tpu_keras.layout", "--config=configs/lm_stdlib.py",
+                             f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}",
+                             f"--config.mesh.model={model}", "--json"], merge_stderr=False).stdout)
+    assert report["totals"]["parameters"]["bytes_per_device"] == result["param_bytes_device0"]
+    assert report["totals"]["optimizer"]["bytes_per_device"] == result["optimizer_bytes_device0"]
+    notes = {w["path"]: w["note"] for w in report["weights"]}
+    assert notes["block0_mlp_up/kernel"].startswith("fsdp on dimension"), notes
 
 
 def test_layout_tool_bytes_match_sharded_variables(probe):
@@ -118,10 +159,11 @@ def test_two_hosts_train_a_hybrid_mesh(data_dir, tmp_path):
     assert len(prints) == 2 and prints["0"] == prints["1"], prints
 
 
-def test_tf_engine_refuses_a_model_axis(tmp_path):
-    result = train(LM_TINY, tmp_path, "--config.cluster.virtual_devices=2", "--config.mesh.model=2",
+@pytest.mark.parametrize("axis", ["model", "fsdp"])
+def test_tf_engine_refuses_a_model_axis(tmp_path, axis):
+    result = train(LM_TINY, tmp_path, "--config.cluster.virtual_devices=2", f"--config.mesh.{axis}=2",
                    check=False)
-    assert_one_line_error(result, "mesh.model=2 needs the jax engine", "--config.engine=jax")
+    assert_one_line_error(result, f"mesh.{axis}=2 needs the jax engine", "--config.engine=jax")
 
 
 def _jax(data_dir, tmp_path, *overrides):
@@ -152,3 +194,12 @@ def test_uncovered_large_weight_is_refused(data_dir, tmp_path):
     assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}",
                          "--config.layout.replicate_below=1024"),
                     "weight 'token_embedding/embeddings' [256, 32] (8,192 elements) is covered by no layout rule")
+
+
+def test_remat_keeps_the_losses_and_lowers_xla_temporary_bytes(data_dir):
+    out = run([sys.executable, "tests/remat_probe.py", data_dir], timeout=400).stdout
+    runs = {r["remat"]: r for r in (json.loads(line[len("REMAT "):]) for line in out.splitlines()
+                                    if line.startswith("REMAT "))}
+    for step, (a, b) in enumerate(zip(runs["none"]["losses"], runs["activations"]["losses"])):
+        assert abs(a - b) <= 1e-5, (step, runs)
+    assert runs["activations"]["temp_bytes"] < runs["none"]["temp_bytes"], runs

@@ -35,7 +35,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not():
     args = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
     first = plan(*args)
     assert first["fits"] and first["devices"] == 8 and first["hosts"] == 1
-    assert first["mesh"] == {"data": 8, "model": 1} and first["precision"] == "mixed_bfloat16"
+    assert first["mesh"] == {"data": 8, "fsdp": 1, "model": 1} and first["precision"] == "mixed_bfloat16"
     assert first["per_device"]["gradients"] == first["per_device"]["parameters"]  # all trainable
     largest = first["largest_global_batch"]
     assert largest % 8 == 0 and largest > first["global_batch"]
@@ -52,7 +52,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not():
 @pytest.mark.parametrize("args,fragments", [
     (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
     (["--tpu=v5p-64", "--config.train.batch_size=33"],
-     ["train.batch_size=33 does not divide over the 32 data replicas", "multiple of 32"]),
+     ["train.batch_size=33 does not divide over the 32 batch splits (data x fsdp)", "multiple of 32"]),
     (["--tpu=v4-8", "--config.mesh.model=2"], ["needs the jax engine"]),
     (["--tpu=v4-8", "--margin=1.5"], ["--margin=1.5"]),
 ], ids=["unknown-slice", "indivisible-batch", "tf-model-axis", "margin"])

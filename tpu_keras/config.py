@@ -17,6 +17,11 @@ from tpu_keras.errors import UserError, closest
 from tpu_keras.parallelism import mesh as mesh_lib
 
 NONFINITE_POLICIES = ("stop", "restore_and_skip")
+# keras.RematScope modes. 'activations': the outputs of activation functions (an
+# MLP's wide hidden layer, after GELU) are recomputed in the backward pass instead
+# of kept. Keras 3.15's 'full' mode fails on both engines for layers called with
+# keyword arguments (docs/design.md), so it is not offered.
+REMAT_MODES = ("none", "activations")
 # 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.defaults).
 PRECISIONS = ("auto", "float32", "mixed_bfloat16")
 
@@ -34,13 +39,16 @@ def defaults() -> ml_collections.ConfigDict:
     # Keras 3 on TensorFlow ('tf', tf.distribute) or on JAX ('jax', keras.distribution).
     config.engine = "tf"
 
-    # Devices as a (data, model) grid: data splits the batch, model splits the
-    # weights by the builder's layout rules (jax engine only). -1: the rest.
-    config.mesh = dict(data=-1, model=1)
+    # Devices as a (data, fsdp, model) grid. data and fsdp split the batch; fsdp also
+    # splits every weight of layout.replicate_below elements or more (fully-sharded
+    # data parallelism); model splits weights by the builder's layout rules. fsdp
+    # and model need the jax engine. -1: the devices the other axes leave.
+    config.mesh = dict(data=-1, fsdp=1, model=1)
 
     # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
     # extra_rules: added to the builder's rules (or to `rules`), in the same form.
-    # Weights this large (elements) must match a rule when the mesh splits weights.
+    # Weights this large (elements) must match a rule when mesh.model > 1, and are
+    # split over fsdp when mesh.fsdp > 1.
     config.layout = dict(rules=(), extra_rules=(), replicate_below=65_536)
 
     # Where to run. strategy: auto | tpu | multi_worker | mirrored | one_device.
@@ -77,6 +85,9 @@ def defaults() -> ml_collections.ConfigDict:
 
     config.train = dict(
         batch_size=64,        # global: split evenly over all replicas
+        # Micro-batches of batch_size whose mean gradient makes one update (a larger
+        # batch than memory holds). steps, the schedule, logs and checkpoints count updates.
+        grad_accum_steps=1,
         steps=1000,
         optimizer="adamw",    # any keras.optimizers name
         learning_rate=1e-3,   # peak, reached after warmup_steps
@@ -89,6 +100,7 @@ def defaults() -> ml_collections.ConfigDict:
         steps_per_execution=0,  # steps per host call; 0: auto (TPU: the log interval, else 10)
         jit_compile=False,    # XLA on the tf engine; the jax engine and TPUs always compile
         precision="auto",     # 'float32' | 'mixed_bfloat16'; auto: bf16 on TPU, else float32
+        remat="none",         # 'activations': recompute activation outputs in the backward pass
         # A NaN/Inf loss: 'stop' (keep the last good checkpoint), or 'restore_and_skip'
         # (reload it and leave out the batch that diverged, at most max_nonfinite_skips times).
         on_nonfinite="stop",
@@ -130,6 +142,9 @@ def check(config: ml_collections.ConfigDict) -> None:
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "
                         f"{', '.join(map(repr, PRECISIONS))}{closest(train.precision, PRECISIONS)}")
+    if train.remat not in REMAT_MODES:
+        raise UserError(f"train.remat={train.remat!r} is not one of "
+                        f"{', '.join(map(repr, REMAT_MODES))}{closest(train.remat, REMAT_MODES)}")
     if train.on_nonfinite not in NONFINITE_POLICIES:
         raise UserError(f"train.on_nonfinite={train.on_nonfinite!r} is not one of "
                         f"{NONFINITE_POLICIES}{closest(train.on_nonfinite, NONFINITE_POLICIES)}")
@@ -196,7 +211,7 @@ def a_type(kind: type) -> str:
 # (key, lowest, highest or None): counts, intervals and rates. Checked before the
 # interval checks in `check()`, which would divide by zero.
 _RANGES = (
-    ("train.batch_size", 1, None), ("train.steps", 1, None), ("train.learning_rate", 0, None),
+    ("train.batch_size", 1, None), ("train.grad_accum_steps", 1, None), ("train.steps", 1, None), ("train.learning_rate", 0, None),
     ("train.warmup_steps", 0, None), ("train.min_learning_rate_ratio", 0, 1),
     ("train.weight_decay", 0, None), ("train.clipnorm", 0, None), ("train.eval_every", 1, None),
     ("train.eval_steps", 0, None), ("train.steps_per_execution", 0, None),

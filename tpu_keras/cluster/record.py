@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
+from tpu_keras.parallelism import mesh as mesh_lib
+
 # cluster.strategy: 'auto', then the kinds it picks from, in order.
 STRATEGIES = ("auto", "tpu", "multi_worker", "mirrored", "one_device")
 KINDS = STRATEGIES[1:]
@@ -17,8 +19,8 @@ KINDS = STRATEGIES[1:]
 class Cluster:
     """What `connect` found: the strategy (or jax mesh) and the shape of the machine.
 
-    `num_replicas` is the number of data-parallel replicas - the `data` axis
-    of the mesh - that the global batch is split over.
+    `num_replicas` is the number of ways the global batch is split: the
+    mesh's `data` x `fsdp` axes (tf: the strategy's replicas).
     """
 
     strategy: Optional[Any]              # the tf.distribute.Strategy; None on the jax engine
@@ -29,7 +31,7 @@ class Cluster:
     device_kind: str
     topology: Optional[Any] = None
     engine: str = "tf"
-    mesh: Optional[dict] = None          # {'data': D, 'model': M}, resolved
+    mesh: Optional[dict] = None          # {'data': D, 'fsdp': F, 'model': M}, resolved
     device_mesh: Optional[Any] = None    # keras.distribution.DeviceMesh (jax)
     # Distinct input pipelines and the one this host runs: one per host,
     # unless a jax model axis spans hosts that then read the same rows.
@@ -38,7 +40,7 @@ class Cluster:
 
     def __post_init__(self):
         if self.mesh is None:
-            object.__setattr__(self, "mesh", {"data": self.num_replicas, "model": 1})
+            object.__setattr__(self, "mesh", {"data": self.num_replicas, "fsdp": 1, "model": 1})
         if not self.input_pipelines:
             object.__setattr__(self, "input_pipelines", self.num_hosts)
             object.__setattr__(self, "input_index", self.host_index)
@@ -69,7 +71,7 @@ class Cluster:
 
     def describe(self) -> str:
         if self.engine == "jax":
-            return (f"jax mesh data={self.mesh['data']} x model={self.mesh['model']} over "
+            return (f"jax mesh {mesh_lib.describe(self.mesh)} over "
                     f"{self.num_hosts} process(es), this is process {self.host_index}, "
                     f"devices: {self.device_kind}")
         return (f"{self.kind} strategy: {self.num_replicas} replica(s) on "

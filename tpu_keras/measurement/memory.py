@@ -73,3 +73,12 @@ def measured_activation_bytes(model, loss, batch: int) -> int:
         return compiled.memory_analysis().temp_size_in_bytes
 
     return temp_bytes(2 * batch) - temp_bytes(batch)
+
+
+def step_temp_bytes(model, loss, batch: int) -> int:
+    """XLA's temporary bytes for the compiled gradient of `batch` examples (what
+    rematerialisation lowers), on this machine's first device."""
+    grad = jax.jit(jax.grad(_loss_fn(model, loss)))
+    compiled = grad.lower(_abstract(model.trainable_variables), _abstract(model.non_trainable_variables),
+                          *abstract_inputs(model, batch)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes

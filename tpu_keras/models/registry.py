@@ -96,16 +96,24 @@ def _rules(builder, kwargs, layout_config):
     return rules + parallelism.rules_from_pairs(layout_config.get("extra_rules", ()))
 
 
-def build(model_config) -> keras.Model:
+def build(model_config, remat: str = "none") -> keras.Model:
     """Builds the model `model_config` names, under the current strategy scope or distribution.
 
-    It only builds: laying the weights out and checking the layout rules
-    against them is the caller's (see `tpu_keras.training.run.build_model`).
+    `remat` ('none' or 'activations') is the `keras.RematScope` mode its
+    layers are made in: Keras fixes a layer's rematerialisation when the layer
+    is created. It only builds: laying the weights out and checking the
+    layout rules against them is the caller's (`tpu_keras.training.run.build_model`).
     """
     builder, kwargs = get(model_config)
     try:
-        return builder.make(**kwargs)
+        with remat_scope(remat):
+            return builder.make(**kwargs)
     except (TypeError, ValueError) as error:  # a model.* value the builder cannot use
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise UserError(f"model {dict(model_config).get('name')!r} cannot be built "
                         f"from model={kwargs} ({reason}); check the model.* values") from None
+
+
+def remat_scope(remat: str):
+    """The `keras.RematScope` for `train.remat` ('none' is Keras's None)."""
+    return keras.RematScope(mode=None if remat == "none" else remat)

@@ -1,52 +1,59 @@
 """The jax engine's `keras.distribution`, built from a model's layout rules.
 
 Keras on JAX lays weights out through one process-wide
-`keras.distribution`. `set_layout` sets the one a placer's rules give:
-`DataParallel` when the mesh does not split weights, otherwise
-`ModelParallel` with the rules as its `LayoutMap`. Both check each weight
-against the rules as Keras creates it, before any memory is allocated for
-it, so a bad rule fails with one line instead of a JAX shape error or a
-silently replicated weight (Keras replicates a weight no `LayoutMap` key
-matches, without a word: docs/design.md). The tf engine has nothing to set:
-Keras 3's TensorFlow backend ignores layouts.
+`keras.distribution`. `set_layout` sets one whose every decision comes from
+a `Placer`: each weight gets the placement the rules (and, with `fsdp`
+above 1, fully-sharded data parallelism) give it, checked as Keras creates
+the weight and before any memory is allocated for it, so a bad rule fails
+with one line instead of a JAX shape error or a silently replicated weight
+(Keras replicates a weight no `LayoutMap` key matches, without a word:
+docs/design.md). The batch is split over `data` and `fsdp` together.
+
+Keras's distributions take one batch axis name, and its `TensorLayout`
+checks each dimension's entry as one axis name, while JAX's
+`PartitionSpec` takes a tuple of axes for one dimension. `_Layout` is a
+`TensorLayout` that allows such a tuple, so the batch dimension can span
+('data', 'fsdp') and Keras still hands JAX a plain `NamedSharding`. The tf
+engine has nothing to set: Keras 3's TensorFlow backend ignores layouts.
 """
 
 import keras
 
+from tpu_keras.parallelism.mesh import BATCH_AXES
 from tpu_keras.parallelism.rules import Placer, dtype_name
 
 
 def set_layout(cluster, placer: Placer) -> None:
-    """Sets the global Keras distribution: `cluster`'s jax mesh, `placer`'s layout rules."""
-    if cluster.mesh["model"] == 1:
-        data_mesh = keras.distribution.DeviceMesh(
-            (cluster.mesh["data"],), ["data"], cluster.device_mesh.devices.reshape(-1).tolist())
-        distribution = _CheckedDataParallel(placer, device_mesh=data_mesh, auto_shard_dataset=False)
-    else:
-        layout_map = keras.distribution.LayoutMap(cluster.device_mesh)
-        for rule in placer.rules:
-            layout_map[rule.pattern] = tuple(rule.axes)
-        distribution = _CheckedModelParallel(placer, layout_map=layout_map, batch_dim_name="data",
-                                             auto_shard_dataset=False)
+    """Sets the global Keras distribution: `cluster`'s jax mesh, `placer`'s placements."""
     # auto_shard_dataset=False: tpu_keras.data already gives each process its own rows.
-    keras.distribution.set_distribution(distribution)
+    keras.distribution.set_distribution(_PlacedDistribution(
+        placer, layout_map=keras.distribution.LayoutMap(cluster.device_mesh),
+        batch_dim_name=BATCH_AXES[0], auto_shard_dataset=False))
 
 
-class _Checked:
-    """Checks each new variable against the rules before Keras lays it out."""
+class _Layout(keras.distribution.TensorLayout):
+    """A `TensorLayout` whose entries may be tuples of mesh axes, as in a JAX `PartitionSpec`."""
+
+    def _validate_axes(self):
+        if self.device_mesh is None:
+            return
+        names = {name for entry in self.axes if entry is not None
+                 for name in (entry if isinstance(entry, tuple) else (entry,))}
+        unknown = names - set(self.device_mesh.axis_names)
+        if unknown:
+            raise ValueError(f"mesh axes {sorted(unknown)} are not among {self.device_mesh.axis_names}")
+
+
+class _PlacedDistribution(keras.distribution.ModelParallel):
+    """Weights where the `Placer` puts them; the batch over ('data', 'fsdp')."""
 
     def __init__(self, placer: Placer, **kwargs):
         super().__init__(**kwargs)
         self.placer = placer
 
     def get_variable_layout(self, variable):
-        self.placer.place(variable.path, variable.shape, dtype_name(variable.dtype))
-        return super().get_variable_layout(variable)
+        placement = self.placer.place(variable.path, variable.shape, dtype_name(variable.dtype))
+        return _Layout(placement.axes or (None,) * len(variable.shape), self.device_mesh)
 
-
-class _CheckedDataParallel(_Checked, keras.distribution.DataParallel):
-    pass
-
-
-class _CheckedModelParallel(_Checked, keras.distribution.ModelParallel):
-    pass
+    def get_data_layout(self, data_shape):
+        return _Layout((BATCH_AXES,) + (None,) * (len(data_shape) - 1), self.device_mesh)

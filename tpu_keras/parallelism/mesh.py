@@ -1,21 +1,31 @@
-"""The device mesh: `config.mesh = {'data': -1, 'model': M}` resolved against real devices.
+"""The device mesh: `config.mesh = {'data': -1, 'fsdp': F, 'model': M}` resolved against devices.
 
-Two named axes cover data, model and hybrid parallelism: `data` splits the
-batch, `model` splits weights (see `parallelism.rules`). -1 means "all the
-devices the other axis leaves". On the tf engine the model axis must be 1:
-Keras 3's TensorFlow backend ignores layouts (keras-team/keras#18473).
+Three named axes. `data` and `fsdp` both split the batch; `fsdp` also
+splits every large weight (and its gradient and optimizer state), which
+each layer all-gathers when it runs (fully-sharded data parallelism);
+`model` splits weights by the builder's layout rules (tensor parallelism,
+see `parallelism.rules`). -1 means "all the devices the other axes leave".
+On the tf engine `fsdp` and `model` must be 1: Keras 3's TensorFlow backend
+ignores layouts (keras-team/keras#18473).
 """
 
 import math
 
 from tpu_keras.errors import UserError
 
-AXES = ("data", "model")
+AXES = ("data", "fsdp", "model")
+BATCH_AXES = ("data", "fsdp")  # the axes the batch is split over
+_DEFAULTS = {"data": -1, "fsdp": 1, "model": 1}
 
 
 def check(mesh_config) -> dict[str, int]:
     """The mesh's axis sizes, or a one-line error for sizes that no device count fits."""
-    mesh = {axis: int(dict(mesh_config or {}).get(axis, -1 if axis == "data" else 1)) for axis in AXES}
+    given = dict(mesh_config or {})
+    unknown = sorted(set(given) - set(AXES))
+    if unknown:
+        raise UserError(f"mesh axis {unknown[0]!r} is not one of {AXES}; the mesh is "
+                        "{'data': -1, 'fsdp': F, 'model': M}")
+    mesh = {axis: int(given.get(axis, _DEFAULTS[axis])) for axis in AXES}
     wildcards = [axis for axis, size in mesh.items() if size == -1]
     if len(wildcards) > 1 or any(size == 0 or size < -1 for size in mesh.values()):
         raise UserError(f"mesh={mesh} is not valid: give each axis a positive size, "
@@ -23,8 +33,13 @@ def check(mesh_config) -> dict[str, int]:
     return mesh
 
 
+def batch_splits(mesh: dict[str, int]) -> int:
+    """How many ways the batch is split: data x fsdp."""
+    return math.prod(mesh.get(axis, 1) for axis in BATCH_AXES)
+
+
 def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int]:
-    """Returns `{'data': D, 'model': M}` with D x M == num_devices, or a one-line error."""
+    """Returns `{'data': D, 'fsdp': F, 'model': M}` with D x F x M == num_devices, or a one-line error."""
     mesh = check(mesh_config)
     wildcards = [axis for axis, size in mesh.items() if size == -1]
     fixed = math.prod(size for size in mesh.values() if size != -1)
@@ -36,17 +51,24 @@ def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int
     elif fixed != num_devices:
         raise UserError(f"mesh={mesh} needs {fixed} devices but there are {num_devices}; "
                         "set mesh.data=-1 to use them all")
-    if engine == "tf" and mesh["model"] > 1:
-        raise UserError(f"mesh.model={mesh['model']} needs the jax engine (--config.engine=jax): "
-                        "Keras 3's TensorFlow backend ignores layouts (keras-team/keras#18473)")
+    for axis in ("model", "fsdp"):
+        if engine == "tf" and mesh[axis] > 1:
+            raise UserError(f"mesh.{axis}={mesh[axis]} needs the jax engine (--config.engine=jax): "
+                            "Keras 3's TensorFlow backend ignores layouts (keras-team/keras#18473)")
     return mesh
+
+
+def describe(mesh: dict[str, int]) -> str:
+    """'data=4 x model=2', with fsdp named only when it splits something."""
+    return " x ".join(f"{axis}={mesh[axis]}" for axis in AXES if axis != "fsdp" or mesh[axis] > 1)
 
 
 def input_pipelines(device_grid, local_devices) -> tuple[int, int]:
     """How many distinct input pipelines feed the mesh, and which one this process runs.
 
-    `device_grid` is the (data, model) array of devices. A process feeds the
-    batch rows of the data indices its devices hold. When every process holds
+    `device_grid` is the (batch rows, model) array of devices: the mesh with
+    `data` and `fsdp` flattened into rows. A process feeds the batch rows its
+    devices hold. When every process holds
     its own block of rows (the usual case: the model axis stays within a
     host) there is one pipeline per process; processes that share rows (a
     model axis across hosts) share a pipeline and read the same examples.

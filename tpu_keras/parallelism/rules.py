@@ -11,11 +11,16 @@ Keras replicates a weight no rule matches, without a word (docs/design.md).
 - a rule matches no weight (a typo, or a renamed layer);
 - two rules match the same weight;
 - a sharded dimension does not divide by its mesh axis;
-- on a mesh that splits weights (model axis > 1), a weight of
+- on a mesh with a model axis above 1, a weight of
   `replicate_below` elements or more matches no rule (list it with
   `replicated(...)` if that is intended);
 - the dimensions a `Tie` names (attention heads in the query and the output
   kernels, say) are split over different axes.
+
+With `fsdp` above 1, every weight of `replicate_below` elements or more is
+also split over `fsdp`, after the rules: on its largest dimension that
+divides by it and that no rule split (`Placement.note` says which, or why
+none could be).
 
 A rule that is a weight's path itself wins over patterns, and two patterns
 matching one path are an error: Keras's `LayoutMap` looks paths up the same
@@ -63,6 +68,7 @@ class Placement:
     dtype: str
     axes: tuple[Optional[str], ...]
     rule: Optional[str]
+    note: str = ""  # what fsdp did with it, and why
 
     def shard_shape(self, mesh: dict[str, int]) -> tuple[int, ...]:
         return tuple(n // mesh[a] if a else n for n, a in zip(self.shape, self.axes))
@@ -91,8 +97,10 @@ class Placer:
                  replicate_below: int = REPLICATE_BELOW, ties: Sequence["Tie"] = ()):
         self.rules, self.mesh, self.replicate_below = list(rules), dict(mesh), replicate_below
         self.ties = list(ties)
-        # Only a mesh that splits weights makes an uncovered large weight a likely mistake.
-        self._splits_weights = any(size > 1 for axis, size in self.mesh.items() if axis != "data")
+        # Only a model axis makes an uncovered large weight a likely mistake (fsdp splits it).
+        self._splits_weights = any(size > 1 for axis, size in self.mesh.items()
+                                   if axis not in ("data", "fsdp"))
+        self._fsdp = self.mesh.get("fsdp", 1)
         self._used: set[str] = set()
         self._placed: dict[tuple[str, tuple[int, ...]], Placement] = {}
         for rule in self.rules:
@@ -104,13 +112,31 @@ class Placer:
     def place(self, path: str, shape: Sequence[int], dtype: str = "float32") -> Placement:
         shape = tuple(int(n) for n in shape)
         if (path, shape) not in self._placed:
-            self._placed[path, shape] = self._place(path, shape, dtype)
+            self._placed[path, shape] = self._with_fsdp(self._place(path, shape, dtype))
         return self._placed[path, shape]
+
+    def _with_fsdp(self, placement: Placement) -> Placement:
+        """Splits a large weight over `fsdp` too, on its largest dimension that divides by
+        it and that no rule split already (a rule may also name `fsdp` itself; an axis of
+        size 1 splits nothing)."""
+        if self._fsdp == 1 or "fsdp" in placement.axes or math.prod(placement.shape) < self.replicate_below:
+            return placement
+        axes = placement.axes or (None,) * len(placement.shape)
+        # A dimension on an axis of size 1 is not split: fsdp may take it.
+        free = [d for d, (n, a) in enumerate(zip(placement.shape, axes))
+                if (a is None or self.mesh.get(a, 1) == 1) and n % self._fsdp == 0]
+        if not free:
+            return dataclasses.replace(placement, note=(
+                f"whole over fsdp: no unsplit dimension of {list(placement.shape)} divides by "
+                f"fsdp={self._fsdp}"))
+        dim = max(free, key=lambda d: placement.shape[d])
+        return dataclasses.replace(placement, axes=axes[:dim] + ("fsdp",) + axes[dim + 1:],
+                                   note=f"fsdp on dimension {dim}")
 
     def _suggest(self, path: str, shape: tuple[int, ...]) -> str:
         """', such as layout.extra_rules=((r'PATH', (None, 'model')),)': the widest weight
         axis split over its largest dimension that divides by it."""
-        axes = [a for a in self.mesh if a != "data" and self.mesh[a] > 1]
+        axes = [a for a in self.mesh if a not in ("data", "fsdp") and self.mesh[a] > 1]
         axis = max(axes, key=lambda a: self.mesh[a])
         fits = [d for d, n in enumerate(shape) if n % self.mesh[axis] == 0]
         if not fits:
@@ -191,7 +217,8 @@ class Tie:
             for pattern, dim in self.members:
                 if re.fullmatch(pattern, placement.path) and dim < len(placement.axes):
                     axis = placement.axes[dim]
-                    axis = axis if axis and mesh.get(axis, 1) > 1 else None  # size 1 splits nothing
+                    # Size 1 splits nothing; fsdp weights are gathered whole before use.
+                    axis = axis if axis and axis != "fsdp" and mesh.get(axis, 1) > 1 else None
                     seen.setdefault(axis, (placement.path, dim))
         if len(seen) > 1:
             (axis_a, (path_a, dim_a)), (axis_b, (path_b, dim_b)) = list(seen.items())[:2]

@@ -54,9 +54,9 @@ def format_table(report: dict) -> str:
     widths = [max(len(r[i]) for r in rows + [("weight", "shape", "layout", "per device")]) for i in range(4)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
-    out = [f"{report['model']} on a data={mesh['data']} x model={mesh['model']} mesh "
-           f"({report['devices']} devices)", "", line(("weight", "shape", "layout", "per device"))]
-    out += [line(r) for r in rows]
+    out = [f"{report['model']} on a {mesh_lib.describe(mesh)} mesh ({report['devices']} devices)",
+           "", line(("weight", "shape", "layout", "per device"))]
+    out += [line(r) + (f"  {w['note']}" if w.get("note") else "") for r, w in zip(rows, report["weights"])]
     out.append("")
     for name, label in (("parameters", "parameters"), ("optimizer", "optimizer state")):
         t = report["totals"][name]
@@ -77,13 +77,14 @@ def _follow(variable, by_path) -> Placement:
     if owners:
         owner = by_path[max(owners, key=len)]
         if owner.shape == shape:
-            return Placement(variable.path, shape, dtype_name(variable.dtype), owner.axes, owner.rule)
+            return Placement(variable.path, shape, dtype_name(variable.dtype), owner.axes, owner.rule,
+                             owner.note)
     return Placement(variable.path, shape, dtype_name(variable.dtype), (None,) * len(shape), None)
 
 
 def _row(p: Placement, mesh) -> dict:
     return {"path": p.path, "shape": list(p.shape), "dtype": p.dtype, "layout": p.spec,
-            "rule": p.rule, "shard_shape": list(p.shard_shape(mesh)),
+            "rule": p.rule, "note": p.note, "shard_shape": list(p.shard_shape(mesh)),
             "bytes_per_device": p.bytes_per_device(mesh)}
 
 

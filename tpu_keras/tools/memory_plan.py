@@ -28,10 +28,11 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
         raise UserError(f"--margin={margin} must be at least 0 and below 1, e.g. 0.1 for 10%")
     mesh = mesh_lib.resolve(config.mesh, found.devices, config.engine)
     global_batch = config.train.batch_size
-    if global_batch % mesh["data"]:
-        raise UserError(f"train.batch_size={global_batch} does not divide over the {mesh['data']} "
-                        f"data replicas of {found.name}; use a multiple of {mesh['data']}")
-    per_replica = global_batch // mesh["data"]
+    splits = mesh_lib.batch_splits(mesh)
+    if global_batch % splits:
+        raise UserError(f"train.batch_size={global_batch} does not divide over the {splits} "
+                        f"batch splits (data x fsdp) of {found.name}; use a multiple of {splits}")
+    per_replica = global_batch // splits
 
     engine.select("jax")  # the allocation-free build, whatever engine trains
     import keras
@@ -42,7 +43,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
     keras.config.set_dtype_policy(precision)
     layout = layout_report.describe(config, found.devices)
     builder, kwargs = models.registry.get(config.model)
-    with keras.StatelessScope(initialize_variables=False):
+    with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(config.train.remat):
         model = builder.make(**kwargs)
         activations = memory.activation_bytes(model, builder.loss(), per_replica)
         # Linear in the batch, plus what does not grow with it (masks, positions).
@@ -61,12 +62,12 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
              + constant)
     per_device["total"] = round(fixed + per_example * per_replica)
     usable = int(found.hbm_bytes_per_device * (1 - margin))
-    largest = int((usable - fixed) // per_example) * mesh["data"] if usable > fixed else 0
+    largest = int((usable - fixed) // per_example) * splits if usable > fixed else 0
     result = {
         "model": config.model.name, "slice": found.name, "generation": found.generation.name,
         "hosts": found.hosts, "devices": found.devices, "mesh": mesh,
         "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
-        "usable_bytes_per_device": usable, "precision": precision,
+        "usable_bytes_per_device": usable, "precision": precision, "remat": config.train.remat,
         "global_batch": global_batch, "per_replica_batch": per_replica,
         "per_device": per_device,
         "activations_upper_bound": mesh["model"] > 1,
@@ -84,12 +85,14 @@ def format_plan(p: dict) -> str:
     mesh, d = p["mesh"], p["per_device"]
     note = {"parameters": "exact (the layout tool's arithmetic)", "optimizer": "exact",
             "gradients": "exact",
-            "activations": "estimate: what the backward pass keeps, no rematerialisation"
+            "activations": "estimate: what the backward pass keeps"
+                           + (f", remat {p['remat']}" if p.get("remat", "none") != "none"
+                              else ", no rematerialisation")
                            + (" (upper bound: counted whole on each model-axis device)"
                               if p["activations_upper_bound"] else "")}
     lines = [f"{p['model']} on {p['slice']}: {p['devices']} devices on {p['hosts']} host(s), "
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
-             f"mesh data={mesh['data']} x model={mesh['model']}, global batch "
+             f"mesh {mesh_lib.describe(mesh)}, global batch "
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}", "",
              "per device"]
     labels = {"parameters": "parameters", "optimizer": "optimizer state",
@@ -113,7 +116,7 @@ def format_plan(p: dict) -> str:
                      "weights over mesh.model (jax engine) or use a larger slice")
     if p["largest_global_batch"]:
         lines.append(f"largest global batch that fits: {p['largest_global_batch']:,} "
-                     f"({p['largest_global_batch'] // mesh['data']:,} per replica)")
+                     f"({p['largest_global_batch'] // mesh_lib.batch_splits(mesh):,} per replica)")
     else:
         lines.append("largest global batch that fits: none (the weights, optimizer state and "
                      "gradients alone fill HBM)")

@@ -8,16 +8,18 @@ global gradient norm and apply no update from a non-finite step.
 """
 
 
-def distributed_steps(model):
+def distributed_steps(model, grad_accum_steps: int = 1):
     """Gives `model` step functions that work under any strategy (tf) or mesh (jax); returns it.
 
     Call it once, on a model built inside `cluster.scope()`, before `fit`.
-    (Keras is imported here, not above: a run selects its engine first.)
+    With `grad_accum_steps` k, each batch `fit` gives is k micro-batches whose
+    mean gradient makes one update. (Keras is imported here, not above: a run
+    selects its engine first.)
     """
     import keras
     if keras.backend.backend() == "jax":
         from tpu_keras.training import jax_steps
-        return jax_steps.install(model)
+        return jax_steps.install(model, grad_accum_steps)
     from tpu_keras.training import tf_steps
-    return tf_steps.install(model)
+    return tf_steps.install(model, grad_accum_steps)
 

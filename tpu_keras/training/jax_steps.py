@@ -9,6 +9,11 @@ weights and optimizer state are dropped for the old ones (`jnp.where`, as
 optax's `apply_if_finite` does): the step count does not advance either,
 which is how the host sees, after a host call of several steps, that one of
 them was skipped (see `nonfinite`).
+
+With `grad_accum_steps` k above 1 the batch holds k micro-batches; a
+`lax.scan` runs them one after another (so only one micro-batch's
+activations are alive at a time) and the update applies their mean
+gradient: one step, one update, whatever k is.
 """
 
 import types
@@ -20,19 +25,43 @@ import keras
 from tpu_keras.training.nonfinite import GRAD_NORM
 
 
-def install(model: keras.Model) -> keras.Model:
-    """Gives `model` the guarded train step; returns it."""
-    model.train_step = types.MethodType(guarded_train_step, model)
+def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
+    """Gives `model` the guarded train step (averaging `grad_accum_steps` micro-batches
+    per update); returns it."""
+    def train_step(self, state, data):
+        return guarded_train_step(self, state, data, grad_accum_steps)
+    model.train_step = types.MethodType(train_step, model)
     return model
 
 
-def guarded_train_step(self, state, data):
+def guarded_train_step(self, state, data, grad_accum_steps=1):
     trainable, non_trainable, optimizer_state, metrics = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    (loss, (unscaled_loss, y_pred, non_trainable, metrics)), gradients = jax.value_and_grad(
-        self.compute_loss_and_updates, has_aux=True)(
-        trainable, non_trainable, metrics, x, y, sample_weight, training=True,
-        optimizer_variables=optimizer_state)
+    if grad_accum_steps == 1:
+        (_, (unscaled_loss, y_pred, non_trainable, metrics)), gradients = jax.value_and_grad(
+            self.compute_loss_and_updates, has_aux=True)(
+            trainable, non_trainable, metrics, x, y, sample_weight, training=True,
+            optimizer_variables=optimizer_state)
+    else:
+        x, y, sample_weight = (split_micro_batches(t, grad_accum_steps) for t in (x, y, sample_weight))
+
+        def micro_step(carry, batch):
+            gradient_sum, loss_sum, non_trainable = carry
+            (_, (loss, y_pred, non_trainable, _)), gradients = jax.value_and_grad(
+                self.compute_loss_and_updates, has_aux=True)(
+                trainable, non_trainable, metrics, *batch, training=True,
+                optimizer_variables=optimizer_state)
+            return (jax.tree.map(jnp.add, gradient_sum, gradients), loss_sum + loss,
+                    non_trainable), y_pred
+
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        (gradients, unscaled_loss, non_trainable), y_pred = jax.lax.scan(
+            micro_step, (zeros, jnp.zeros((), "float32"), non_trainable), (x, y, sample_weight))
+        gradients = jax.tree.map(lambda g: g / grad_accum_steps, gradients)
+        unscaled_loss = unscaled_loss / grad_accum_steps
+        # Metrics see the whole batch, micro-batch after micro-batch.
+        x, y, sample_weight, y_pred = (jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), t)
+                                       for t in (x, y, sample_weight, y_pred))
     grad_norm = global_norm(gradients)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(unscaled_loss)
     new_trainable, new_optimizer_state = self.optimizer.stateless_apply(
@@ -48,3 +77,14 @@ def guarded_train_step(self, state, data):
 def global_norm(arrays) -> jax.Array:
     """The L2 norm of all `arrays` together, summed in float32."""
     return jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(arrays)))
+
+
+def split_micro_batches(tree, k: int):
+    """(k * b, ...) arrays -> (k, b, ...): micro-batch i holds rows i, i + k, i + 2k, ...
+
+    Interleaved, so that each device's rows of the sharded batch hold an equal
+    share of every micro-batch and the micro-steps stay evenly split.
+    """
+    def split(a):
+        return jnp.swapaxes(a.reshape((a.shape[0] // k, k) + a.shape[1:]), 0, 1)
+    return jax.tree.map(split, tree)

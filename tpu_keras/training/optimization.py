@@ -13,7 +13,7 @@ from tpu_keras.training import defaults, distributed_steps
 def compile_model(model, builder, train_cfg, cluster):
     """Compiles `model` as a run does: the configured optimizer (its variables built, so
     a checkpoint can fill them), the builder's loss and metrics, and the toolkit's steps."""
-    distributed_steps(model)
+    distributed_steps(model, train_cfg.get("grad_accum_steps", 1))
     with cluster.scope():
         model.compile(optimizer=make_optimizer(train_cfg), loss=builder.loss(),
                       # Weighted, so padded eval rows (weight 0) do not count.

@@ -67,9 +67,12 @@ def train(config, workdir: str, started: float | None = None):
         hub.prepare_preset(config.model, workdir, cluster.is_chief)
     with run_timings.phase("model"):
         model = build_model(config, cluster)
-    logging.info("model: %s with %s parameters%s, %s, %d steps per host call%s", config.model.name,
+    logging.info("model: %s with %s parameters%s, %s, %d steps per host call%s%s", config.model.name,
                  f"{model.count_params():,}", _trainable_share(model), train_cfg.precision,
-                 train_cfg.steps_per_execution, ", XLA" if model.jit_compile else "")
+                 train_cfg.steps_per_execution, ", XLA" if model.jit_compile else "",
+                 (f", remat {train_cfg.remat}" if train_cfg.remat != "none" else "")
+                 + (f", {train_cfg.grad_accum_steps} micro-batches of {train_cfg.batch_size} per update"
+                    if train_cfg.grad_accum_steps > 1 else ""))
 
     # ----- checkpoints ---------------------------------------------------------
     saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
@@ -78,10 +81,12 @@ def train(config, workdir: str, started: float | None = None):
     skipped = nonfinite.load_skipped(saver.shared_dir)
 
     # ----- data ----------------------------------------------------------------
+    # Each step reads the examples of one update: grad_accum_steps micro-batches.
+    update_batch = train_cfg.batch_size * train_cfg.grad_accum_steps
     @functools.partial(run_timings.timed, "data")
     def train_data(start_step):
         """The training batches from `start_step` on: a pure function of the step."""
-        return data.build(config.data, cluster, train_cfg.batch_size, training=True,
+        return data.build(config.data, cluster, update_batch, training=True,
                           seed=config.seed, start_step=start_step, skip=skipped,
                           example_log=os.path.join(workdir, "example_ids", "host")
                           if config.data.log_example_ids else "")[0]
@@ -95,7 +100,7 @@ def train(config, workdir: str, started: float | None = None):
     peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
                     tf.errors.DeadlineExceededError, tf.errors.CancelledError)
     logger = callbacks.IntervalLogger(
-        total_steps=train_cfg.steps, global_batch=train_cfg.batch_size,
+        total_steps=train_cfg.steps, global_batch=update_batch,
         tokens_per_example=builder.tokens_per_example(model_kwargs),
         flops_per_example=flops.training_flops_per_example(model),
         peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
@@ -158,7 +163,7 @@ def build_model(config, cluster):
         from tpu_keras.parallelism import distribution
         distribution.set_layout(cluster, placer)
     with cluster.scope():
-        model = models.build(config.model)
+        model = models.build(config.model, remat=config.train.remat)
     placer.check(model.weights)
     optimization.compile_model(model, builder, config.train, cluster)
     return model

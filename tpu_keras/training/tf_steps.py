@@ -36,14 +36,16 @@ from tpu_keras.training.nonfinite import GRAD_NORM
 _HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build")
 
 
-def install(model: keras.Model) -> keras.Model:
+def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
     """Gives `model` step functions that work under any strategy; returns it.
 
     Call it once, on a model built inside `strategy.scope()`, before `fit`.
-    Compiling again keeps them.
+    Compiling again keeps them. Each update averages `grad_accum_steps`
+    micro-batches of the batch it is given.
     """
     for hook in _HOOKS:
         setattr(model, hook, types.MethodType(globals()[hook], model))
+    model._tpu_keras_grad_accum_steps = grad_accum_steps
     return model
 
 
@@ -57,7 +59,8 @@ def make_train_function(self, force=False):
             # steps in Keras's own step: keep it.
             step, first_outputs = self.train_step, self.get_metrics_result
         else:
-            step = guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole)
+            step = guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole,
+                                      grad_accum_steps=self._tpu_keras_grad_accum_steps)
             first_outputs = lambda: {**self.get_metrics_result(), GRAD_NORM: tf.constant(0.0)}
         self.train_function = _host_loop(self, step, first_outputs, jit_whole_step=whole,
                                          stop_on_nonfinite=True)
@@ -133,7 +136,7 @@ def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonf
     return steps if model.run_eagerly else tf.function(steps, reduce_retracing=True)
 
 
-def guarded_train_step(model, jit_forward_backward=False):
+def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
     """The train step under every strategy: XLA on each replica, and no update from a
     non-finite gradient.
 
@@ -151,6 +154,10 @@ def guarded_train_step(model, jit_forward_backward=False):
     as they were). A loss alone can miss a divergence: a fused
     `relu(matmul(x, w) + b)` on CPU turns a NaN row of `x` into zeros, so the
     loss stays finite while the gradient of `w` is NaN.
+
+    With `grad_accum_steps` k above 1, each replica's batch holds k
+    micro-batches (rows i, i + k, ...: the split the jax engine makes); their
+    gradients are averaged before the one update.
     """
     def loss_and_gradients(trainable, non_trainable, metrics, x, y, sample_weight):
         with tf.GradientTape() as tape:
@@ -172,12 +179,38 @@ def guarded_train_step(model, jit_forward_backward=False):
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         values = lambda variables: [v.value for v in variables]
-        loss, gradients, y_pred, non_trainable, metrics = loss_and_gradients(
-            values(model.trainable_variables), values(model.non_trainable_variables),
-            values(model.metrics_variables), x, y, sample_weight)
+        trainable, non_trainable = values(model.trainable_variables), values(model.non_trainable_variables)
+        metrics = values(model.metrics_variables)
+        if grad_accum_steps == 1:
+            loss, gradients, y_pred, non_trainable, metrics = loss_and_gradients(
+                trainable, non_trainable, metrics, x, y, sample_weight)
+        else:
+            k = grad_accum_steps
+            micro = lambda tree, i: tf.nest.map_structure(lambda t: None if t is None else t[i::k], tree)
+            losses, gradient_sums, y_preds = [], None, []
+            for i in range(k):  # traced one after another
+                loss, gradients, y_pred, non_trainable, _ = loss_and_gradients(
+                    trainable, non_trainable, metrics, *micro((x, y, sample_weight), i))
+                losses.append(loss)
+                y_preds.append(y_pred)
+                gradient_sums = gradients if gradient_sums is None else [
+                    None if a is None else tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+                    for a, b in zip(gradient_sums, gradients)]
+            loss = tf.add_n(losses) / k
+            gradients = [None if g is None else g / k for g in gradient_sums]
+            # Metrics see the whole batch, micro-batch after micro-batch.
+            x, y, sample_weight = (tf.nest.map_structure(
+                lambda *parts: tf.concat(parts, axis=0), *[micro(t, i) for i in range(k)])
+                if t is not None else None for t in (x, y, sample_weight))
+            y_pred = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *y_preds)
         for variable, value in zip(model.non_trainable_variables + model.metrics_variables,
                                    non_trainable + metrics):
             variable.assign(value)
+        # Dense, as on jax: an embedding's gradient comes as IndexedSlices with a row per
+        # occurrence of a token, whose global norm is not the gradient's, and which
+        # Keras's TensorFlow Adam applies as a sparse ("lazy") update.
+        gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in gradients]
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables) if g is not None]
         # compute_loss divided the loss by the replicas, so the sums are global means.
         replica = tf.distribute.get_replica_context()

@@ -1,0 +1,45 @@
+"""Trains configs/lm_stdlib.py's gpt 5 steps with and without rematerialisation (jax, one device).
+
+    python tests/remat_probe.py DATA_DIR
+
+Both start from the same initial weights and read the same batches. Prints
+one JSON line per setting: its losses, and XLA's temporary bytes for the
+compiled gradient of one batch.
+"""
+
+import json
+import sys
+
+from tpu_keras.cluster import engine
+
+engine.select("jax")
+
+import keras  # noqa: E402
+
+import tpu_keras  # noqa: E402
+from tpu_keras import data  # noqa: E402
+from tpu_keras.measurement import memory  # noqa: E402
+from tpu_keras.models import registry  # noqa: E402
+from tpu_keras.training.run import build_model  # noqa: E402
+
+sys.path.insert(0, "configs")
+import lm_stdlib  # noqa: E402
+
+weights = None
+for remat in ("none", "activations"):
+    keras.backend.clear_session()
+    config = lm_stdlib.get_config()
+    config.data.data_dir = sys.argv[1]
+    config.train.update(steps_per_execution=1, remat=remat)
+    cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
+    keras.utils.set_random_seed(0)
+    model = build_model(config, cluster)
+    if weights is None:
+        weights = model.get_weights()
+    model.set_weights(weights)
+    builder, _ = registry.get(config.model)
+    temp = memory.step_temp_bytes(model, builder.loss(), config.train.batch_size)
+    train_data, _ = data.build(config.data, cluster, config.train.batch_size, training=True)
+    history = model.fit(train_data, steps_per_epoch=1, epochs=5, verbose=0)
+    print("REMAT " + json.dumps({"remat": remat, "losses": history.history["loss"],
+                                 "temp_bytes": int(temp)}), flush=True)

@@ -1,0 +1,37 @@
+"""Gradient accumulation: k micro-batches make one update equal to one update on their union,
+on both engines, and a run with accumulation resumes exactly after a kill."""
+
+import json
+import re
+import signal
+import sys
+
+import pytest
+
+from conftest import run
+from resume import read_until, start, train_args
+
+
+@pytest.mark.parametrize("engine,replicas", [("tf", 0), ("tf", 2), ("jax", 0)],
+                         ids=["tf", "tf_mirrored_x2", "jax"])
+def test_four_micro_batches_make_the_update_of_their_union(data_dir, engine, replicas):
+    out = run([sys.executable, "tests/accum_probe.py", engine, data_dir, str(replicas)]).stdout
+    result = json.loads(next(l for l in out.splitlines() if l.startswith("ACCUM "))[6:])
+    assert result["moved"] > 1e-3, result  # the update is real
+    assert result["between"] <= 1e-5, result
+
+
+def test_a_run_with_accumulation_killed_mid_run_resumes_to_the_same_weights(data_dir, tmp_path):
+    extra = ("--config.train.grad_accum_steps=2", "--config.train.batch_size=32")
+    reference = run(train_args(tmp_path / "reference", data_dir, *extra), timeout=300).stdout
+    assert "2 micro-batches of 32 per update" in reference, reference[-2000:]
+    process = start(train_args(tmp_path / "killed", data_dir, *extra))
+    try:
+        read_until(process, r"saved checkpoint .*ckpt-20")
+        process.send_signal(signal.SIGKILL)  # a PID this test started
+    finally:
+        process.wait()
+    resumed = run(train_args(tmp_path / "killed", data_dir, *extra), timeout=300).stdout
+    assert re.search(r"resumed from .*ckpt-20 at step 20", resumed), resumed[-2000:]
+    fingerprint = re.compile(r"weights fingerprint: (\S+)")
+    assert fingerprint.search(resumed).group(1) == fingerprint.search(reference).group(1)
