@@ -290,7 +290,7 @@ def run_benchmark(name):
         with open(os.path.join(workdir, "timings.json")) as f:
             inside = json.load(f)
     seconds = dict(inside["seconds"], exit=max(0.0, wall - inside["wall_seconds"]))
-    examples = config.train.steps * config.train.batch_size
+    examples = config.train.steps * config.train.batch_size * config.train.grad_accum_steps
     return {"config": config_arg, "steps": config.train.steps, "wall_seconds": round(wall, 1),
             "seconds": {name: round(value, 2) for name, value in seconds.items()},
             "examples_per_second_in_steps": round(examples / seconds["steps"], 1),

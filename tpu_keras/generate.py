@@ -37,8 +37,7 @@ def main(argv):
     model, step = sampling.load(_WORKDIR.value, config)
     prompt = _PROMPT.value.encode("utf-8")
     text = sampling.sample(model, prompt, _MAX_LENGTH.value or model.input_shape[1],
-                           _TEMPERATURE.value, _TOP_K.value, _SEED.value,
-                           sampling.vocabulary_size(model))
+                           _TEMPERATURE.value, _TOP_K.value, _SEED.value)
     logging.info("sampled from step %d", step)
     print(text.decode("utf-8", errors="replace"))
     cli.exit_at_once(0)

@@ -65,14 +65,7 @@ def measured_activation_bytes(model, loss, batch: int) -> int:
     The difference leaves out what does not grow with the batch (gradients,
     workspace), so it measures the activations of `batch` examples.
     """
-    grad = jax.jit(jax.grad(_loss_fn(model, loss)))
-    weights, state = _abstract(model.trainable_variables), _abstract(model.non_trainable_variables)
-
-    def temp_bytes(examples):
-        compiled = grad.lower(weights, state, *abstract_inputs(model, examples)).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    return temp_bytes(2 * batch) - temp_bytes(batch)
+    return step_temp_bytes(model, loss, 2 * batch) - step_temp_bytes(model, loss, batch)
 
 
 def step_temp_bytes(model, loss, batch: int) -> int:

@@ -45,6 +45,7 @@ _TOOLKIT_KEYS = {
     "causal_lm": ("preset", "lora_rank", "layout_map", "context_length"),
     "image_classifier": ("preset", "lora_rank", "layout_map", "num_classes"),
 }
+_ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
 LAYOUT_MAPS = ("toolkit", "keras_hub")
 KERAS_HUB = "keras_hub:"  # the name prefix: model.name = "keras_hub:LlamaCausalLM"
 WORKDIR_PLACEHOLDER = "{workdir}"  # model.preset = "{workdir}/base_preset": see prepare_preset
@@ -62,19 +63,16 @@ def builder(task_name: str, kwargs: dict) -> Builder:
         vocabulary = backbone_config(backbone_cls, kwargs).get("vocabulary_size")
         metric, headline = ((bits_per_byte, "bits_per_byte") if vocabulary == 256
                             else (bits_per_token_metric, "bits_per_token"))
-        return Builder(
-            make=functools.partial(_make, task_cls, kind),
-            loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=lambda: [metric()], headline=headline,
-            tokens_per_example=lambda kw: kw.get("context_length", 128),
-            layout=functools.partial(_layout, backbone_cls), ties=functools.partial(_ties, backbone_cls),
-            arguments=arguments)
+        tokens_per_example = lambda kw: kw.get("context_length", 128)
+    else:
+        metric = lambda: keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+        headline, tokens_per_example = "accuracy", lambda kw: 0
     return Builder(
         make=functools.partial(_make, task_cls, kind),
         loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=lambda: [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        headline="accuracy", layout=functools.partial(_layout, backbone_cls),
-        ties=functools.partial(_ties, backbone_cls), arguments=arguments)
+        metrics=lambda: [metric()], headline=headline, tokens_per_example=tokens_per_example,
+        layout=functools.partial(_layout, backbone_cls),
+        ties=lambda kw: hub_layouts.ties(backbone_cls), arguments=arguments)
 
 
 def import_keras_hub():
@@ -87,23 +85,33 @@ def import_keras_hub():
 
 def backbone_config(backbone_cls, kwargs: dict) -> dict:
     """The backbone's constructor arguments: a local preset's config with `kwargs` over it."""
-    own = {k: v for k, v in kwargs.items() if k not in _TOOLKIT_KEYS["causal_lm"] + ("num_classes",)}
+    own = _backbone_kwargs(kwargs)
     preset = kwargs.get("preset", "")
     if not preset or _is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
         # A handle's config is known once it is downloaded, when the model is built; a
         # preset the run writes (`prepare_preset`) is made from these arguments.
         return own
+    saved = _saved_config(preset)
+    if saved.get("class_name") and saved["class_name"] != backbone_cls.__name__:
+        raise UserError(f"model.preset={preset!r} holds a {saved['class_name']}, not the "
+                        f"{backbone_cls.__name__} that model.name needs; pick the matching task")
+    return {**saved.get("config", {}), **own}
+
+
+def _backbone_kwargs(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in _ANY_TOOLKIT_KEY and k != "name"}
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_config(preset: str) -> dict:
+    """A preset folder's config.json, read once per process (the registry asks often)."""
     config_file = os.path.join(preset, "config.json")
     import tensorflow as tf  # tf.io.gfile: a preset folder may be on gs://
     if not tf.io.gfile.exists(config_file):
         raise UserError(f"model.preset={preset!r} has no config.json; point it at a folder that "
                         "save_to_preset wrote, or at a keras-hub handle such as 'kaggle://...'")
     with tf.io.gfile.GFile(config_file) as file:
-        saved = json.load(file)
-    if saved.get("class_name") and saved["class_name"] != backbone_cls.__name__:
-        raise UserError(f"model.preset={preset!r} holds a {saved['class_name']}, not the "
-                        f"{backbone_cls.__name__} that model.name needs; pick the matching task")
-    return {**saved.get("config", {}), **own}
+        return json.load(file)
 
 
 def _task_class(keras_hub, task_name):
@@ -181,10 +189,6 @@ def _layout(backbone_cls, kwargs):
         mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
 
 
-def _ties(backbone_cls, kwargs):
-    return hub_layouts.ties(backbone_cls)
-
-
 def _is_handle(preset: str) -> bool:
     """A keras-hub handle (downloaded), as opposed to a folder (local or on gs://)."""
     if preset.startswith(("kaggle://", "hf://", "modelscope://")):
@@ -200,6 +204,7 @@ def _first_line(error) -> str:
 def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: float = 300) -> None:
     """Expands `{workdir}` in `model.preset`; a preset there that does not exist yet is
     first written from the `model.*` backbone arguments, freshly initialised (seeded).
+    Any other model (no `{workdir}` preset) is left as it is.
 
     That is the offline stand-in for a downloaded preset (configs/llama_stdlib.py:lora).
     The chief writes it into a temporary folder and renames it when complete; the other
@@ -217,9 +222,7 @@ def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: flo
     if is_chief:
         keras_hub = import_keras_hub()
         task_cls = _task_class(keras_hub, model_config.name[len(KERAS_HUB):])
-        kwargs = {k: v for k, v in model_config.items()
-                  if k not in ("name",) + _TOOLKIT_KEYS["causal_lm"] + ("num_classes",)}
-        backbone = task_cls.backbone_cls(dtype="float32", **kwargs)
+        backbone = task_cls.backbone_cls(dtype="float32", **_backbone_kwargs(dict(model_config)))
         partial = path + ".partial"
         if tf.io.gfile.exists(partial):
             tf.io.gfile.rmtree(partial)

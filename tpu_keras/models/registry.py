@@ -75,12 +75,6 @@ def get(model_config) -> tuple[Builder, dict]:
     return builder, kwargs
 
 
-def layout_rules(model_config, layout_config=None) -> list[parallelism.Rule]:
-    """The builder's layout rules, or `layout.rules` from the config when it sets any,
-    followed by `layout.extra_rules`."""
-    return _rules(*get(model_config), layout_config)
-
-
 def placer(model_config, layout_config, mesh: dict) -> parallelism.Placer:
     """The `Placer` for this model on `mesh`: its rules, its ties, `layout.replicate_below`."""
     builder, kwargs = get(model_config)

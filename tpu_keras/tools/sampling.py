@@ -19,8 +19,9 @@ LM_HEADLINES = ("bits_per_byte", "bits_per_token")
 
 
 def read_run_config(workdir: str):
-    """The config a run in `workdir` wrote, or a one-line error."""
-    import ml_collections
+    """The config a run in `workdir` wrote (over today's defaults, for keys an older run
+    did not write), or a one-line error."""
+    from tpu_keras import config as config_lib
     path = os.path.join(workdir, "config.json")
     if "://" in workdir:  # gs://: TensorFlow reads it (and brings Keras on its own backend)
         import tensorflow as tf
@@ -30,29 +31,29 @@ def read_run_config(workdir: str):
     if not exists(path):
         raise UserError(f"{workdir} holds no training run (no config.json); give the --workdir "
                         "of a run of python -m tpu_keras.train")
-    with opener(path) as file:
-        return ml_collections.ConfigDict(json.load(file))
+    with opener(path) as file, config_lib.without_type_checks():
+        config = config_lib.defaults()  # JSON has lists where the schema has tuples
+        config.update(json.load(file))
+    return config
 
 
 def load(workdir: str, config):
     """(model, step): the run's model on one device, its newest checkpoint restored."""
-    import keras
     from tpu_keras import cluster as cluster_lib
     from tpu_keras import models
-    from tpu_keras.training import checkpoint
+    from tpu_keras.training import checkpoint, defaults
     from tpu_keras.training.run import build_model
 
     builder, _ = models.registry.get(config.model)
     if builder.headline not in LM_HEADLINES:
         raise UserError(f"the run in {workdir} trained {config.model.name!r}, which is not a "
                         "language model; generate needs a run of gpt or a keras-hub causal LM")
-    if config.model.name.startswith(models.hub.KERAS_HUB):
-        models.hub.prepare_preset(config.model, workdir, is_chief=True)
-    config.mesh = dict(data=1, model=1)
+    models.hub.prepare_preset(config.model, workdir, is_chief=True)  # a {workdir} preset
+    config.mesh.update(data=1, fsdp=1, model=1)
     config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
                           virtual_devices=0)
-    keras.config.set_dtype_policy(config.train.precision)
     cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    defaults.resolve(config, cluster)  # the dtype policy the run trained in
     model = build_model(config, cluster)
     saver = checkpoint.open_checkpointer(workdir, model, cluster)
     if saver.latest_saved_step() is None:
@@ -60,13 +61,12 @@ def load(workdir: str, config):
     return model, saver.restore_latest()
 
 
-def sample(model, prompt: bytes, max_length: int, temperature: float, top_k: int, seed: int,
-           vocabulary_size: int) -> bytes:
+def sample(model, prompt: bytes, max_length: int, temperature: float, top_k: int, seed: int) -> bytes:
     """`prompt` extended to `max_length` bytes (at most the model's context length)."""
     import keras
     import keras_hub
     import numpy as np
-    context = model.input_shape[1]
+    context, vocabulary_size = model.input_shape[1], model.output_shape[-1]
     if not prompt:
         raise UserError("--prompt is empty; give the text to continue, such as --prompt='def '")
     outside = sorted({b for b in prompt if b >= vocabulary_size})
@@ -95,8 +95,3 @@ def sample(model, prompt: bytes, max_length: int, temperature: float, top_k: int
     out = sampler(next_logits, keras.ops.convert_to_tensor(tokens), index=len(prompt),
                   mask=keras.ops.convert_to_tensor(given), model=model)
     return bytes(int(t) for t in keras.ops.convert_to_numpy(out)[0])
-
-
-def vocabulary_size(model) -> int:
-    return int(model.output_shape[-1])
-

@@ -62,17 +62,10 @@ def train(config, workdir: str, started: float | None = None):
 
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
-    if config.model.name.startswith(models.hub.KERAS_HUB):
-        from tpu_keras.models import hub
-        hub.prepare_preset(config.model, workdir, cluster.is_chief)
+    models.hub.prepare_preset(config.model, workdir, cluster.is_chief)  # a {workdir} preset
     with run_timings.phase("model"):
         model = build_model(config, cluster)
-    logging.info("model: %s with %s parameters%s, %s, %d steps per host call%s%s", config.model.name,
-                 f"{model.count_params():,}", _trainable_share(model), train_cfg.precision,
-                 train_cfg.steps_per_execution, ", XLA" if model.jit_compile else "",
-                 (f", remat {train_cfg.remat}" if train_cfg.remat != "none" else "")
-                 + (f", {train_cfg.grad_accum_steps} micro-batches of {train_cfg.batch_size} per update"
-                    if train_cfg.grad_accum_steps > 1 else ""))
+    logging.info("model: %s", _describe(model, config))
 
     # ----- checkpoints ---------------------------------------------------------
     saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
@@ -225,14 +218,23 @@ def _peer_reason(error) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
 
 
-def _trainable_share(model) -> str:
-    """', 3,328 of them trainable (3.1%)' when some weights are frozen (LoRA), else ''."""
+def _describe(model, config) -> str:
+    """The model line of the log: name, parameters (and how many train, when some are
+    frozen), precision, steps per host call, and what changes how a step runs."""
     import math
+    train_cfg, total = config.train, model.count_params()
     trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
-    total = model.count_params()
-    if trainable == total:
-        return ""
-    return f", {trainable:,} of them trainable ({trainable / max(total, 1):.1%})"
+    parts = [f"{config.model.name} with {total:,} parameters"
+             + (f", {trainable:,} of them trainable ({trainable / max(total, 1):.1%})"
+                if trainable != total else ""),
+             train_cfg.precision, f"{train_cfg.steps_per_execution} steps per host call"]
+    if model.jit_compile:
+        parts.append("XLA")
+    if train_cfg.remat != "none":
+        parts.append(f"remat {train_cfg.remat}")
+    if train_cfg.grad_accum_steps > 1:
+        parts.append(f"{train_cfg.grad_accum_steps} micro-batches of {train_cfg.batch_size} per update")
+    return ", ".join(parts)
 
 
 def _fingerprint(model) -> float:

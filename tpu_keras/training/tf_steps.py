@@ -170,7 +170,12 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
                 trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred,
                 sample_weight=sample_weight, training=True)
             model._losses_override = []
-        return loss, tape.gradient(loss, trainable), y_pred, non_trainable, metrics
+        # Dense, as on jax: an embedding's gradient comes as IndexedSlices with a row per
+        # occurrence of a token, whose global norm is not the gradient's, and which
+        # Keras's TensorFlow Adam applies as a sparse ("lazy") update.
+        gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in tape.gradient(loss, trainable)]
+        return loss, gradients, y_pred, non_trainable, metrics
 
     if jit_forward_backward and not model.run_eagerly:
         loss_and_gradients = tf.function(loss_and_gradients, jit_compile=True, reduce_retracing=True)
@@ -181,36 +186,26 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
         values = lambda variables: [v.value for v in variables]
         trainable, non_trainable = values(model.trainable_variables), values(model.non_trainable_variables)
         metrics = values(model.metrics_variables)
-        if grad_accum_steps == 1:
-            loss, gradients, y_pred, non_trainable, metrics = loss_and_gradients(
-                trainable, non_trainable, metrics, x, y, sample_weight)
-        else:
-            k = grad_accum_steps
-            micro = lambda tree, i: tf.nest.map_structure(lambda t: None if t is None else t[i::k], tree)
-            losses, gradient_sums, y_preds = [], None, []
-            for i in range(k):  # traced one after another
-                loss, gradients, y_pred, non_trainable, _ = loss_and_gradients(
-                    trainable, non_trainable, metrics, *micro((x, y, sample_weight), i))
-                losses.append(loss)
-                y_preds.append(y_pred)
-                gradient_sums = gradients if gradient_sums is None else [
-                    None if a is None else tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
-                    for a, b in zip(gradient_sums, gradients)]
+        k = grad_accum_steps
+        batch = (x, y, sample_weight)
+        parts = [batch] if k == 1 else [_micro_batch(batch, i, k) for i in range(k)]
+        losses, gradients, y_preds = [], None, []
+        for part in parts:  # traced one after another
+            loss, part_gradients, y_pred, non_trainable, metrics = loss_and_gradients(
+                trainable, non_trainable, metrics, *part)
+            losses.append(loss)
+            y_preds.append(y_pred)
+            gradients = part_gradients if gradients is None else [
+                None if a is None else a + b for a, b in zip(gradients, part_gradients)]
+        if k > 1:
             loss = tf.add_n(losses) / k
-            gradients = [None if g is None else g / k for g in gradient_sums]
+            gradients = [None if g is None else g / k for g in gradients]
             # Metrics see the whole batch, micro-batch after micro-batch.
-            x, y, sample_weight = (tf.nest.map_structure(
-                lambda *parts: tf.concat(parts, axis=0), *[micro(t, i) for i in range(k)])
-                if t is not None else None for t in (x, y, sample_weight))
-            y_pred = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *y_preds)
+            x, y, sample_weight, y_pred = (_concat(pieces) for pieces in
+                                           zip(*[part + (pred,) for part, pred in zip(parts, y_preds)]))
         for variable, value in zip(model.non_trainable_variables + model.metrics_variables,
                                    non_trainable + metrics):
             variable.assign(value)
-        # Dense, as on jax: an embedding's gradient comes as IndexedSlices with a row per
-        # occurrence of a token, whose global norm is not the gradient's, and which
-        # Keras's TensorFlow Adam applies as a sparse ("lazy") update.
-        gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                     for g in gradients]
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables) if g is not None]
         # compute_loss divided the loss by the replicas, so the sums are global means.
         replica = tf.distribute.get_replica_context()
@@ -224,6 +219,18 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
                 GRAD_NORM: grad_norm}
 
     return train_step
+
+
+def _micro_batch(batch, i: int, k: int):
+    """Micro-batch `i` of `k`: rows i, i + k, ... of every tensor (None stays None)."""
+    return tuple(None if t is None else tf.nest.map_structure(lambda a: a[i::k], t) for t in batch)
+
+
+def _concat(pieces):
+    """The micro-batches' tensors (or None) back into one batch, one after another."""
+    if pieces[0] is None:
+        return None
+    return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *pieces)
 
 
 def _apply_if_finite(optimizer, gradients, variables, finite):
