@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run
 
 DIGITS = "configs/digits.py:tiny"
 STEPS = 40
@@ -59,6 +59,18 @@ def finish(process, timeout=240):
             process.kill()
             process.wait()
     return rest
+
+
+def killed_after_checkpoint_then_resumed(args, step: int, timeout=300) -> str:
+    """Starts the training command `args`, kills it (SIGKILL, a PID it started) once it
+    has saved checkpoint `step`, runs the same command to the end; returns that output."""
+    process = start(args)
+    try:
+        read_until(process, rf"saved checkpoint .*ckpt-{step}\b")
+    finally:
+        process.kill()
+        process.wait()
+    return run(args, timeout=timeout).stdout
 
 
 def committed_steps(workdir):

@@ -2,14 +2,12 @@
 on both engines, and a run with accumulation resumes exactly after a kill."""
 
 import json
-import re
-import signal
 import sys
 
 import pytest
 
 from conftest import run
-from resume import read_until, start, train_args
+from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step, train_args
 
 
 @pytest.mark.parametrize("engine,replicas", [("tf", 0), ("tf", 2), ("jax", 0)],
@@ -25,13 +23,7 @@ def test_a_run_with_accumulation_killed_mid_run_resumes_to_the_same_weights(data
     extra = ("--config.train.grad_accum_steps=2", "--config.train.batch_size=32")
     reference = run(train_args(tmp_path / "reference", data_dir, *extra), timeout=300).stdout
     assert "2 micro-batches of 32 per update" in reference, reference[-2000:]
-    process = start(train_args(tmp_path / "killed", data_dir, *extra))
-    try:
-        read_until(process, r"saved checkpoint .*ckpt-20")
-        process.send_signal(signal.SIGKILL)  # a PID this test started
-    finally:
-        process.wait()
-    resumed = run(train_args(tmp_path / "killed", data_dir, *extra), timeout=300).stdout
-    assert re.search(r"resumed from .*ckpt-20 at step 20", resumed), resumed[-2000:]
-    fingerprint = re.compile(r"weights fingerprint: (\S+)")
-    assert fingerprint.search(resumed).group(1) == fingerprint.search(reference).group(1)
+    resumed = killed_after_checkpoint_then_resumed(train_args(tmp_path / "killed", data_dir, *extra),
+                                                   step=20)
+    assert resumed_step(resumed) == 20, resumed[-2000:]
+    assert_same_weights(tmp_path / "killed", tmp_path / "reference")

@@ -9,7 +9,8 @@ import textwrap
 import numpy as np
 
 from conftest import REPO, assert_one_line_error, run, train
-from resume import read_until, start
+from placements import assert_laid_out_as_placed, assert_same_losses
+from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step
 
 LLAMA_TINY = "configs/llama_stdlib.py:tiny"
 LLAMA_LORA = "configs/llama_stdlib.py:lora"
@@ -43,19 +44,10 @@ def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_
         line = next(line for line in out.splitlines() if line.startswith("PROBE "))
         results[mesh] = json.loads(line[len("PROBE "):])
     reference, result = results["1x1"], results["4x2"]
-    mesh = result["mesh"]
-    assert mesh == {"data": 4, "fsdp": 1, "model": 2}
-    split = 0
-    for path, weight in result["weights"].items():
-        axes = [a if a and mesh[a] > 1 else None for a in result["expected"][path]]
-        assert weight["spec"] + [None] * (len(axes) - len(weight["spec"])) == axes, path
-        assert weight["shard_shape"] == [n // mesh[a] if a else n
-                                         for n, a in zip(weight["shape"], axes)], path
-        split += weight["shard_shape"] != weight["shape"]
+    assert result["mesh"] == {"data": 4, "fsdp": 1, "model": 2}
     # Both embeddings, the query/key/value/output kernels and the three MLP kernels.
-    assert split == 9, split
-    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
-        assert abs(got - want) <= 1e-4, (step, result["losses"], reference["losses"])
+    assert assert_laid_out_as_placed(result) == 9
+    assert_same_losses(result, reference)
 
 
 LAYOUT = [sys.executable, "-m", "tpu_keras.layout", f"--config={LLAMA_TINY}",
@@ -144,17 +136,11 @@ def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir,
              if name.startswith("optimizer/_variables/") and shape]
     assert sum(state) == 2 * 640, tf.train.list_variables(latest)
 
-    process = start([sys.executable, "-m", "tpu_keras.train", f"--config={LLAMA_LORA}",
-                     f"--workdir={tmp_path / 'killed'}", *args])
-    try:
-        read_until(process, r"saved checkpoint .*ckpt-20")
-    finally:
-        process.kill()
-        process.wait()
-    resumed = train(LLAMA_LORA, tmp_path / "killed", *args).stdout
-    assert re.search(r"resumed from .*ckpt-20 at step 20", resumed), resumed[-2000:]
-    fingerprint = re.compile(r"weights fingerprint: (\S+)")
-    assert fingerprint.search(resumed).group(1) == fingerprint.search(reference).group(1)
+    command = [sys.executable, "-m", "tpu_keras.train", f"--config={LLAMA_LORA}",
+               f"--workdir={tmp_path / 'killed'}", *args]
+    resumed = killed_after_checkpoint_then_resumed(command, step=20)
+    assert resumed_step(resumed) == 20, resumed[-2000:]
+    assert_same_weights(tmp_path / "killed", tmp_path / "reference")
 
 
 def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(tiny_run, tmp_path):

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import assert_one_line_error, run, train
+from placements import assert_laid_out_as_placed, assert_same_losses
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 
@@ -54,45 +55,26 @@ def probe(data_dir, tmp_path_factory):
     return get
 
 
-def _assert_laid_out_as_placed(result):
-    """Every weight's array is split as its placement says; returns how many are split."""
-    mesh, split = result["mesh"], 0
-    for path, weight in result["weights"].items():
-        # An axis of size 1 splits nothing: the same as None.
-        axes = [a if a and mesh[a] > 1 else None for a in result["expected"][path]]
-        spec = weight["spec"] + [None] * (len(axes) - len(weight["spec"]))
-        assert [a if a and mesh[a] > 1 else None for a in spec] == axes, path
-        assert weight["shard_shape"] == [n // mesh[a] if a else n for n, a in zip(weight["shape"], axes)], path
-        split += weight["shard_shape"] != weight["shape"]
-    return split
-
-
-def _assert_same_losses(result, reference):
-    assert len(result["losses"]) == len(reference["losses"]) == 5
-    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
-        assert abs(got - want) <= 1e-4, (step, result["losses"], reference["losses"])
-
-
 @pytest.mark.parametrize("data_axis,model_axis", MESHES,
                          ids=["data_8x1", "model_2x4", "hybrid_4x2"])
 def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis):
     reference, result = probe(1, 1), probe(data_axis, model_axis)
     assert result["mesh"] == {"data": data_axis, "fsdp": 1, "model": model_axis}
-    split = _assert_laid_out_as_placed(result)
+    split = assert_laid_out_as_placed(result)
     # 10 per block (QKV kernels and biases, attention-out, MLP up kernel and
     # bias, MLP down) + 2 embeddings + the head's kernel and bias.
     assert split == (0 if model_axis == 1 else 2 * 10 + 4), split
     # Optimizer state follows its variable.
     momentum = result["optimizer"]["adam_w/block0_mlp_up_kernel_momentum"]
     assert momentum["shard_shape"] == result["weights"]["block0_mlp_up/kernel"]["shard_shape"]
-    _assert_same_losses(result, reference)
+    assert_same_losses(result, reference)
 
 
 @pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2", "fsdp_2x4x1"])
 def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, mesh):
     reference, result = probe(1, 1), probe(*mesh)
     assert result["mesh"] == dict(zip(("data", "fsdp", "model"), mesh))
-    _assert_laid_out_as_placed(result)
+    assert_laid_out_as_placed(result)
     for path, weight in result["weights"].items():
         if math.prod(weight["shape"]) >= 65_536:  # layout.replicate_below
             assert "fsdp" in weight["spec"], (path, weight)
@@ -102,7 +84,7 @@ def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, mesh):
     momentum = result["optimizer"]["adam_w/block0_mlp_up_kernel_momentum"]
     assert momentum["spec"] == result["weights"]["block0_mlp_up/kernel"]["spec"]
     assert momentum["shard_shape"] == result["weights"]["block0_mlp_up/kernel"]["shard_shape"]
-    _assert_same_losses(result, reference)
+    assert_same_losses(result, reference)
 
     # Device 0 holds, to the byte, what the layout tool reports.
     data, fsdp, model = mesh
