@@ -8,7 +8,8 @@ Variants: '' (a few minutes on a 2-core CPU, validation < 3.2 bits per byte),
 (width 256, depth 4: 2.5 GFLOP per sequence, about the size the design
 brief's figures for its "small GPT" imply; matmuls weigh more in its step, so
 it shows how the fraction of the matmul ceiling grows with width on a CPU -
-see README "Performance").
+see README "Performance") and '1b' (about a billion parameters, a pod's
+model for `python -m tpu_keras.plan --auto`; never trained here).
 """
 
 from tpu_keras.config import defaults
@@ -40,6 +41,14 @@ def get_config(arg=None):
         config.log.every_steps = 10
     elif arg == "wide":
         config.model.update(width=256, depth=4, num_heads=4)
+    elif arg == "1b":
+        # About a billion parameters (1.01e9: 20 blocks of 12 x 2048^2), for planning a pod
+        # run (python -m tpu_keras.plan --auto); never trained here. 512 sequences of
+        # 2,048 bytes per update, about a million tokens.
+        config.data.name = "stdlib_bytes/ctx2048"
+        config.model.update(context_length=2048, width=2048, depth=20, num_heads=16)
+        config.engine = "jax"
+        config.train.update(batch_size=512, learning_rate=3e-4, warmup_steps=200, steps=10_000)
     elif arg:
-        raise ValueError(f"unknown variant {arg!r} of lm_stdlib; use '', 'tiny' or 'wide'")
+        raise ValueError(f"unknown variant {arg!r} of lm_stdlib; use '', 'tiny', 'wide' or '1b'")
     return config

@@ -3,11 +3,15 @@
     python -m tpu_keras.plan --config=configs/lm_stdlib.py --tpu=v5p-64 [--json]
     python -m tpu_keras.plan --config=configs/lm_stdlib.py --tpu=v4-32 \\
         --config.engine=jax --config.mesh.model=2 --config.train.batch_size=1024
+    python -m tpu_keras.plan --config=configs/lm_stdlib.py:1b --tpu=v5p-64 --auto
 
 Parameters, optimizer state and gradients per device are exact; activations
-an estimate (see `tools.memory_plan`). `--measure` compiles the gradient on
-this machine's first device and prints XLA's activation bytes next to the
-estimate; on a TPU VM that is the TPU compiler's own figure.
+an estimate; the bytes sent per update are computed from the layout (see
+`tools.memory_plan`). `--auto` tries every mesh and remat setting and
+recommends a layout (`tools.layout_search`). `--measure` compiles the real
+sharded training step on as many fake CPU devices as the slice has and
+prints XLA's figures next to the plan's; on a TPU VM they are the TPU
+compiler's own.
 """
 
 import json
@@ -25,6 +29,9 @@ _MARGIN = flags.DEFINE_float("margin", 0.1, "Share of HBM kept free for XLA's ow
                              "padding and fragmentation.")
 _MEASURE = flags.DEFINE_bool("measure", False, "Also compile the gradient here and report "
                              "XLA's activation bytes next to the estimate.")
+_AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) of the slice with "
+                          "each remat setting and recommend the one that fits with the least "
+                          "communication.")
 _JSON = flags.DEFINE_bool("json", False, "Print the plan as JSON.")
 
 
@@ -35,9 +42,22 @@ def main(argv):
         raise UserError("give --config=configs/<name>.py and --tpu=<slice>, e.g. --tpu=v5p-64")
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(_CONFIG.value)
-    from tpu_keras.tools import memory_plan
-    result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
-    print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
+    from tpu_keras.cluster import engine, topology
+    if _MEASURE.value:  # the real step, on as many fake CPU devices as the slice has
+        engine.select("jax", topology.parse_slice(_TPU.value).devices)
+    if not _AUTO.value:
+        from tpu_keras.tools import memory_plan
+        result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
+        print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
+        return
+    from tpu_keras.tools import layout_search
+    result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value)
+    best = result["recommended"]
+    if _MEASURE.value and best:
+        from tpu_keras.tools import step_memory
+        result["measured"] = step_memory.measure(layout_search.configured(_CONFIG.value, best),
+                                                 best["mesh"], best["batch_per_replica"])
+    print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
 
 
 if __name__ == "__main__":

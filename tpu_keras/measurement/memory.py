@@ -18,6 +18,7 @@ float32, or run `--measure` on the TPU VM itself.
 import math
 
 import jax
+from jax.extend.core import Literal
 
 
 def abstract_inputs(model, batch: int):
@@ -28,35 +29,53 @@ def abstract_inputs(model, batch: int):
     return x, y
 
 
-def _loss_fn(model, loss):
+def loss_function(model, loss):
+    """loss(weights, state, x, y): the model's training loss as a pure function of its weights."""
     def loss_of(weights, state, x, y):
         logits, _ = model.stateless_call(weights, state, x, training=True)
         return loss(y, logits)
     return loss_of
 
 
-def _abstract(variables):
+def abstract(variables):
+    """Shapes and dtypes of `variables`, for tracing without their values."""
     return [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in variables]
 
 
-def activation_bytes(model, loss, batch: int) -> int:
+def activation_bytes(model, loss, batch: int, model_split: dict | None = None,
+                     model_size: int = 1) -> int:
     """Bytes of the residuals a training step on `batch` examples keeps, weights excluded.
 
     The residuals are what `jax.vjp` closes over for the backward pass: the
     outputs of the traced function that returns the vjp. Those that are an
     input passed straight through (the weights and state) are not counted.
+    With a `model` axis of `model_size` devices, `model_split` maps a weight's
+    path to the dimension split over it; a residual that tensor parallelism
+    splits (`measurement.model_split`) then counts once per shard.
     """
-    loss_of = _loss_fn(model, loss)
+    loss_of = loss_function(model, loss)
 
     def backward_function(weights, state, x, y):
         return jax.vjp(lambda w: loss_of(w, state, x, y), weights)[1]
 
-    traced = jax.make_jaxpr(backward_function)(_abstract(model.trainable_variables),
-                                               _abstract(model.non_trainable_variables),
+    traced = jax.make_jaxpr(backward_function)(abstract(model.trainable_variables),
+                                               abstract(model.non_trainable_variables),
                                                *abstract_inputs(model, batch))
+    split = {}
+    if model_size > 1 and model_split:
+        from tpu_keras.measurement import model_split as model_split_lib
+        variables = model.trainable_variables + model.non_trainable_variables
+        dims = [model_split.get(v.path) for v in variables] + [None, None]
+        split = model_split_lib.split_dims(traced.jaxpr, dims)
     inputs = {id(v) for v in traced.jaxpr.invars}
-    return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in traced.jaxpr.outvars
-               if id(v) not in inputs)
+    total = 0.0
+    for v in traced.jaxpr.outvars:
+        if id(v) in inputs:
+            continue
+        nbytes = math.prod(v.aval.shape) * v.aval.dtype.itemsize
+        is_split = not isinstance(v, Literal) and split.get(v) is not None
+        total += nbytes / model_size if is_split else nbytes
+    return round(total)
 
 
 def measured_activation_bytes(model, loss, batch: int) -> int:
@@ -71,7 +90,7 @@ def measured_activation_bytes(model, loss, batch: int) -> int:
 def step_temp_bytes(model, loss, batch: int) -> int:
     """XLA's temporary bytes for the compiled gradient of `batch` examples (what
     rematerialisation lowers), on this machine's first device."""
-    grad = jax.jit(jax.grad(_loss_fn(model, loss)))
-    compiled = grad.lower(_abstract(model.trainable_variables), _abstract(model.non_trainable_variables),
+    grad = jax.jit(jax.grad(loss_function(model, loss)))
+    compiled = grad.lower(abstract(model.trainable_variables), abstract(model.non_trainable_variables),
                           *abstract_inputs(model, batch)).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -15,29 +15,47 @@ from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.parallelism.rules import Placement, dtype_name
 
 
-def describe(config, num_devices: int) -> dict:
-    """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready)."""
+def describe(config, num_devices: int, built=None) -> dict:
+    """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready).
+
+    `built` is `abstract_model(config)`'s result, for a caller that places one
+    model on many meshes (the planner's search).
+    """
+    mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
+    return report_on(config, mesh, *(built or abstract_model(config)))
+
+
+def abstract_model(config):
+    """The config's model and its built optimizer: paths, shapes and dtypes, no memory behind them."""
     import keras
     from tpu_keras import models
     from tpu_keras.training import optimization
 
-    mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
     builder, kwargs = models.registry.get(config.model)
-    placer = models.registry.placer(config.model, config.layout, mesh)
     optimizer = optimization.make_optimizer(config.train)
-    # Deferred variables: paths, shapes and dtypes, and no memory behind them.
-    with keras.StatelessScope(initialize_variables=False):
+    with keras.StatelessScope(initialize_variables=False):  # deferred variables
         model = builder.make(**kwargs)
         optimizer.build(model.trainable_variables)
-        weights = placer.check(model.weights)
-        trainable = {v.path for v in model.trainable_variables}
-        by_path = {p.path: p for p in weights}
-        state = [_follow(v, by_path) for v in optimizer.variables]
+    return model, optimizer
+
+
+def placements(config, mesh: dict, model) -> list[Placement]:
+    """Where each of `model`'s weights lives on `mesh`, by the config's rules (checked)."""
+    from tpu_keras import models
+    return models.registry.placer(config.model, config.layout, mesh).check(model.weights)
+
+
+def report_on(config, mesh: dict, model, optimizer) -> dict:
+    """The layout report of an `abstract_model` on a resolved `mesh`."""
+    weights = placements(config, mesh, model)
+    trainable = {v.path for v in model.trainable_variables}
+    by_path = {p.path: p for p in weights}
+    state = [_follow(v, by_path) for v in optimizer.variables]
     return {
         "model": config.model.name,
         "engine": config.engine,
         "mesh": mesh,
-        "devices": num_devices,
+        "devices": math.prod(mesh.values()),
         "weights": [_row(p, mesh) for p in weights],
         "optimizer": [_row(p, mesh) for p in state],
         "totals": {"parameters": _totals(weights, mesh), "optimizer": _totals(state, mesh),

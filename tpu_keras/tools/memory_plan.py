@@ -5,14 +5,21 @@ on the config's mesh:
 - parameters and optimizer state: exact, the layout report's arithmetic
   (`layout_report`) on the slice's device count;
 - gradients: one per trainable weight, laid out like it (exact);
-- activations: an estimate with rematerialisation off, the tensors autodiff
-  keeps for the backward pass at the per-replica batch (`measurement.memory`).
-  With mesh.model > 1 they are counted whole on every device, an upper bound.
+- activations: an estimate, the tensors autodiff keeps for the backward pass
+  at the per-replica batch with the config's remat setting
+  (`measurement.memory`). With mesh.model > 1, those tensor parallelism
+  splits count once per shard (`measurement.model_split`); the rest whole.
+- communication: the bytes each device sends per update, from the layout
+  and the model's traced matmuls (`measurement.communication`).
 
 Then whether the sum fits the device's HBM less a margin (room for XLA's
 own buffers and fragmentation), and the largest global batch that would.
-Nothing is allocated; it needs the jax extra.
+Nothing is allocated; it needs the jax extra. `--measure` checks the plan
+against XLA (`step_memory`); `--auto` searches the layouts (`layout_search`).
 """
+
+import functools
+import math
 
 from tpu_keras.cluster import engine, topology
 from tpu_keras.errors import UserError
@@ -21,11 +28,100 @@ from tpu_keras.tools import layout_report
 from tpu_keras.tools.layout_report import format_bytes
 
 
+class Footprint:
+    """What planning needs of one config's model, worked out once for any mesh and batch.
+
+    The model and its optimizer are built once without memory behind them.
+    Per remat setting, the activation bytes are a line in the batch
+    (what does not grow with it, plus bytes per example). Per mesh, the
+    layout gives the exact weight, optimizer and gradient bytes per device,
+    and with the model's traced matmuls, the bytes each device sends.
+    """
+
+    def __init__(self, config):
+        engine.select("jax")  # the allocation-free build, whatever engine trains
+        import keras
+        from tpu_keras import models
+        self.config = config
+        # A TPU run's default: bf16 activations (tpu_keras.training.defaults).
+        self.precision = ("mixed_bfloat16" if config.train.precision == "auto"
+                          else config.train.precision)
+        keras.config.set_dtype_policy(self.precision)
+        self.builder, self.kwargs = models.registry.get(config.model)
+        self.model, self.optimizer = layout_report.abstract_model(config)
+
+    @functools.lru_cache(maxsize=None)
+    def activation_line(self, remat: str, mesh: tuple[int, int, int] = (1, 1, 1)) -> tuple[float, float]:
+        """(constant, per example): the activation bytes per device at batch b are
+        constant + b x per example. `mesh` (data, fsdp, model) matters through its
+        model axis, which splits what tensor parallelism splits."""
+        import keras
+        from tpu_keras import models
+        from tpu_keras.measurement import memory
+        model_size = mesh[2]
+        if mesh != (1, 1, model_size):
+            return self.activation_line(remat, (1, 1, model_size))  # one trace per model size
+        split = {}
+        if model_size > 1:
+            placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
+            split = {p.path: p.axes.index("model") for p in placements if "model" in p.axes}
+        with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
+            model = self.builder.make(**self.kwargs)  # Keras fixes remat when a layer is made
+            one, two = (memory.activation_bytes(model, self.builder.loss(), b, split, model_size)
+                        for b in (1, 2))
+        return 2 * one - two, two - one
+
+    @functools.cached_property
+    def weight_uses(self):
+        from tpu_keras.measurement import communication
+        return communication.weight_uses(self.model, self.builder.loss())
+
+    @functools.lru_cache(maxsize=None)
+    def layout(self, mesh: tuple[int, int, int]) -> dict:
+        """The layout report on `mesh` (data, fsdp, model); a one-line error if the rules do not fit it."""
+        return layout_report.report_on(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model,
+                                       self.optimizer)
+
+    def per_device(self, mesh: dict, batch_per_replica: int, remat: str) -> dict:
+        """Bytes per device at `batch_per_replica` examples per batch split."""
+        totals = self.layout(_key(mesh))["totals"]
+        constant, per_example = self.activation_line(remat, _key(mesh))
+        d = {"parameters": totals["parameters"]["bytes_per_device"],
+             "optimizer": totals["optimizer"]["bytes_per_device"],
+             "gradients": totals["gradients"]["bytes_per_device"],
+             "activations": round(constant + per_example * batch_per_replica)}
+        d["total"] = sum(d.values())
+        return d
+
+    def largest_batch(self, mesh: dict, remat: str, usable: int) -> int:
+        """The most examples per batch split that fit `usable` bytes per device (0: none)."""
+        constant, per_example = self.activation_line(remat, _key(mesh))
+        fixed = self.per_device(mesh, 0, remat)["total"]
+        return max(0, int((usable - fixed) // per_example)) if per_example > 0 else 0
+
+    def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1) -> dict:
+        """Bytes each device sends per optimizer update (`measurement.communication`)."""
+        from tpu_keras.measurement import communication
+        placements = layout_report.placements(self.config, mesh, self.model)
+        trainable = {v.path for v in self.model.trainable_variables}
+        return communication.per_step(placements, trainable, self.weight_uses, mesh,
+                                      batch_per_replica, grad_accum_steps)
+
+
+def _key(mesh: dict) -> tuple[int, int, int]:
+    return tuple(mesh[axis] for axis in mesh_lib.AXES)
+
+
+def usable_bytes(found, margin: float) -> int:
+    if not 0 <= margin < 1:
+        raise UserError(f"--margin={margin} must be at least 0 and below 1, e.g. 0.1 for 10%")
+    return int(found.hbm_bytes_per_device * (1 - margin))
+
+
 def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) -> dict:
     """The memory plan of `config` on the slice `slice_name` (a dict, JSON-ready)."""
     found = topology.parse_slice(slice_name)
-    if not 0 <= margin < 1:
-        raise UserError(f"--margin={margin} must be at least 0 and below 1, e.g. 0.1 for 10%")
+    usable = usable_bytes(found, margin)
     mesh = mesh_lib.resolve(config.mesh, found.devices, config.engine)
     global_batch = config.train.batch_size
     splits = mesh_lib.batch_splits(mesh)
@@ -33,51 +129,32 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
         raise UserError(f"train.batch_size={global_batch} does not divide over the {splits} "
                         f"batch splits (data x fsdp) of {found.name}; use a multiple of {splits}")
     per_replica = global_batch // splits
-
-    engine.select("jax")  # the allocation-free build, whatever engine trains
-    import keras
-    from tpu_keras import models
-    from tpu_keras.measurement import memory
-    # A TPU run's default: bf16 activations (tpu_keras.training.defaults).
-    precision = "mixed_bfloat16" if config.train.precision == "auto" else config.train.precision
-    keras.config.set_dtype_policy(precision)
-    layout = layout_report.describe(config, found.devices)
-    builder, kwargs = models.registry.get(config.model)
-    with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(config.train.remat):
-        model = builder.make(**kwargs)
-        activations = memory.activation_bytes(model, builder.loss(), per_replica)
-        # Linear in the batch, plus what does not grow with it (masks, positions).
-        per_example = (memory.activation_bytes(model, builder.loss(), 2 * per_replica)
-                       - activations) / per_replica
-        constant = activations - per_example * per_replica
-        measured = (memory.measured_activation_bytes(model, builder.loss(), per_replica)
-                    if measure else None)
-
-    totals = layout["totals"]
-    per_device = {"parameters": totals["parameters"]["bytes_per_device"],
-                  "optimizer": totals["optimizer"]["bytes_per_device"],
-                  "gradients": totals["gradients"]["bytes_per_device"],
-                  "activations": activations}
-    fixed = (per_device["parameters"] + per_device["optimizer"] + per_device["gradients"]
-             + constant)
-    per_device["total"] = round(fixed + per_example * per_replica)
-    usable = int(found.hbm_bytes_per_device * (1 - margin))
-    largest = int((usable - fixed) // per_example) * splits if usable > fixed else 0
+    footprint = Footprint(config)
+    remat = config.train.remat
+    per_device = footprint.per_device(mesh, per_replica, remat)
+    largest = footprint.largest_batch(mesh, remat, usable)
     result = {
         "model": config.model.name, "slice": found.name, "generation": found.generation.name,
         "hosts": found.hosts, "devices": found.devices, "mesh": mesh,
         "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
-        "usable_bytes_per_device": usable, "precision": precision, "remat": config.train.remat,
+        "usable_bytes_per_device": usable, "precision": footprint.precision, "remat": remat,
         "global_batch": global_batch, "per_replica_batch": per_replica,
+        "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
-        "activations_upper_bound": mesh["model"] > 1,
+        "activations_split_by_model": mesh["model"] > 1,
         "fits": per_device["total"] <= usable,
-        "largest_global_batch": largest,
+        "largest_global_batch": largest * splits,
+        "sent_per_step": footprint.sent_per_step(mesh, per_replica, config.train.grad_accum_steps),
     }
-    if measured is not None:
-        import jax
-        result["measured_activations"] = {"bytes": int(measured), "backend": jax.default_backend()}
+    if measure:
+        from tpu_keras.tools import step_memory
+        result["measured"] = step_memory.measure(config, mesh, per_replica)
     return result
+
+
+def _sent_parts(sent: dict) -> str:
+    parts = [(key.replace("_", " "), value) for key, value in sent.items() if key != "total" and value]
+    return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts) or "nothing"
 
 
 def format_plan(p: dict) -> str:
@@ -88,8 +165,8 @@ def format_plan(p: dict) -> str:
             "activations": "estimate: what the backward pass keeps"
                            + (f", remat {p['remat']}" if p.get("remat", "none") != "none"
                               else ", no rematerialisation")
-                           + (" (upper bound: counted whole on each model-axis device)"
-                              if p["activations_upper_bound"] else "")}
+                           + (", split as tensor parallelism splits them (errs high)"
+                              if p["activations_split_by_model"] else "")}
     lines = [f"{p['model']} on {p['slice']}: {p['devices']} devices on {p['hosts']} host(s), "
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
              f"mesh {mesh_lib.describe(mesh)}, global batch "
@@ -100,11 +177,19 @@ def format_plan(p: dict) -> str:
     for key, label in labels.items():
         lines.append(f"  {label:<16} {format_bytes(d[key]):>11}  {note[key]}")
     lines.append(f"  {'total':<16} {format_bytes(d['total']):>11}")
-    if "measured_activations" in p:
-        measured = p["measured_activations"]
-        ratio = d["activations"] / measured["bytes"] if measured["bytes"] else float("inf")
-        lines.append(f"  {'measured':<16} {format_bytes(measured['bytes']):>11}  activations by XLA on "
-                     f"{measured['backend']} (estimate / measured = {ratio:.2f})")
+    lines += ["", f"sent per device per step: {format_bytes(p['sent_per_step']['total'])} "
+                  f"({_sent_parts(p['sent_per_step'])})"]
+    if "measured" in p:
+        m = p["measured"]
+        lines += ["", f"XLA's figures for the compiled step on {m['devices']} {m['backend']} "
+                      "device(s), per device:",
+                  f"  {'total':<16} {format_bytes(m['total']):>11}  arguments "
+                  f"{format_bytes(m['arguments'])}, outputs {format_bytes(m['outputs'])}, "
+                  f"temporaries {format_bytes(m['temporaries'])} (plan / XLA = "
+                  f"{d['total'] / m['total']:.2f})",
+                  f"  {'activations':<16} {format_bytes(m['activations']):>11}  the temporaries "
+                  f"that grow with the batch (estimate / XLA = "
+                  f"{d['activations'] / max(1, m['activations']):.2f})"]
     lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
                   f"({p['margin']:.0%} kept free)"]
     share = d["total"] / p["usable_bytes_per_device"]
@@ -113,7 +198,8 @@ def format_plan(p: dict) -> str:
                      else "fits: yes, under 0.1% of usable HBM")
     else:
         lines.append(f"fits: NO, {share:.0%} of usable HBM: lower train.batch_size, split the "
-                     "weights over mesh.model (jax engine) or use a larger slice")
+                     "weights over mesh.fsdp or mesh.model (jax engine), or use a larger slice; "
+                     "--auto searches the layouts")
     if p["largest_global_batch"]:
         lines.append(f"largest global batch that fits: {p['largest_global_batch']:,} "
                      f"({p['largest_global_batch'] // mesh_lib.batch_splits(mesh):,} per replica)")

@@ -1,0 +1,160 @@
+"""Bytes each device sends per training step, from the weights' layout and the model's matmuls.
+
+What a mesh axis costs in communication, for a ring collective over `n`
+devices on a tensor of `B` bytes (each device sends this much):
+all-gather and reduce-scatter `(n - 1) / n * B`, all-reduce twice that.
+
+- `data` (and `fsdp`, for weights too small to split): every gradient is
+  all-reduced over the batch splits once per step.
+- `fsdp`: a split weight is all-gathered before the forward pass uses it and
+  again for the backward pass (ZeRO-3: the gathered copy is not kept), and
+  its gradient is reduce-scattered back to the shards, then all-reduced over
+  `data`. Weights and gradients count in the variable's dtype, an upper
+  bound: XLA may cast to bf16 before the collective.
+- `model`: activations. A matmul that contracts a weight's split dimension
+  (row-parallel: attention-out, MLP-down, a vocabulary-split lookup) leaves
+  a partial sum that is all-reduced in the forward pass; one that splits a
+  free dimension (column-parallel: QKV, MLP-up, the head) needs the
+  activation's gradient all-reduced in the backward pass. Which matmul reads
+  which weight, and along which dimensions, comes from the model's traced
+  program (`weight_uses`), not from names. The softmax of a vocabulary-split
+  head also reduces a few numbers per token; those are left out.
+
+With gradient accumulation every collective runs once per micro-batch.
+"""
+
+import dataclasses
+
+import jax
+from jax.extend.core import Literal
+
+from tpu_keras.measurement import memory
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUse:
+    """A matmul (`dot`) or a table lookup (`lookup`) that reads a weight, at a batch of 1."""
+
+    path: str
+    kind: str                  # 'dot' or 'lookup'
+    contracted: frozenset      # the weight's dimensions summed over (looked up, for a lookup)
+    output_bytes: int          # the result, per example
+    input_bytes: int           # the other operand (the activation), per example
+    input_id: int = 0          # which activation that is: matmuls of one input share a reduction
+
+
+def ring(n: int) -> float:
+    """The share of a tensor each of `n` devices sends in an all-gather or a reduce-scatter."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def weight_uses(model, loss) -> list[WeightUse]:
+    """Every matmul and lookup that reads a weight, traced on abstract values at batch 1."""
+    variables = model.trainable_variables + model.non_trainable_variables
+    traced = jax.make_jaxpr(memory.loss_function(model, loss))(
+        memory.abstract(model.trainable_variables), memory.abstract(model.non_trainable_variables),
+        *memory.abstract_inputs(model, 1))
+    # A weight enters as an input; follow it through casts and transposes to where it is used.
+    origins = {var: (v.path, tuple(range(len(v.shape))))
+               for var, v in zip(traced.jaxpr.invars, variables)}
+    uses: list[WeightUse] = []
+    _walk(traced.jaxpr, origins, uses)
+    return uses
+
+
+def _walk(jaxpr, origins, uses) -> None:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        source = origins.get(eqn.invars[0]) if eqn.invars and not _literal(eqn.invars[0]) else None
+        if name in ("convert_element_type", "copy", "copy_p") and source:
+            origins[eqn.outvars[0]] = source
+        elif name == "transpose" and source:
+            path, dims = source
+            origins[eqn.outvars[0]] = (path, tuple(dims[p] for p in eqn.params["permutation"]))
+        elif name == "dot_general":
+            contracting = eqn.params["dimension_numbers"][0]
+            for side in (0, 1):
+                found = origins.get(eqn.invars[side]) if not _literal(eqn.invars[side]) else None
+                if found:
+                    path, dims = found
+                    other = eqn.invars[1 - side]
+                    uses.append(WeightUse(path, "dot", frozenset(dims[c] for c in contracting[side]),
+                                          _nbytes(eqn.outvars[0]), _nbytes(other), id(other)))
+        elif name == "gather" and source:
+            path, dims = source
+            looked_up = eqn.params["dimension_numbers"].collapsed_slice_dims
+            uses.append(WeightUse(path, "lookup", frozenset(dims[d] for d in looked_up),
+                                  _nbytes(eqn.outvars[0]), 0))
+        for inner in _sub_jaxprs(eqn):  # jit, custom_jvp, checkpoint: follow the weight inside
+            inner_origins = {inner_var: origins[outer] for inner_var, outer in zip(inner.invars, eqn.invars)
+                             if not _literal(outer) and outer in origins}
+            if inner_origins:
+                _walk(inner, inner_origins, uses)
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value)
+        if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
+            yield inner
+
+
+def _literal(var) -> bool:
+    return isinstance(var, Literal)
+
+
+def _nbytes(var) -> int:
+    aval = var.aval
+    count = 1
+    for n in aval.shape:
+        count *= n
+    return count * aval.dtype.itemsize
+
+
+def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: int,
+             grad_accum_steps: int = 1) -> dict:
+    """Bytes one device sends in one optimizer update, by collective (a dict, JSON-ready).
+
+    `placements` are the weights' (`parallelism.Placement`), `trainable` the
+    paths that get gradients, `uses` the model's `weight_uses`, and
+    `batch_per_replica` the examples each batch split holds per micro-batch.
+    """
+    data, fsdp, model = mesh["data"], mesh["fsdp"], mesh["model"]
+    gathers = scatters = reductions = 0.0
+    for p in placements:
+        shard = p.bytes_per_device(mesh)
+        if "fsdp" in p.axes:
+            gathered = shard * fsdp  # what a layer all-gathers: the weight less its model split
+            gathers += 2 * ring(fsdp) * gathered
+            if p.path in trainable:
+                scatters += ring(fsdp) * gathered
+                reductions += 2 * ring(data) * shard
+        elif p.path in trainable:
+            reductions += 2 * ring(data * fsdp) * shard
+    activations = model_axis_bytes(placements, uses, model) * batch_per_replica
+    sent = {"fsdp_all_gather": gathers, "fsdp_reduce_scatter": scatters,
+            "gradient_all_reduce": reductions, "model_all_reduce": activations}
+    sent = {key: round(value * grad_accum_steps) for key, value in sent.items()}
+    sent["total"] = sum(sent.values())
+    return sent
+
+
+def model_axis_bytes(placements, uses, model: int) -> float:
+    """Activation bytes one device sends per example over a `model` axis of size `model`."""
+    if model == 1:
+        return 0.0
+    split = {p.path: {d for d, axis in enumerate(p.axes) if axis == "model"} for p in placements}
+    sent, reduced_inputs = 0.0, set()
+    for use in uses:
+        dims = split.get(use.path)
+        if not dims:
+            continue
+        if dims & use.contracted:      # a partial sum: all-reduce the result, forward
+            sent += 2 * ring(model) * use.output_bytes
+        elif use.kind == "dot":        # column-parallel: all-reduce the input's gradient, backward,
+            if use.input_id not in reduced_inputs:  # once for all the matmuls that read it (QKV)
+                reduced_inputs.add(use.input_id)
+                sent += 2 * ring(model) * use.input_bytes
+        else:                          # a lookup split along its rows' width: gather the rows
+            sent += ring(model) * use.output_bytes
+    return sent

@@ -1,0 +1,165 @@
+"""`python -m tpu_keras.plan --auto`: the mesh, remat setting and micro-batch that fit a slice
+with the least communication.
+
+Every way to write the slice's devices as data x fsdp x model is tried with
+each remat setting. The update's batch (`train.batch_size` x
+`train.grad_accum_steps`, what the config trains on per update) stays
+fixed: a candidate takes the largest micro-batch per batch split that fits
+in memory and divides the update's share of each split, and accumulates
+the rest. Of the candidates that fit, the recommendation is the one whose
+devices send the fewest bytes per update (`measurement.communication`):
+fsdp saves memory but gathers every weight twice a micro-batch, model
+parallelism reduces activations, and accumulation repeats all of it per
+micro-batch. Ties go to no rematerialisation (no recomputation), then to
+less memory. Meshes the layout rules cannot take (a dimension that does
+not divide, a large weight no model rule covers) are listed as skipped,
+with the reason.
+"""
+
+import copy
+import math
+
+from tpu_keras.cluster import topology
+from tpu_keras.config import REMAT_MODES
+from tpu_keras.errors import UserError
+from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.tools.layout_report import format_bytes
+from tpu_keras.tools.memory_plan import Footprint, usable_bytes
+
+
+def search(config, slice_name: str, margin: float = 0.1) -> dict:
+    """Every candidate layout of `config` on the slice, and the recommended one (a dict, JSON-ready)."""
+    found = topology.parse_slice(slice_name)
+    usable = usable_bytes(found, margin)
+    footprint = Footprint(config)
+    update_batch = config.train.batch_size * config.train.grad_accum_steps
+    candidates, skipped = [], []
+    for mesh in meshes(found.devices):
+        splits = mesh_lib.batch_splits(mesh)
+        if update_batch % splits:
+            skipped.append({"mesh": mesh, "reason": f"the batch of {update_batch} does not divide "
+                                                    f"over {splits} batch splits"})
+            continue
+        try:
+            footprint.per_device(mesh, 0, "none")  # places the weights: the rules' checks
+        except UserError as error:
+            skipped.append({"mesh": mesh, "reason": str(error)})
+            continue
+        for remat in REMAT_MODES:
+            candidates.append(_candidate(footprint, mesh, remat, update_batch // splits, usable))
+    fitting = [c for c in candidates if c["fits"]]
+    best = min(fitting, key=_preference, default=None)
+    return {
+        "model": config.model.name, "slice": found.name, "devices": found.devices,
+        "hosts": found.hosts, "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
+        "usable_bytes_per_device": usable, "precision": footprint.precision,
+        "parameters": sum(math.prod(v.shape) for v in footprint.model.weights),
+        "update_batch": update_batch,
+        "candidates": sorted(candidates, key=lambda c: (not c["fits"], _preference(c))),
+        "skipped": skipped,
+        "recommended": best,
+        "flags": flags(best) if best else None,
+    }
+
+
+def meshes(devices: int) -> list[dict]:
+    """Every {'data', 'fsdp', 'model'} whose product is `devices`."""
+    divisors = [n for n in range(1, devices + 1) if devices % n == 0]
+    return [{"data": devices // (fsdp * model), "fsdp": fsdp, "model": model}
+            for fsdp in divisors for model in divisors if (devices // fsdp) % model == 0]
+
+
+def flags(candidate: dict) -> str:
+    """The command-line flags that train with `candidate`."""
+    mesh = candidate["mesh"]
+    return " ".join([
+        *(["--config.engine=jax"] if mesh["fsdp"] > 1 or mesh["model"] > 1 else []),
+        *(f"--config.mesh.{axis}={mesh[axis]}" for axis in mesh_lib.AXES),
+        f"--config.train.remat={candidate['remat']}",
+        f"--config.train.batch_size={candidate['batch_per_replica'] * mesh_lib.batch_splits(mesh)}",
+        f"--config.train.grad_accum_steps={candidate['grad_accum_steps']}"])
+
+
+def configured(config, candidate: dict):
+    """A copy of `config` that trains with `candidate`."""
+    config = copy.deepcopy(config)
+    mesh = candidate["mesh"]
+    if mesh["fsdp"] > 1 or mesh["model"] > 1:
+        config.engine = "jax"
+    config.mesh = dict(mesh)
+    config.train.remat = candidate["remat"]
+    config.train.batch_size = candidate["batch_per_replica"] * mesh_lib.batch_splits(mesh)
+    config.train.grad_accum_steps = candidate["grad_accum_steps"]
+    return config
+
+
+def _candidate(footprint, mesh: dict, remat: str, share: int, usable: int) -> dict:
+    """`mesh` and `remat` at the largest micro-batch that fits and divides `share`,
+    each batch split's examples per update."""
+    largest = footprint.largest_batch(mesh, remat, usable)
+    batch = max((b for b in range(1, min(largest, share) + 1) if share % b == 0), default=0)
+    candidate = {"mesh": mesh, "remat": remat, "fits": batch > 0,
+                 "largest_batch_per_replica": largest,
+                 "activations_split_by_model": mesh["model"] > 1}
+    if batch:
+        steps = share // batch
+        candidate.update(batch_per_replica=batch, grad_accum_steps=steps,
+                         per_device=footprint.per_device(mesh, batch, remat),
+                         sent_per_step=footprint.sent_per_step(mesh, batch, steps))
+    else:
+        candidate["per_device"] = footprint.per_device(mesh, 1, remat)
+    return candidate
+
+
+def _preference(c: dict):
+    if not c["fits"]:
+        return (float("inf"), 0, 0)
+    return (c["sent_per_step"]["total"], c["remat"] != "none", c["per_device"]["total"])
+
+
+def format_search(s: dict, rows: int = 12) -> str:
+    """The search as the command prints it: the best candidates, then the recommendation."""
+    fitting = [c for c in s["candidates"] if c["fits"]]
+    lines = [f"{s['model']} ({s['parameters']:,} parameters) on {s['slice']}: {s['devices']} devices "
+             f"on {s['hosts']} host(s), {format_bytes(s['usable_bytes_per_device'])} usable HBM per "
+             f"device ({format_bytes(s['hbm_bytes_per_device'])} less {s['margin']:.0%}), "
+             f"{s['precision']}",
+             f"batch per update: {s['update_batch']:,}; {len(s['candidates'])} candidates "
+             f"(mesh x remat), {len(fitting)} fit; {len(s['skipped'])} meshes skipped", ""]
+    header = ("data", "fsdp", "model", "remat", "batch", "accum", "params", "optimizer",
+              "grads", "activations", "total", "sent/update")
+    table = [header]
+    for c in fitting[:rows]:
+        mesh, d = c["mesh"], c["per_device"]
+        table.append((str(mesh["data"]), str(mesh["fsdp"]), str(mesh["model"]), c["remat"],
+                      str(c["batch_per_replica"]), str(c["grad_accum_steps"]),
+                      format_bytes(d["parameters"]), format_bytes(d["optimizer"]),
+                      format_bytes(d["gradients"]),
+                      format_bytes(d["activations"]) + ("*" if c["activations_split_by_model"] else ""),
+                      format_bytes(d["total"]), format_bytes(c["sent_per_step"]["total"])))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
+    if len(fitting) > rows:
+        lines.append(f"... and {len(fitting) - rows} more that fit (--json lists them all)")
+    lines += ["", "per device; batch: examples per batch split per micro-batch; accum: micro-batches "
+                  "per update; sent: bytes each device sends per update",
+              "* model > 1: activations split where tensor parallelism splits them, followed through "
+              "the traced step; the estimate errs high"]
+    for skip in s["skipped"][:3]:
+        lines.append(f"skipped {mesh_lib.describe(skip['mesh'])}: {skip['reason']}")
+    best = s["recommended"]
+    if best is None:
+        lines += ["", "nothing fits: use a larger slice, a smaller model, or a smaller batch per update "
+                      "(train.batch_size x train.grad_accum_steps)"]
+        return "\n".join(lines)
+    sent = best["sent_per_step"]
+    parts = ", ".join(f"{key.replace('_', ' ')} {format_bytes(value)}" for key, value in sent.items()
+                      if key != "total" and value)
+    lines += ["", f"recommended: {mesh_lib.describe(best['mesh'])}, remat {best['remat']}, "
+                  f"{best['batch_per_replica']} per batch split x {best['grad_accum_steps']} "
+                  f"micro-batch(es): the least communication of those that fit",
+              f"  {format_bytes(best['per_device']['total'])} per device; sends "
+              f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
+              f"  {s['flags']}"]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""XLA's own memory figure for the real sharded training step: the plan's check.
+
+`python -m tpu_keras.plan --measure` builds the config's model as a run
+does (the jax cluster on as many fake CPU devices as the slice has, the
+layout rules' distribution, the compiled model with the toolkit's step),
+compiles one training step for the plan's batch, and reads the compiled
+program's `memory_analysis()`: what one device holds for the step's
+arguments (weights, optimizer state, the batch), its outputs less those
+written over a donated argument, and its temporaries (gradients,
+activations, XLA's workspace). Compiling the step at twice the batch too
+gives the activations alone: the temporaries that grow with the batch.
+
+On CPU, compare in float32: with bf16, CPU XLA keeps float32 copies a TPU
+does not. On a TPU VM the same command gives the TPU compiler's figures.
+"""
+
+import copy
+
+from tpu_keras.errors import UserError
+
+
+def measure(config, mesh: dict, batch_per_replica: int) -> dict:
+    """XLA's bytes per device for one step of `config` on `mesh` at `batch_per_replica`."""
+    import jax
+    devices = 1
+    for size in mesh.values():
+        devices *= size
+    if jax.device_count() != devices:
+        raise UserError(f"--measure needs {devices} devices for mesh {mesh}, and JAX has "
+                        f"{jax.device_count()}; run it in a fresh process")
+    config = copy.deepcopy(config)
+    config.engine, config.cluster.virtual_devices = "jax", devices
+    config.mesh = dict(mesh)
+    config.train.steps_per_execution = 1
+    model = _built(config)
+    at_batch = _analysis(model, config, batch_per_replica)
+    at_twice = _analysis(model, config, 2 * batch_per_replica)
+    return {**at_batch, "activations": at_twice["temporaries"] - at_batch["temporaries"],
+            "backend": jax.default_backend(), "devices": devices}
+
+
+def _built(config):
+    from tpu_keras import cluster as cluster_lib
+    from tpu_keras.training import run
+    cluster = cluster_lib.connect(config.cluster, engine="jax", mesh=config.mesh)
+    return run.build_model(config, cluster)
+
+
+def _analysis(model, config, batch_per_replica: int) -> dict:
+    """The compiled step's memory per device, by kind, and their sum at the step's peak."""
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_keras.measurement import memory
+    from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
+
+    rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
+    batch_sharding = NamedSharding(keras.distribution.distribution().device_mesh.backend_mesh,
+                                   PartitionSpec(BATCH_AXES))
+    batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=batch_sharding)
+                  for spec in memory.abstract_inputs(model, rows))
+    # What `fit` does first: build the compiled loss and metrics, whose variables are state.
+    model._symbolic_build(data_batch=batch)
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+        model.metrics_variables))
+    abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                  state)
+    # As Keras's jax trainer jits it: state donated, and laid out as it came in.
+    step = jax.jit(model.train_step, donate_argnums=0,
+                   out_shardings=(None, jax.tree.map(lambda a: a.sharding, state)))
+    analysis = step.lower(abstract_state, batch).compile().memory_analysis()
+    held = {"arguments": analysis.argument_size_in_bytes,
+            "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
+            "temporaries": analysis.temp_size_in_bytes}
+    return {**held, "total": sum(held.values())}
