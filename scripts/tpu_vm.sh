@@ -24,7 +24,9 @@
 #       TPU_LOAD_LIBRARY=0. --env adds variables to COMMAND's environment.
 #
 # Every command takes --project=P (else gcloud's default project) and
-# --dry-run: print the gcloud commands, one per line, and run nothing.
+# --dry-run, or TPU_VM_DRY_RUN=1 in the environment: print the gcloud
+# commands, one per line, and run nothing. --dry-run goes anywhere before --;
+# after --, it is refused, since it would be COMMAND's and gcloud would run.
 # Options take --opt=value or --opt value. DIR is relative to the home
 # directory on the VMs. Everything after -- is COMMAND, passed on word for word.
 #
@@ -160,7 +162,7 @@ parse() {
   local positional=()
   while (( $# )); do
     case $1 in
-      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; break ;;
+      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; no_dry_run_in "$@"; break ;;
       --help|-h) usage; exit 0 ;;
       --dry-run) DRY_RUN=1 ;;
       --spot) SPOT=1; SEEN+=("$1") ;;
@@ -181,6 +183,24 @@ parse() {
   if (( ${#positional[@]} > 2 )); then
     fail "unexpected argument '${positional[2]}'; options start with --, and a command to run goes after --"
   fi
+}
+
+no_dry_run_in() {  # COMMAND's words: a --dry-run there would not stop gcloud
+  local word
+  for word in "$@"; do
+    if [[ $word == --dry-run ]]; then
+      # positional is parse's: what the line named so far
+      fail "--dry-run after -- would be COMMAND's, and gcloud would really run; put it before --: tpu_vm.sh ${positional[0]:-run} ${positional[1]:-NAME} ... --dry-run -- ..."
+    fi
+  done
+}
+
+dry_run_env() {  # TPU_VM_DRY_RUN=1 is --dry-run for every command of a shell session
+  case ${TPU_VM_DRY_RUN:-} in
+    ""|0) ;;
+    1) DRY_RUN=1 ;;
+    *) fail "TPU_VM_DRY_RUN=$TPU_VM_DRY_RUN is not 0 or 1; write TPU_VM_DRY_RUN=1 for a dry run, or unset it" ;;
+  esac
 }
 
 set_value() {
@@ -257,6 +277,7 @@ check() {  # the command exists, takes the options given, and has what it needs
 main() {
   if (( $# == 0 )); then usage; exit 0; fi
   parse "$@"
+  dry_run_env
   check
   "cmd_$COMMAND"
 }

@@ -2,7 +2,8 @@
 
 Each case runs twice: with --dry-run (stdout holds the command lines and gcloud
 is never called) and for real, against a fake `gcloud` first on PATH that
-appends its arguments, as one JSON list per line, to $FAKE_GCLOUD_LOG.
+appends its arguments, as one JSON list per line, to $FAKE_GCLOUD_LOG. In a dry
+run the fake is told it must not be called, and fails loudly if it is.
 """
 
 import json
@@ -22,6 +23,8 @@ FAKE_GCLOUD = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
     log.write(json.dumps(sys.argv[1:]) + "\\n")
+if os.environ.get("FAKE_GCLOUD_FORBIDDEN"):
+    sys.exit("fake gcloud: called in a dry run, which must never reach the cloud")
 sys.exit(int(os.environ.get("FAKE_GCLOUD_EXIT", "0")))
 """
 
@@ -92,10 +95,14 @@ def tpu_vm(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "FAKE_GCLOUD_LOG": str(log)}
 
-    def call(*args, shell_line=None, gcloud_exit=0):
+    def call(*args, shell_line=None, gcloud_exit=0, dry=False, extra_env=None):
+        """dry=True: the fake gcloud fails if it is called at all."""
         argv = ["bash", "-c", shell_line] if shell_line else ["bash", "scripts/tpu_vm.sh", *args]
-        result = subprocess.run(argv, cwd=REPO, env={**env, "FAKE_GCLOUD_EXIT": str(gcloud_exit)},
-                                capture_output=True, text=True, timeout=30)
+        run_env = {**env, "FAKE_GCLOUD_EXIT": str(gcloud_exit), **(extra_env or {})}
+        if dry:
+            run_env["FAKE_GCLOUD_FORBIDDEN"] = "1"
+        result = subprocess.run(argv, cwd=REPO, env=run_env, capture_output=True, text=True,
+                                timeout=30)
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         log.unlink(missing_ok=True)
         return result, calls
@@ -106,7 +113,7 @@ def tpu_vm(tmp_path):
 @pytest.mark.parametrize("case", CASES)
 def test_dry_run_prints_the_exact_commands(tpu_vm, case):
     args, lines = CASES[case]
-    result, calls = tpu_vm(args[0], "--dry-run", *args[1:])  # after --, it would be COMMAND's
+    result, calls = tpu_vm(args[0], "--dry-run", *args[1:], dry=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(line + "\n" for line in lines)
     assert calls == []  # nothing ran
@@ -132,15 +139,38 @@ def test_dry_run_lines_run_as_printed(tpu_vm):
                           "python3 -c 'print('\\''hi'\\'')' 'a b'")
 
 
-def test_dry_run_anywhere_before_double_dash(tpu_vm):
-    for args in (["--dry-run", "delete", "my-tpu", f"--zone={ZONE}"],
-                 ["delete", "my-tpu", "--dry-run", f"--zone={ZONE}"]):
-        result, calls = tpu_vm(*args)
-        assert result.stdout == "gcloud compute tpus tpu-vm delete my-tpu --zone=us-central2-b --quiet\n"
-        assert calls == []
-    # After --, it is a word of the command to run.
-    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--", "./plan.sh", "--dry-run")
-    assert calls[0][-1] == "--command=cd tpu_keras && TPU_NAME=local ./plan.sh --dry-run"
+@pytest.mark.parametrize("args, env", [
+    (["--dry-run", "delete", "my-tpu", f"--zone={ZONE}"], {}),
+    (["delete", "--dry-run", "my-tpu", f"--zone={ZONE}"], {}),
+    (["delete", "my-tpu", "--dry-run", f"--zone={ZONE}"], {}),
+    (["delete", "my-tpu", f"--zone={ZONE}", "--dry-run"], {}),
+    (["delete", "my-tpu", f"--zone={ZONE}"], {"TPU_VM_DRY_RUN": "1"}),
+])
+def test_dry_run_anywhere_before_double_dash_runs_nothing(tpu_vm, args, env):
+    result, calls = tpu_vm(*args, dry=True, extra_env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "gcloud compute tpus tpu-vm delete my-tpu --zone=us-central2-b --quiet\n"
+    assert calls == []
+
+
+def test_dry_run_just_before_the_command_to_run(tpu_vm):
+    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--dry-run", "--", "ls", dry=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ("gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b "
+                             "--worker=all --command='cd tpu_keras && TPU_NAME=local ls'\n")
+    assert calls == []
+
+
+@pytest.mark.parametrize("before", [[], ["--dry-run"]])
+def test_dry_run_after_double_dash_is_refused(tpu_vm, before):
+    """After --, --dry-run would be a word of COMMAND and gcloud would run for real."""
+    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", *before, "--", "./plan.sh",
+                           "--dry-run", dry=True)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpu_vm.sh: error: --dry-run after -- "), lines
+    assert "put it before --: tpu_vm.sh run my-tpu ... --dry-run -- ..." in lines[0]
+    assert calls == []
 
 
 def test_stops_at_a_failing_command_with_its_exit_code(tpu_vm):
@@ -181,7 +211,7 @@ def test_run_passes_every_word_unchanged(tpu_vm, tmp_path):
 ])
 def test_bad_usage_is_one_line_and_exit_2(tpu_vm, args, fragment):
     for extra in ([], ["--dry-run"]):
-        result, calls = tpu_vm(*extra, *args)
+        result, calls = tpu_vm(*extra, *args, dry=True)
         assert result.returncode == 2
         assert result.stdout == ""
         lines = result.stderr.splitlines()
@@ -198,3 +228,11 @@ def test_help_prints_usage(tpu_vm, args):
     for command in ("create NAME", "delete NAME", "ssh NAME", "copy NAME", "run NAME", "--dry-run"):
         assert command in result.stdout
     assert calls == []
+
+
+def test_bad_dry_run_variable_is_one_line(tpu_vm):
+    result, calls = tpu_vm("delete", "my-tpu", f"--zone={ZONE}", dry=True,
+                           extra_env={"TPU_VM_DRY_RUN": "yes"})
+    assert result.returncode == 2 and calls == []
+    assert result.stderr == ("tpu_vm.sh: error: TPU_VM_DRY_RUN=yes is not 0 or 1; "
+                             "write TPU_VM_DRY_RUN=1 for a dry run, or unset it\n")
