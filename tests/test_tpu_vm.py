@@ -37,17 +37,22 @@ CASES = {
     "create": (
         ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32"],
         ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
-         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.16.1-pod-pjrt"]),
+         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.18.0-pod-pjrt"]),
     "create_one_host_with_project": (
         ["create", "my-tpu", "--zone", ZONE, "--type", "v5litepod-8", "--project=my-project"],
         ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
-         "--accelerator-type=v5litepod-8 --version=tpu-vm-tf-2.16.1-pjrt --project=my-project"]),
+         "--accelerator-type=v5litepod-8 --version=tpu-vm-tf-2.18.0-pjrt-v5e-and-v6 "
+         "--project=my-project"]),
     "create_spot": (
-        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--spot",
-         "--version=tpu-vm-tf-2.18.0-pod-pjrt"],
+        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--spot", "--engine=jax"],
         ["gcloud compute tpus queued-resources create my-tpu --node-id=my-tpu "
          "--zone=us-central2-b --accelerator-type=v4-32 "
-         "--runtime-version=tpu-vm-tf-2.18.0-pod-pjrt --spot"]),
+         "--runtime-version=tpu-ubuntu2204-base --spot"]),
+    "create_with_version": (  # --version wins over the engine's runtime
+        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--engine=jax",
+         "--version=tpu-vm-tf-2.17.0-pod-pjrt"],
+        ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
+         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.17.0-pod-pjrt"]),
     "run_on_every_worker": (
         ["run", "my-tpu", f"--zone={ZONE}", "--",
          *TRAIN, "--config.engine=jax", "--config.cluster.tpu=local"],
@@ -173,6 +178,42 @@ def test_dry_run_after_double_dash_is_refused(tpu_vm, before):
     assert calls == []
 
 
+# The runtime create picks: (type, engine) -> --version, from the script's RUNTIMES table.
+RUNTIMES = {
+    ("v4-8", "tf"): "tpu-vm-tf-2.18.0-pjrt",
+    ("v4-32", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt",
+    ("v4-8", "jax"): "tpu-ubuntu2204-base",
+    ("v4-32", "jax"): "tpu-ubuntu2204-base",
+    ("v5litepod-8", "tf"): "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6",      # 8 chips, one host
+    ("v5litepod-16", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6",
+    ("v5litepod-8", "jax"): "v2-alpha-tpuv5-lite",
+    ("v5litepod-16", "jax"): "v2-alpha-tpuv5-lite",
+    ("v5p-8", "tf"): "tpu-vm-tf-2.18.0-pjrt",
+    ("v5p-16", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt",                  # 8 chips, two hosts
+    ("v5p-8", "jax"): "v2-alpha-tpuv5",
+    ("v5p-16", "jax"): "v2-alpha-tpuv5",
+    ("v6e-8", "tf"): "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6",
+    ("v6e-16", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6",
+    ("v6e-8", "jax"): "v2-alpha-tpuv6e",
+    ("v6e-16", "jax"): "v2-alpha-tpuv6e",
+}
+
+
+@pytest.mark.parametrize("slice_type, engine", sorted(RUNTIMES))
+def test_create_picks_the_runtime_for_the_generation_hosts_and_engine(tpu_vm, slice_type, engine):
+    result, calls = tpu_vm("create", "my-tpu", f"--zone={ZONE}", f"--type={slice_type}",
+                           f"--engine={engine}")
+    assert result.returncode == 0, result.stderr
+    assert calls == [["compute", "tpus", "tpu-vm", "create", "my-tpu", f"--zone={ZONE}",
+                      f"--accelerator-type={slice_type}",
+                      f"--version={RUNTIMES[slice_type, engine]}"]]
+
+
+def test_the_engine_defaults_to_tf(tpu_vm):
+    result, calls = tpu_vm("create", "my-tpu", f"--zone={ZONE}", "--type=v6e-16")
+    assert calls[0][-1] == "--version=" + RUNTIMES["v6e-16", "tf"]
+
+
 def test_stops_at_a_failing_command_with_its_exit_code(tpu_vm):
     """A run preempted on the VM (exit 42) ends the script with 42; copy stops at a failure."""
     result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--", *TRAIN, gcloud_exit=42)
@@ -208,6 +249,12 @@ def test_run_passes_every_word_unchanged(tpu_vm, tmp_path):
     (["run", "my-tpu", f"--zone={ZONE}", "--tf-pod", "--worker=2", "--", "ls"],
      "--tf-pod runs on worker 0; leave out --worker=2"),
     (["delete", "my-tpu", f"--zone={ZONE}", "--", "ls"], "only run takes a command after --"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=v5e-16"], "write --type=v5litepod-16"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=tpu7x-8"],
+     "use v2, v3, v4, v5litepod (v5e), v5p or v6e"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=v4-8", "--engine=torch"],
+     "write --engine=tf or --engine=jax"),
+    (["delete", "my-tpu", f"--zone={ZONE}", "--engine=jax"], "delete does not take --engine"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(tpu_vm, args, fragment):
     for extra in ([], ["--dry-run"]):
@@ -225,8 +272,11 @@ def test_help_prints_usage(tpu_vm, args):
     result, calls = tpu_vm(*args)
     assert result.returncode == 0
     assert result.stdout.startswith("Create, reach and delete Cloud TPU VMs")
-    for command in ("create NAME", "delete NAME", "ssh NAME", "copy NAME", "run NAME", "--dry-run"):
+    for command in ("create NAME", "delete NAME", "ssh NAME", "copy NAME", "run NAME", "--dry-run",
+                    "--engine=tf|jax", "TPU7x"):
         assert command in result.stdout
+    for runtime in set(RUNTIMES.values()):  # the table is shown too
+        assert runtime in result.stdout
     assert calls == []
 
 
