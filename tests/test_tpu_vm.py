@@ -8,6 +8,7 @@ run the fake is told it must not be called, and fails loudly if it is.
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -286,3 +287,30 @@ def test_bad_dry_run_variable_is_one_line(tpu_vm):
     assert result.returncode == 2 and calls == []
     assert result.stderr == ("tpu_vm.sh: error: TPU_VM_DRY_RUN=yes is not 0 or 1; "
                              "write TPU_VM_DRY_RUN=1 for a dry run, or unset it\n")
+
+
+def _documented_command_lines():
+    """Every `scripts/tpu_vm.sh ...` line (continuations joined) in the README and the pod guide."""
+    for doc in ("README.md", "docs/running_on_a_tpu_pod.md"):
+        text = (REPO / doc).read_text().replace("\\\n", " ")
+        for line in re.findall(r"^(scripts/tpu_vm\.sh .*)$", text, flags=re.MULTILINE):
+            yield doc, line.split("  #")[0].strip()  # without a trailing comment
+
+
+def test_the_docs_command_lines_are_ones_the_script_takes(tpu_vm):
+    """README and the pod guide use the script's own option names: each line dry-runs cleanly."""
+    lines = list(_documented_command_lines())
+    assert len(lines) >= 15
+    for doc, line in lines:
+        result, calls = tpu_vm(shell_line=line, dry=True, extra_env={"TPU_VM_DRY_RUN": "1"})
+        assert result.returncode == 0 and calls == [], f"{doc}: {line}\n{result.stderr}"
+
+
+def test_the_docs_name_the_runtimes_the_script_picks():
+    runtime = re.compile(r"`((?:tpu-vm-tf-|v2-alpha-tpuv|tpu-ubuntu)[\w.-]*)`")
+    script = (REPO / "scripts/tpu_vm.sh").read_text()
+    for doc in ("README.md", "docs/running_on_a_tpu_pod.md"):
+        named = set(runtime.findall((REPO / doc).read_text()))
+        assert named, doc
+        assert named <= set(RUNTIMES.values()), (doc, named - set(RUNTIMES.values()))
+        assert all(name in script for name in named)
