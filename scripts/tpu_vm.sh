@@ -3,11 +3,12 @@
 #
 # usage: scripts/tpu_vm.sh COMMAND NAME --zone=ZONE [options] [--dry-run]
 #
-#   create NAME --zone=Z --type=v4-32 [--version=RUNTIME] [--spot]
-#       Creates a slice. --spot asks for spot capacity through a queued
-#       resource, which waits until there is some. RUNTIME defaults to
-#       tpu-vm-tf-2.16.1-pjrt, or tpu-vm-tf-2.16.1-pod-pjrt for a slice of
-#       several hosts (more than 8 in the type's count).
+#   create NAME --zone=Z --type=v4-32 [--engine=tf|jax] [--version=RUNTIME] [--spot]
+#       Creates a slice. RUNTIME (the TPU software version) defaults to the one
+#       for the type's generation, its host count (more than 8 in the type's
+#       count is several hosts) and the engine, tf unless --engine=jax: see the
+#       table at the end of --help; --version=RUNTIME overrides it. --spot asks
+#       for spot capacity through a queued resource, which waits until there is some.
 #   delete NAME --zone=Z [--spot]
 #       Deletes the slice; with --spot, its queued resource and the slice.
 #   ssh NAME --zone=Z [--worker=0]
@@ -24,9 +25,16 @@
 #       TPU_LOAD_LIBRARY=0. --env adds variables to COMMAND's environment.
 #
 # Every command takes --project=P (else gcloud's default project) and
-# --dry-run: print the gcloud commands, one per line, and run nothing.
+# --dry-run, or TPU_VM_DRY_RUN=1 in the environment: print the gcloud
+# commands, one per line, and run nothing. --dry-run goes anywhere before --;
+# after --, it is refused, since it would be COMMAND's and gcloud would run.
 # Options take --opt=value or --opt value. DIR is relative to the home
 # directory on the VMs. Everything after -- is COMMAND, passed on word for word.
+#
+# Generations: v2, v3, v4, v5e (type v5litepod-N), v5p and v6e, through the
+# Cloud TPU API (`gcloud compute tpus`). That API is no longer actively
+# developed and does not serve TPU7x (Ironwood) or later generations, which
+# Compute Engine or GKE create instead; this script does not cover them.
 #
 # example (a v4-32, 4 hosts, tf engine):
 #   scripts/tpu_vm.sh create my-tpu --zone=us-central2-b --type=v4-32
@@ -42,19 +50,42 @@ readonly REPO
 # What a run needs on the VMs (setup.cfg reads README.md); tests, .git and
 # local outputs stay here.
 CHECKOUT=(setup.py setup.cfg README.md tpu_keras configs scripts)
-# TensorFlow runtimes are named tpu-vm-tf-X.Y.Z[-pod]-pjrt for v2 to v6e
-# (Cloud TPU docs, "TPU software versions"); -pod is the multi-host image,
-# which serves every host's chips to the one TensorFlow client on worker 0.
-# The newest tensorflow-tpu wheel is 2.20 (design brief, fact 8): pass a newer
-# image with --version when the docs list one, or install that wheel on the VMs.
-readonly DEFAULT_TF="2.16.1"
+# The runtime (TPU software version) `create` picks, per generation and engine:
+# https://cloud.google.com/tpu/docs/runtimes ("TPU software versions"). JAX uses
+# the page's base images ("v4 and older": tpu-ubuntu2204-base), with jax
+# installed on top. TensorFlow images are tpu-vm-tf-X.Y.Z[-pod]-pjrt; -pod is
+# the multi-host image, whose TPU servers give every host's chips to the one
+# TensorFlow client on worker 0. 2.18.0 is the newest TensorFlow the page lists;
+# v5e and v6e have images of their own, with the suffix -v5e-and-v6 (not read
+# on the page itself: seen created on v5litepod-8 and -16 in public gcloud
+# command lines). The plain names for v2-v5p follow the page's naming rule but
+# were not confirmed either; one public listing of a zone's versions showed
+# tpu-vm-tf-2.18.0-pjrt-v5p-and-below instead. Check a zone's with
+# `gcloud compute tpus tpu-vm versions list --zone=ZONE`, and pass --version.
+RUNTIMES=(
+  # type prefix  tf, one host                      tf, several hosts                     jax
+  "v2            tpu-vm-tf-2.18.0-pjrt              tpu-vm-tf-2.18.0-pod-pjrt              tpu-ubuntu2204-base"
+  "v3            tpu-vm-tf-2.18.0-pjrt              tpu-vm-tf-2.18.0-pod-pjrt              tpu-ubuntu2204-base"
+  "v4            tpu-vm-tf-2.18.0-pjrt              tpu-vm-tf-2.18.0-pod-pjrt              tpu-ubuntu2204-base"
+  "v5litepod     tpu-vm-tf-2.18.0-pjrt-v5e-and-v6   tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6   v2-alpha-tpuv5-lite"
+  "v5p           tpu-vm-tf-2.18.0-pjrt              tpu-vm-tf-2.18.0-pod-pjrt              v2-alpha-tpuv5"
+  "v6e           tpu-vm-tf-2.18.0-pjrt-v5e-and-v6   tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6   v2-alpha-tpuv6e"
+)
+readonly RUNTIMES
 
-COMMAND="" NAME="" ZONE="" TYPE="" VERSION="" PROJECT="" WORKER="" DIR="tpu_keras"
+COMMAND="" NAME="" ZONE="" TYPE="" ENGINE="tf" VERSION="" PROJECT="" WORKER="" DIR="tpu_keras"
 SPOT=0 INSTALL=0 TF_POD=0 DRY_RUN=0 HAVE_REMOTE=0
 ENVS=() REMOTE=() SEEN=()
 
-usage() {
+usage() {  # the header above, then the runtime table
   sed -n '2,/^$/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+  printf '\nRuntimes create picks (--version overrides; source in the script):\n'
+  printf '  %-10s %-35s %-38s %s\n' "type" "tf, one host" "tf, several hosts" "jax"
+  local row
+  for row in "${RUNTIMES[@]}"; do
+    # shellcheck disable=SC2086  # the row's words are the columns
+    printf '  %-10s %-35s %-38s %s\n' $row
+  done
 }
 
 fail() {  # one line that says what to write instead; exit 2 like argparse
@@ -98,7 +129,7 @@ on_workers() {  # runs the shell line $2 on workers $1 of the slice
 # ---- subcommands -------------------------------------------------------------
 
 cmd_create() {
-  local version="${VERSION:-$(default_runtime "$TYPE")}"
+  local version="${VERSION:-$(runtime "$TYPE" "$ENGINE")}"
   if (( SPOT )); then
     # Spot capacity comes through a queued resource; the node gets the same name.
     gcloud_do compute tpus queued-resources create "$NAME" "--node-id=$NAME" "--zone=$ZONE" \
@@ -109,12 +140,25 @@ cmd_create() {
   fi
 }
 
-default_runtime() {  # v4-8 -> tpu-vm-tf-2.16.1-pjrt, v4-32 -> tpu-vm-tf-2.16.1-pod-pjrt
+runtime_row() {  # the RUNTIMES row for type $1 (v4-32 -> the v4 row), or nothing
+  local row
+  for row in "${RUNTIMES[@]}"; do
+    if [[ ${row%% *} == "${1%-*}" ]]; then printf '%s' "$row"; fi
+  done
+}
+
+runtime() {  # the runtime for type $1 and engine $2: v4-32 tf -> tpu-vm-tf-2.18.0-pod-pjrt
+  local prefix tf_one tf_pod jax
+  read -r prefix tf_one tf_pod jax <<<"$(runtime_row "$1")"
   # The count after the dash is TensorCores (v2-v4, v5p) or chips (v5e, v6e);
-  # either way a host has at most 8, so more than 8 means several hosts.
-  local count="${1##*-}" pod=""
-  if (( count > 8 )); then pod="-pod"; fi
-  printf 'tpu-vm-tf-%s%s-pjrt' "$DEFAULT_TF" "$pod"
+  # either way one host has at most 8, so more than 8 means several hosts.
+  if [[ $2 == jax ]]; then
+    printf '%s' "$jax"
+  elif (( ${1##*-} > 8 )); then
+    printf '%s' "$tf_pod"
+  else
+    printf '%s' "$tf_one"
+  fi
 }
 
 cmd_delete() {
@@ -160,15 +204,15 @@ parse() {
   local positional=()
   while (( $# )); do
     case $1 in
-      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; break ;;
+      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; no_dry_run_in "$@"; break ;;
       --help|-h) usage; exit 0 ;;
       --dry-run) DRY_RUN=1 ;;
       --spot) SPOT=1; SEEN+=("$1") ;;
       --install) INSTALL=1; SEEN+=("$1") ;;
       --tf-pod) TF_POD=1; SEEN+=("$1") ;;
-      --zone=*|--type=*|--version=*|--project=*|--worker=*|--dir=*|--env=*)
+      --zone=*|--type=*|--engine=*|--version=*|--project=*|--worker=*|--dir=*|--env=*)
         set_value "${1%%=*}" "${1#*=}" ;;
-      --zone|--type|--version|--project|--worker|--dir|--env)
+      --zone|--type|--engine|--version|--project|--worker|--dir|--env)
         if (( $# < 2 )) || [[ $2 == -* ]]; then fail "$1 needs a value: write $1=VALUE"; fi
         set_value "$1" "$2"; shift ;;
       -*) SEEN+=("${1%%=*}") ;;  # reported once the command, and so its options, is known
@@ -183,12 +227,31 @@ parse() {
   fi
 }
 
+no_dry_run_in() {  # COMMAND's words: a --dry-run there would not stop gcloud
+  local word
+  for word in "$@"; do
+    if [[ $word == --dry-run ]]; then
+      # positional is parse's: what the line named so far
+      fail "--dry-run after -- would be COMMAND's, and gcloud would really run; put it before --: tpu_vm.sh ${positional[0]:-run} ${positional[1]:-NAME} ... --dry-run -- ..."
+    fi
+  done
+}
+
+dry_run_env() {  # TPU_VM_DRY_RUN=1 is --dry-run for every command of a shell session
+  case ${TPU_VM_DRY_RUN:-} in
+    ""|0) ;;
+    1) DRY_RUN=1 ;;
+    *) fail "TPU_VM_DRY_RUN=$TPU_VM_DRY_RUN is not 0 or 1; write TPU_VM_DRY_RUN=1 for a dry run, or unset it" ;;
+  esac
+}
+
 set_value() {
   if [[ -z $2 ]]; then fail "$1 needs a value: write $1=VALUE"; fi
   SEEN+=("$1")
   case $1 in
     --zone) ZONE=$2 ;;
     --type) TYPE=$2 ;;
+    --engine) ENGINE=$2 ;;
     --version) VERSION=$2 ;;
     --project) PROJECT=$2 ;;
     --worker) WORKER=$2 ;;
@@ -200,7 +263,7 @@ set_value() {
 check() {  # the command exists, takes the options given, and has what it needs
   local takes
   case $COMMAND in
-    create) takes="--zone --type --version --spot" ;;
+    create) takes="--zone --type --engine --version --spot" ;;
     delete) takes="--zone --spot" ;;
     ssh) takes="--zone --worker" ;;
     copy) takes="--zone --dir --install" ;;
@@ -230,6 +293,13 @@ check() {  # the command exists, takes the options given, and has what it needs
       fail "create needs the slice type: add --type=TYPE, e.g. --type=v4-32"
     elif ! [[ $TYPE =~ $type_re ]]; then
       fail "--type=$TYPE is not an accelerator type; write e.g. --type=v4-32, v5litepod-16 or v5p-64"
+    elif [[ ${TYPE%-*} == v5e ]]; then
+      fail "gcloud names v5e slices v5litepod: write --type=v5litepod-${TYPE##*-}"
+    elif [[ -z $(runtime_row "$TYPE") ]]; then
+      fail "--type=$TYPE is not a generation this script covers; use v2, v3, v4, v5litepod (v5e), v5p or v6e (TPU7x and later are not in the Cloud TPU API)"
+    fi
+    if [[ $ENGINE != tf && $ENGINE != jax ]]; then
+      fail "--engine=$ENGINE is not an engine; write --engine=tf or --engine=jax"
     fi
   fi
   if [[ -n $WORKER && ! $WORKER =~ ^(all|[0-9]+)$ ]]; then
@@ -257,6 +327,7 @@ check() {  # the command exists, takes the options given, and has what it needs
 main() {
   if (( $# == 0 )); then usage; exit 0; fi
   parse "$@"
+  dry_run_env
   check
   "cmd_$COMMAND"
 }

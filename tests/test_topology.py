@@ -46,14 +46,44 @@ def test_tensorcores_and_aliases():
     alias = topology.parse_slice(" V5E-16 ")
     assert alias.name == "v5litepod-16" and alias.generation.name == "v5e"
     assert topology.parse_slice("v5p-12288").chips == 6144  # the largest v5p slice
+    assert topology.parse_slice("v4-4096").chips == 2048    # the largest v4 slice, 8x16x16
+
+
+# HBM per device: what the devices report (XLA's rounded GiB where no exact bytes were found),
+# not the published capacity (16 GiB per v3 TensorCore, 32 GiB per v4/v6e chip, 16 GB per v5e).
+REPORTED_HBM = {
+    "v2-8": round(7.48 * GiB),
+    "v3-8": round(15.48 * GiB),
+    "v4-32": 33_014_415_360,         # 30.75 GiB
+    "v5litepod-8": round(15.75 * GiB),
+    "v5p-8": 102_803_439_616,        # 95.74 GiB
+    "v6e-8": 33_550_237_696,         # 31.25 GiB
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPORTED_HBM))
+def test_hbm_is_what_the_devices_report(name):
+    assert topology.parse_slice(name).hbm_bytes_per_device == REPORTED_HBM[name]
+
+
+def test_every_generation_carries_its_sources():
+    """Each Generation(...) of the table follows a comment that cites its public pages."""
+    source = Path(topology.__file__).read_text()
+    table = source[source.index("GENERATIONS = {"):source.index("_BY_PREFIX")]
+    blocks = table.split("    Generation(")[:-1]
+    assert len(blocks) == len(topology.GENERATIONS)
+    for block in blocks:
+        comment = [line for line in block.splitlines() if line.strip().startswith("#")]
+        assert any("https://cloud.google.com/tpu/docs/" in line for line in comment), block
+        assert "HBM" in " ".join(comment), block
 
 
 def test_per_device_memory_and_peak():
     v3 = topology.parse_slice("v3-8")
-    assert v3.hbm_bytes_per_device == 16 * GiB            # 32 GiB per chip, 2 devices
+    assert v3.hbm_bytes_per_device == v3.generation.hbm_bytes_per_chip // 2  # 2 devices a chip
     assert v3.peak_flops_per_device == 61.5e12            # 123 TFLOP/s per chip, 2 devices
     v4 = topology.parse_slice("v4-32")
-    assert v4.hbm_bytes_per_device == 32 * GiB
+    assert v4.hbm_bytes_per_device == v4.generation.hbm_bytes_per_chip      # megacore: 1 device
     assert v4.peak_flops == 16 * 275e12
     assert topology.parse_slice("v6e-256").peak_flops == pytest.approx(234.9e15, rel=1e-3)
 
@@ -67,9 +97,10 @@ def test_every_generation_is_consistent():
 
 
 @pytest.mark.parametrize("name, fragments", [
-    ("v4-7", ["counts TensorCores", "multiple of 8", "v4-8192"]),
-    ("v4-16384", ["v4-8192"]),                       # beyond the 4096-chip pod
-    ("v5p-12296", ["v5p-12288"]),                    # beyond the largest v5p slice
+    ("v4-7", ["counts TensorCores", "multiple of 8", "v4-4096"]),
+    ("v4-8192", ["the largest v4 slice is v4-4096 (2048 chips)"]),  # the pod is not one slice
+    ("v4-16384", ["the largest v4 slice is v4-4096"]),
+    ("v5p-12296", ["the largest v5p slice is v5p-12288"]),
     ("v5litepod-12", ["counts chips", "v5litepod-16"]),
     ("v2-16", ["v2-8, v2-32"]),
     ("v9-8", ["v2, v3, v4, v5litepod (v5e), v5p, v6e"]),

@@ -2,11 +2,13 @@
 
 Each case runs twice: with --dry-run (stdout holds the command lines and gcloud
 is never called) and for real, against a fake `gcloud` first on PATH that
-appends its arguments, as one JSON list per line, to $FAKE_GCLOUD_LOG.
+appends its arguments, as one JSON list per line, to $FAKE_GCLOUD_LOG. In a dry
+run the fake is told it must not be called, and fails loudly if it is.
 """
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -22,6 +24,8 @@ FAKE_GCLOUD = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
     log.write(json.dumps(sys.argv[1:]) + "\\n")
+if os.environ.get("FAKE_GCLOUD_FORBIDDEN"):
+    sys.exit("fake gcloud: called in a dry run, which must never reach the cloud")
 sys.exit(int(os.environ.get("FAKE_GCLOUD_EXIT", "0")))
 """
 
@@ -34,17 +38,22 @@ CASES = {
     "create": (
         ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32"],
         ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
-         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.16.1-pod-pjrt"]),
+         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.18.0-pod-pjrt"]),
     "create_one_host_with_project": (
         ["create", "my-tpu", "--zone", ZONE, "--type", "v5litepod-8", "--project=my-project"],
         ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
-         "--accelerator-type=v5litepod-8 --version=tpu-vm-tf-2.16.1-pjrt --project=my-project"]),
+         "--accelerator-type=v5litepod-8 --version=tpu-vm-tf-2.18.0-pjrt-v5e-and-v6 "
+         "--project=my-project"]),
     "create_spot": (
-        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--spot",
-         "--version=tpu-vm-tf-2.18.0-pod-pjrt"],
+        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--spot", "--engine=jax"],
         ["gcloud compute tpus queued-resources create my-tpu --node-id=my-tpu "
          "--zone=us-central2-b --accelerator-type=v4-32 "
-         "--runtime-version=tpu-vm-tf-2.18.0-pod-pjrt --spot"]),
+         "--runtime-version=tpu-ubuntu2204-base --spot"]),
+    "create_with_version": (  # --version wins over the engine's runtime
+        ["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--engine=jax",
+         "--version=tpu-vm-tf-2.17.0-pod-pjrt"],
+        ["gcloud compute tpus tpu-vm create my-tpu --zone=us-central2-b "
+         "--accelerator-type=v4-32 --version=tpu-vm-tf-2.17.0-pod-pjrt"]),
     "run_on_every_worker": (
         ["run", "my-tpu", f"--zone={ZONE}", "--",
          *TRAIN, "--config.engine=jax", "--config.cluster.tpu=local"],
@@ -92,10 +101,14 @@ def tpu_vm(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "FAKE_GCLOUD_LOG": str(log)}
 
-    def call(*args, shell_line=None, gcloud_exit=0):
+    def call(*args, shell_line=None, gcloud_exit=0, dry=False, extra_env=None):
+        """dry=True: the fake gcloud fails if it is called at all."""
         argv = ["bash", "-c", shell_line] if shell_line else ["bash", "scripts/tpu_vm.sh", *args]
-        result = subprocess.run(argv, cwd=REPO, env={**env, "FAKE_GCLOUD_EXIT": str(gcloud_exit)},
-                                capture_output=True, text=True, timeout=30)
+        run_env = {**env, "FAKE_GCLOUD_EXIT": str(gcloud_exit), **(extra_env or {})}
+        if dry:
+            run_env["FAKE_GCLOUD_FORBIDDEN"] = "1"
+        result = subprocess.run(argv, cwd=REPO, env=run_env, capture_output=True, text=True,
+                                timeout=30)
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         log.unlink(missing_ok=True)
         return result, calls
@@ -106,7 +119,7 @@ def tpu_vm(tmp_path):
 @pytest.mark.parametrize("case", CASES)
 def test_dry_run_prints_the_exact_commands(tpu_vm, case):
     args, lines = CASES[case]
-    result, calls = tpu_vm(args[0], "--dry-run", *args[1:])  # after --, it would be COMMAND's
+    result, calls = tpu_vm(args[0], "--dry-run", *args[1:], dry=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(line + "\n" for line in lines)
     assert calls == []  # nothing ran
@@ -132,15 +145,74 @@ def test_dry_run_lines_run_as_printed(tpu_vm):
                           "python3 -c 'print('\\''hi'\\'')' 'a b'")
 
 
-def test_dry_run_anywhere_before_double_dash(tpu_vm):
-    for args in (["--dry-run", "delete", "my-tpu", f"--zone={ZONE}"],
-                 ["delete", "my-tpu", "--dry-run", f"--zone={ZONE}"]):
-        result, calls = tpu_vm(*args)
-        assert result.stdout == "gcloud compute tpus tpu-vm delete my-tpu --zone=us-central2-b --quiet\n"
-        assert calls == []
-    # After --, it is a word of the command to run.
-    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--", "./plan.sh", "--dry-run")
-    assert calls[0][-1] == "--command=cd tpu_keras && TPU_NAME=local ./plan.sh --dry-run"
+@pytest.mark.parametrize("args, env", [
+    (["--dry-run", "delete", "my-tpu", f"--zone={ZONE}"], {}),
+    (["delete", "--dry-run", "my-tpu", f"--zone={ZONE}"], {}),
+    (["delete", "my-tpu", "--dry-run", f"--zone={ZONE}"], {}),
+    (["delete", "my-tpu", f"--zone={ZONE}", "--dry-run"], {}),
+    (["delete", "my-tpu", f"--zone={ZONE}"], {"TPU_VM_DRY_RUN": "1"}),
+])
+def test_dry_run_anywhere_before_double_dash_runs_nothing(tpu_vm, args, env):
+    result, calls = tpu_vm(*args, dry=True, extra_env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "gcloud compute tpus tpu-vm delete my-tpu --zone=us-central2-b --quiet\n"
+    assert calls == []
+
+
+def test_dry_run_just_before_the_command_to_run(tpu_vm):
+    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", "--dry-run", "--", "ls", dry=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ("gcloud compute tpus tpu-vm ssh my-tpu --zone=us-central2-b "
+                             "--worker=all --command='cd tpu_keras && TPU_NAME=local ls'\n")
+    assert calls == []
+
+
+@pytest.mark.parametrize("before", [[], ["--dry-run"]])
+def test_dry_run_after_double_dash_is_refused(tpu_vm, before):
+    """After --, --dry-run would be a word of COMMAND and gcloud would run for real."""
+    result, calls = tpu_vm("run", "my-tpu", f"--zone={ZONE}", *before, "--", "./plan.sh",
+                           "--dry-run", dry=True)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpu_vm.sh: error: --dry-run after -- "), lines
+    assert "put it before --: tpu_vm.sh run my-tpu ... --dry-run -- ..." in lines[0]
+    assert calls == []
+
+
+# The runtime create picks: (type, engine) -> --version, from the script's RUNTIMES table.
+RUNTIMES = {
+    ("v4-8", "tf"): "tpu-vm-tf-2.18.0-pjrt",
+    ("v4-32", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt",
+    ("v4-8", "jax"): "tpu-ubuntu2204-base",
+    ("v4-32", "jax"): "tpu-ubuntu2204-base",
+    ("v5litepod-8", "tf"): "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6",      # 8 chips, one host
+    ("v5litepod-16", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6",
+    ("v5litepod-8", "jax"): "v2-alpha-tpuv5-lite",
+    ("v5litepod-16", "jax"): "v2-alpha-tpuv5-lite",
+    ("v5p-8", "tf"): "tpu-vm-tf-2.18.0-pjrt",
+    ("v5p-16", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt",                  # 8 chips, two hosts
+    ("v5p-8", "jax"): "v2-alpha-tpuv5",
+    ("v5p-16", "jax"): "v2-alpha-tpuv5",
+    ("v6e-8", "tf"): "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6",
+    ("v6e-16", "tf"): "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6",
+    ("v6e-8", "jax"): "v2-alpha-tpuv6e",
+    ("v6e-16", "jax"): "v2-alpha-tpuv6e",
+}
+
+
+@pytest.mark.parametrize("slice_type, engine", sorted(RUNTIMES))
+def test_create_picks_the_runtime_for_the_generation_hosts_and_engine(tpu_vm, slice_type, engine):
+    result, calls = tpu_vm("create", "my-tpu", f"--zone={ZONE}", f"--type={slice_type}",
+                           f"--engine={engine}")
+    assert result.returncode == 0, result.stderr
+    assert calls == [["compute", "tpus", "tpu-vm", "create", "my-tpu", f"--zone={ZONE}",
+                      f"--accelerator-type={slice_type}",
+                      f"--version={RUNTIMES[slice_type, engine]}"]]
+
+
+def test_the_engine_defaults_to_tf(tpu_vm):
+    result, calls = tpu_vm("create", "my-tpu", f"--zone={ZONE}", "--type=v6e-16")
+    assert calls[0][-1] == "--version=" + RUNTIMES["v6e-16", "tf"]
 
 
 def test_stops_at_a_failing_command_with_its_exit_code(tpu_vm):
@@ -178,10 +250,16 @@ def test_run_passes_every_word_unchanged(tpu_vm, tmp_path):
     (["run", "my-tpu", f"--zone={ZONE}", "--tf-pod", "--worker=2", "--", "ls"],
      "--tf-pod runs on worker 0; leave out --worker=2"),
     (["delete", "my-tpu", f"--zone={ZONE}", "--", "ls"], "only run takes a command after --"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=v5e-16"], "write --type=v5litepod-16"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=tpu7x-8"],
+     "use v2, v3, v4, v5litepod (v5e), v5p or v6e"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=v4-8", "--engine=torch"],
+     "write --engine=tf or --engine=jax"),
+    (["delete", "my-tpu", f"--zone={ZONE}", "--engine=jax"], "delete does not take --engine"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(tpu_vm, args, fragment):
     for extra in ([], ["--dry-run"]):
-        result, calls = tpu_vm(*extra, *args)
+        result, calls = tpu_vm(*extra, *args, dry=True)
         assert result.returncode == 2
         assert result.stdout == ""
         lines = result.stderr.splitlines()
@@ -195,6 +273,44 @@ def test_help_prints_usage(tpu_vm, args):
     result, calls = tpu_vm(*args)
     assert result.returncode == 0
     assert result.stdout.startswith("Create, reach and delete Cloud TPU VMs")
-    for command in ("create NAME", "delete NAME", "ssh NAME", "copy NAME", "run NAME", "--dry-run"):
+    for command in ("create NAME", "delete NAME", "ssh NAME", "copy NAME", "run NAME", "--dry-run",
+                    "--engine=tf|jax", "TPU7x"):
         assert command in result.stdout
+    for runtime in set(RUNTIMES.values()):  # the table is shown too
+        assert runtime in result.stdout
     assert calls == []
+
+
+def test_bad_dry_run_variable_is_one_line(tpu_vm):
+    result, calls = tpu_vm("delete", "my-tpu", f"--zone={ZONE}", dry=True,
+                           extra_env={"TPU_VM_DRY_RUN": "yes"})
+    assert result.returncode == 2 and calls == []
+    assert result.stderr == ("tpu_vm.sh: error: TPU_VM_DRY_RUN=yes is not 0 or 1; "
+                             "write TPU_VM_DRY_RUN=1 for a dry run, or unset it\n")
+
+
+def _documented_command_lines():
+    """Every `scripts/tpu_vm.sh ...` line (continuations joined) in the README and the pod guide."""
+    for doc in ("README.md", "docs/running_on_a_tpu_pod.md"):
+        text = (REPO / doc).read_text().replace("\\\n", " ")
+        for line in re.findall(r"^(scripts/tpu_vm\.sh .*)$", text, flags=re.MULTILINE):
+            yield doc, line.split("  #")[0].strip()  # without a trailing comment
+
+
+def test_the_docs_command_lines_are_ones_the_script_takes(tpu_vm):
+    """README and the pod guide use the script's own option names: each line dry-runs cleanly."""
+    lines = list(_documented_command_lines())
+    assert len(lines) >= 15
+    for doc, line in lines:
+        result, calls = tpu_vm(shell_line=line, dry=True, extra_env={"TPU_VM_DRY_RUN": "1"})
+        assert result.returncode == 0 and calls == [], f"{doc}: {line}\n{result.stderr}"
+
+
+def test_the_docs_name_the_runtimes_the_script_picks():
+    runtime = re.compile(r"`((?:tpu-vm-tf-|v2-alpha-tpuv|tpu-ubuntu)[\w.-]*)`")
+    script = (REPO / "scripts/tpu_vm.sh").read_text()
+    for doc in ("README.md", "docs/running_on_a_tpu_pod.md"):
+        named = set(runtime.findall((REPO / doc).read_text()))
+        assert named, doc
+        assert named <= set(RUNTIMES.values()), (doc, named - set(RUNTIMES.values()))
+        assert all(name in script for name in named)

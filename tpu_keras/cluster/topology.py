@@ -30,7 +30,7 @@ class Generation:
     devices_per_chip: int              # TF/JAX devices: 1 on megacore chips (v4, v5p)
     chips_per_host: int                # chips per TPU VM (one process) in a multi-host slice
     max_single_host_chips: int         # the largest slice that is one VM
-    hbm_bytes_per_chip: int
+    hbm_bytes_per_chip: int            # usable: what the devices report (see GENERATIONS)
     peak_bf16_flops_per_chip: float
     pod_chips: int                     # chips in a whole pod
     max_slice_chips: int               # the largest single slice Cloud TPU offers
@@ -53,56 +53,79 @@ class Generation:
         return self.tensorcores_per_chip if self.name_counts == "TensorCores" else 1
 
 
+# HBM is the usable bytes the devices report: the runtime's allocation limit
+# (jax `Device.memory_stats()["bytes_limit"]`), which XLA's out-of-memory
+# message prints as "Used X of <limit> hbm", rounded to 0.01 GiB. It is below
+# the published capacity on most generations, and a memory plan against the
+# published figure would promise memory that is not there. Where only XLA's
+# message was found, the figure is its rounded GiB.
 GENERATIONS = {g.name: g for g in (
     # https://cloud.google.com/tpu/docs/v2 and /system-architecture-tpu-vm: 2 TensorCores per
-    # chip, each its own device; 8 GiB HBM per TensorCore = 16 GiB per chip; 4 chips per host
-    # (v2-8 is one host). 45 TFLOP/s bf16 per chip = 180 per 4-chip board (Google's launch
-    # figure; Jouppi et al., CACM 2020, linked from the v2 page, lists 46). Largest type v2-512
-    # = 512 TensorCores = 256 chips (the v2 page's "512 chips" counts TensorCores).
+    # chip, each its own device; 8 GiB HBM per TensorCore, of which a v2-8 device has "7.48G"
+    # (https://github.com/erfanzar/EasyDeL/issues/78); 4 chips per host (v2-8 is one host).
+    # 45 TFLOP/s bf16 per chip = 180 per 4-chip board (Google's launch figure; Jouppi et al.,
+    # CACM 2020, linked from the v2 page, lists 46). Largest type v2-512 = 512 TensorCores
+    # = 256 chips (the v2 page's "512 chips" counts TensorCores).
     Generation("v2", "v2", (), tensorcores_per_chip=2, devices_per_chip=2, chips_per_host=4,
-               max_single_host_chips=4, hbm_bytes_per_chip=16 * GiB,
+               max_single_host_chips=4, hbm_bytes_per_chip=2 * round(7.48 * GiB),
                peak_bf16_flops_per_chip=45 * TERA, pod_chips=256, max_slice_chips=256,
                name_counts="TensorCores", sizes=(8, 32, 128, 256, 512),  # types the v2 page lists
                device_kinds=("v2",)),
     # https://cloud.google.com/tpu/docs/v3: 2 TensorCores per chip (each its own device);
-    # "123 teraflops (bf16)" and "32 GiB" HBM2 per chip (16 GiB per TensorCore); pod 1024 chips
-    # = v3-2048; 4 chips per host (/system-architecture-tpu-vm).
+    # "123 teraflops (bf16)" and "32 GiB" HBM2 per chip (16 GiB per TensorCore, of which a
+    # v3-8 device has "15.48G": https://github.com/LargeWorldModel/LWM/issues/60); pod 1024
+    # chips = v3-2048; 4 chips per host (/system-architecture-tpu-vm).
     Generation("v3", "v3", (), tensorcores_per_chip=2, devices_per_chip=2, chips_per_host=4,
-               max_single_host_chips=4, hbm_bytes_per_chip=32 * GiB,
+               max_single_host_chips=4, hbm_bytes_per_chip=2 * round(15.48 * GiB),
                peak_bf16_flops_per_chip=123 * TERA, pod_chips=1024, max_slice_chips=1024,
                name_counts="TensorCores", sizes=(8, 32, 64, 128, 256, 512, 1024, 2048),
                device_kinds=("v3",)),
     # https://cloud.google.com/tpu/docs/v4: 2 TensorCores per chip presented as one device
     # (megacore); "275 teraflops (bf16 or int8)" and "32 GiB" HBM2 per chip; "TPU Pod size 4096
-    # chips" (= v4-8192; the page names no smaller largest slice); 4 chips per host.
+    # chips"; 4 chips per host. HBM: bytes_limit 33,014,415,360 B = 30.75 GiB
+    # (https://github.com/jax-ml/jax/issues/1491, June 2023, when v4 was the only TPU with
+    # 32 GiB per device; "of 30.75G hbm" on a v4-256,
+    # https://github.com/young-geng/EasyLM/issues/98).
+    # A later runtime reported 34,088,157,184 B (https://github.com/pytorch/xla/pull/7086);
+    # the lower figure is kept. Largest slice: v4-4096 = 8x16x16 = 2048 chips, the largest v4
+    # topology in Google's https://github.com/AI-Hypercomputer/xpk
+    # src/xpk/core/system_characteristics.py; no list of v4 slice types found goes further (the
+    # 4096-chip pod is not offered as one slice; the v4 page's 12x12x24 illustrates its torus
+    # rule and is not a listed type).
     Generation("v4", "v4", (), tensorcores_per_chip=2, devices_per_chip=1, chips_per_host=4,
-               max_single_host_chips=4, hbm_bytes_per_chip=32 * GiB,
-               peak_bf16_flops_per_chip=275 * TERA, pod_chips=4096, max_slice_chips=4096,
+               max_single_host_chips=4, hbm_bytes_per_chip=33_014_415_360,
+               peak_bf16_flops_per_chip=275 * TERA, pod_chips=4096, max_slice_chips=2048,
                name_counts="TensorCores", device_kinds=("v4",)),
     # https://cloud.google.com/tpu/docs/v5e: 1 TensorCore per chip; "197 TFLOPs" bf16 and
-    # "16 GB" HBM2 per chip (16 GiB: the runtime reports ~15.75 GiB usable, more than 16e9 B);
-    # pod 256 chips. A v5e machine holds 8 chips ("Chips per host: 8"), but only v5litepod-1/-4/-8
-    # are one VM; multi-host slices are 4-chip VMs (ct5lp-hightpu-4t), so v5litepod-16 has 4
-    # workers (the page's "Number of hosts: 2" counts 8-chip machines; see the v6e page's VMs
-    # column, and github.com/AI-Hypercomputer/xpk src/xpk/core/system_characteristics.py).
+    # "16 GB" HBM2 per chip, of which a device has 15.75 GiB: the limit XLA's out-of-memory
+    # messages give on v5litepod-1 and v5e-8 in public logs ("Used X of 15.75G hbm"); no exact
+    # bytes_limit of a v5e was found. Pod 256 chips. A v5e machine holds 8 chips ("Chips per
+    # host: 8"), but only v5litepod-1/-4/-8 are one VM; multi-host slices are 4-chip VMs
+    # (ct5lp-hightpu-4t), so v5litepod-16 has 4 workers (the page's "Number of hosts: 2" counts
+    # 8-chip machines; see the v6e page's VMs column, and
+    # https://github.com/AI-Hypercomputer/xpk src/xpk/core/system_characteristics.py).
     Generation("v5e", "v5litepod", ("v5e", "v5lite"), tensorcores_per_chip=1, devices_per_chip=1,
-               chips_per_host=4, max_single_host_chips=8, hbm_bytes_per_chip=16 * GiB,
+               chips_per_host=4, max_single_host_chips=8, hbm_bytes_per_chip=round(15.75 * GiB),
                peak_bf16_flops_per_chip=197 * TERA, pod_chips=256, max_slice_chips=256,
                name_counts="chips", sizes=(1, 4, 8, 16, 32, 64, 128, 256),
                device_kinds=("v5 lite", "v5lite", "v5e", "v5litepod")),
     # https://cloud.google.com/tpu/docs/v5p: "Number of TensorCores per chip 2" (one megacore
-    # device, like v4); "459" TFLOP/s bf16 and "95" GiB HBM per chip; 8960 chips per pod, but
-    # "the maximum v5p shape is 16x16x24 (6144 chips)" = v5p-12288; 4-chip VMs.
+    # device, like v4); "459" TFLOP/s bf16 and "95" GiB HBM per chip, of which a device reports
+    # 102,803,439,616 B = 95.74 GiB (the v5p-8 case of Google's tpu-info,
+    # https://github.com/AI-Hypercomputer/cloud-accelerator-diagnostics tpu_info/metrics_test.py;
+    # XLA's limit on a v5p-64 is "95.74G" as well); 8960 chips per pod, but "the maximum v5p
+    # shape is 16x16x24 (6144 chips)" = v5p-12288; 4-chip VMs.
     Generation("v5p", "v5p", (), tensorcores_per_chip=2, devices_per_chip=1, chips_per_host=4,
-               max_single_host_chips=4, hbm_bytes_per_chip=95 * GiB,
+               max_single_host_chips=4, hbm_bytes_per_chip=102_803_439_616,
                peak_bf16_flops_per_chip=459 * TERA, pod_chips=8960, max_slice_chips=6144,
                name_counts="TensorCores", device_kinds=("v5", "v5p")),
     # https://cloud.google.com/tpu/docs/v6e (Trillium): 1 TensorCore per chip; "918 TFLOPs" bf16
-    # and "32 GB" HBM per chip (32 GiB: v6e devices report 33550237696 B, more than 32e9);
+    # and "32 GB" HBM per chip, of which a device reports 33,550,237,696 B = 31.25 GiB
+    # ("gpu_memory_per_device" on a v6e: https://github.com/vllm-project/vllm/pull/16211);
     # pod 256 chips. Supported-configurations table: v6e-1/-4/-8 are one VM; multi-host slices
     # have 2 VMs of 4 chips per 8-chip host, e.g. 4x4 = 16 chips, 2 hosts, 4 VMs.
     Generation("v6e", "v6e", ("trillium",), tensorcores_per_chip=1, devices_per_chip=1,
-               chips_per_host=4, max_single_host_chips=8, hbm_bytes_per_chip=32 * GiB,
+               chips_per_host=4, max_single_host_chips=8, hbm_bytes_per_chip=33_550_237_696,
                peak_bf16_flops_per_chip=918 * TERA, pod_chips=256, max_slice_chips=256,
                name_counts="chips", sizes=(1, 4, 8, 16, 32, 64, 128, 256),
                device_kinds=("v6 lite", "v6lite", "v6e", "trillium")),
@@ -184,6 +207,10 @@ def parse_slice(name: str) -> Slice:
         valid = number % step == 0 and 0 < number <= largest
         allowed = f"a multiple of {step} from {gen.prefix}-{step} to {gen.prefix}-{largest}"
     if not valid:
+        if number > largest:
+            raise UserError(f"TPU slice {name!r} does not exist: the largest {gen.name} slice "
+                            f"is {gen.prefix}-{largest} ({gen.max_slice_chips} chips); "
+                            f"write {allowed}")
         per_chip = (f", {gen.tensorcores_per_chip} per chip" if gen.name_counts == "TensorCores"
                     else "")
         raise UserError(f"TPU slice {name!r} does not exist: the number after '{match.group(1)}-' "

@@ -88,7 +88,7 @@ def format_table(info: dict) -> str:
             f"{slice_facts['slice']} ({slice_facts['generation']}): {slice_facts['hosts']} host(s), "
             f"{slice_facts['chips']} chips, {slice_facts['devices']} devices "
             f"({slice_facts['devices_per_host']} per host), "
-            f"{slice_facts['hbm_bytes_per_device'] / 2 ** 30:.0f} GiB HBM per device")))
+            f"{slice_facts['hbm_bytes_per_device'] / 2 ** 30:.2f} GiB HBM per device")))
     else:
         rows.append(("TPU slice", "none"))
     rows += [("precision", info["precision"]),
