@@ -24,7 +24,7 @@ from tpu_keras.config import REMAT_MODES
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.tools.layout_report import format_bytes
-from tpu_keras.tools.memory_plan import Footprint, usable_bytes
+from tpu_keras.tools.memory_plan import MARGIN_NOTE, Footprint, usable_bytes
 
 
 def search(config, slice_name: str, margin: float = 0.1) -> dict:
@@ -145,7 +145,7 @@ def format_search(s: dict, rows: int = 12) -> str:
     lines += ["", "per device; batch: examples per batch split per micro-batch; accum: micro-batches "
                   "per update; sent: bytes each device sends per update",
               "* model > 1: activations split where tensor parallelism splits them, followed through "
-              "the traced step; the estimate errs high"]
+              "the traced step; the estimate errs high", MARGIN_NOTE]
     for skip in s["skipped"][:3]:
         lines.append(f"skipped {mesh_lib.describe(skip['mesh'])}: {skip['reason']}")
     best = s["recommended"]

@@ -152,6 +152,10 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
     return result
 
 
+MARGIN_NOTE = ("HBM is what the devices report usable, not the published capacity; --margin "
+               "keeps room for XLA's own buffers, padding and fragmentation")
+
+
 def _sent_parts(sent: dict) -> str:
     parts = [(key.replace("_", " "), value) for key, value in sent.items() if key != "total" and value]
     return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts) or "nothing"
@@ -191,7 +195,7 @@ def format_plan(p: dict) -> str:
                   f"that grow with the batch (estimate / XLA = "
                   f"{d['activations'] / max(1, m['activations']):.2f})"]
     lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
-                  f"({p['margin']:.0%} kept free)"]
+                  f"({p['margin']:.0%} kept free)", MARGIN_NOTE]
     share = d["total"] / p["usable_bytes_per_device"]
     if p["fits"]:
         lines.append(f"fits: yes, {share:.1%} of usable HBM" if share >= 0.001
