@@ -30,6 +30,7 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 
 from tpu_keras.errors import UserError
 
@@ -50,6 +51,10 @@ def enter() -> None:
     `UserError` in the unlikely case that it refuses this process what it
     allowed the trial child a moment before.
     """
+    if not sys.platform.startswith("linux"):
+        raise Unavailable(f"network namespaces are Linux's, and this is {sys.platform}")
+    if len(os.listdir("/proc/self/task")) > 1:
+        raise Unavailable("this process runs several threads, and unshare needs just one")
     refused = _in_forked_child(_isolate)
     if refused:
         raise Unavailable(refused)
