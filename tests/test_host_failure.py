@@ -1,11 +1,20 @@
-"""Two local hosts: one dies mid-run, the other stops on its own, and a rerun resumes exactly."""
+"""Two local hosts: one dies mid-run, the other stops on its own, and a rerun resumes exactly.
+
+The reference run is on the launcher's private network (the default) and the
+killed one on the host's (`--network=host`): nothing outside reaches the
+first one's servers, the second one's are reachable, and both end with the
+same weights.
+"""
 
 import os
 import random
 import re
 import signal
+import socket
 import sys
 import time
+
+import pytest
 
 from conftest import run
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish,
@@ -18,17 +27,65 @@ def launch_args(workdir, data_dir, *launcher_flags):
             f"--workdir={workdir}", f"--config.data.data_dir={data_dir}", *ARGS]
 
 
+def listening_ports(pid):
+    """The TCP ports process `pid` listens on, from its network namespace's own socket table."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass  # closed meanwhile
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()  # local address, ..., state (0A: LISTEN), ..., inode
+                if fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def reachable_from_here(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+def host_pids(lines):
+    return [int(pid) for pid in re.findall(r"host \d+ pid (\d+)", "".join(lines))]
+
+
 def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         tmp_path_factory, data_dir):
     reference = tmp_path_factory.mktemp("two_hosts_reference")
-    run(launch_args(reference, data_dir), timeout=450)
+    launcher = start(launch_args(reference, data_dir))
+    try:
+        started = read_until(launcher, r"hosts started: ")
+        refused = [line for line in started if "notice: no private network here" in line]
+        if refused:
+            pytest.skip(f"no unprivileged network namespaces on this machine: {refused[0]}")
+        read_until(launcher, rf"\[host 0\].*step 10/{STEPS}")
+        listening = {pid: listening_ports(pid) for pid in host_pids(started)}
+        in_reach = {port: reachable_from_here(port) for ports in listening.values() for port in ports}
+        output = finish(launcher, timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, output[-3000:]
+    assert len(listening) == 2 and all(listening.values()), listening  # each its TF worker server
+    assert not any(in_reach.values()), in_reach
     workdir = tmp_path_factory.mktemp("two_hosts_killed")
 
-    launcher = start(launch_args(workdir, data_dir, "--failure_grace=150"))
+    launcher = start(launch_args(workdir, data_dir, "--failure_grace=150", "--network=host"))
     try:
-        started = "".join(read_until(launcher, r"hosts started: "))
-        host1 = int(re.search(r"host 1 pid (\d+)", started).group(1))
+        started = read_until(launcher, r"hosts started: ")
+        host1 = host_pids(started)[1]
         read_until(launcher, rf"\[host 0\].*step {random.choice([10, 20, 30])}/{STEPS}")
+        host1_ports = listening_ports(host1)
+        assert host1_ports and all(reachable_from_here(port) for port in host1_ports), host1_ports
         time.sleep(random.uniform(0, 0.5))
         killed_at = time.monotonic()
         os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
@@ -45,7 +102,7 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
     assert stopped_after < 120, stopped_after
 
     (workdir / "example_ids").rename(workdir / "example_ids.first")
-    second = run(launch_args(workdir, data_dir), timeout=450).stdout
+    second = run(launch_args(workdir, data_dir, "--network=host"), timeout=450).stdout
     resumed_at = resumed_step(second)
     assert_same_weights(workdir, reference)
     seen = seen_over_the_run(example_ids(workdir / "example_ids.first"),

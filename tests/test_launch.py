@@ -4,13 +4,17 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+
+from conftest import assert_one_line_error, run
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -148,7 +152,8 @@ def test_sigterm_to_launcher_stops_hosts(tmp_path):
     assert all(_wait_gone(pid) for pid in pids), out
 
 
-@pytest.mark.parametrize("flags", [["--hosts=2"], ["--hosts=0", "--"], ["--devices_per_host=0", "--"]])
+@pytest.mark.parametrize("flags", [["--hosts=2"], ["--hosts=0", "--"], ["--devices_per_host=0", "--"],
+                                   ["--network=none", "--"]])
 def test_bad_usage_is_one_line(flags):
     argv = [sys.executable, "-m", "tpu_keras.launch", *flags]
     if "--" in flags:
@@ -158,3 +163,79 @@ def test_bad_usage_is_one_line(flags):
     assert result.returncode != 0
     assert "Traceback" not in result.stdout
     assert len(result.stdout.strip().splitlines()) == 1, result.stdout
+
+
+# A child that listens on its TF_CONFIG port on every interface, as TensorFlow's
+# servers do, checks it can connect to it itself, says so, and waits for `done`.
+_LISTENER = """
+    import json, os, pathlib, socket, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    port = int(config["cluster"]["worker"][config["task"]["index"]].rsplit(":", 1)[1])
+    server = socket.create_server(("", port))
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    print("LISTENING", port, flush=True)
+    done, deadline = pathlib.Path({tmp!r}) / "done", time.monotonic() + 30
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+_NO_NAMESPACE = "notice: no private network here"
+
+
+def _reachable(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+@pytest.mark.parametrize("network, reachable", [("private", False), ("host", True)])
+def test_the_hosts_ports_are_out_of_reach_unless_on_the_host_network(tmp_path, network, reachable):
+    launcher = subprocess.Popen(
+        _launch_argv(["--hosts=2", "--timeout=60", f"--network={network}"],
+                     _LISTENER.format(tmp=str(tmp_path))),
+        cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in launcher.stdout:  # until both hosts listen (they give up after 30 s)
+            lines.append(line)
+            if sum("LISTENING" in line for line in lines) == 2:
+                break
+        ports = [int(line.split()[-1]) for line in lines if "LISTENING" in line]
+        found = {port: _reachable(port) for port in ports}
+        (tmp_path / "done").write_text("")
+        out = "".join(lines) + launcher.communicate(timeout=30)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    refused = re.search(_NO_NAMESPACE + r" \((.*?)\)", out)
+    if network == "private" and refused:
+        pytest.skip(f"no unprivileged network namespaces on this machine ({refused.group(1)})")
+    assert launcher.returncode == 0, out
+    assert len(ports) == 2 and found == {port: reachable for port in ports}, out
+    assert _NO_NAMESPACE not in out
+
+
+def test_where_namespaces_are_refused_one_line_says_what_is_exposed(tmp_path):
+    argv = _launch_argv(["--hosts=2"], "print('RAN')")
+    probe = subprocess.run(["unshare", "--user", "true"], capture_output=True, timeout=30) \
+        if shutil.which("unshare") else None
+    if probe and probe.returncode == 0:
+        # In a user namespace that maps no uid, the kernel refuses a nested one (EPERM).
+        argv = ["unshare", "--user", "--", *argv]
+    result = subprocess.run(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert "[host 0] RAN" in result.stdout and "[host 1] RAN" in result.stdout
+    notices = [line for line in result.stdout.splitlines() if _NO_NAMESPACE in line]
+    assert len(notices) == 1, result.stdout
+    for fragment in ("listen on all interfaces", "without authentication", "user namespaces",
+                     "firewall"):
+        assert fragment in notices[0], notices[0]
+
+
+def test_a_command_that_names_another_machine_needs_the_host_network():
+    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--", "true",
+                  "--workdir=gs://bucket/run"], timeout=30, check=False)
+    assert_one_line_error(result, "gs://bucket/run", "--network=host")

@@ -12,11 +12,19 @@ the others `--failure_grace` seconds to notice and exit on their own, as a
 real pod's hosts must; then, or when the timeout passes, every host left is
 stopped, so a broken run never leaves orphans or hangs its peers forever.
 
+The hosts' servers do not authenticate, so by default (`--network=private`)
+the launcher first moves itself into a private network namespace
+(`cluster.private_network`): the hosts, their coordinator and the local
+tf.data service reach one another on 127.0.0.1, and nothing outside reaches
+them. `--network=host` keeps them on this machine's network; where the kernel
+refuses a namespace, the launcher says so in one line and goes on without.
+
 Deliberately imports nothing heavy (no TensorFlow): it must start instantly.
 """
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +35,7 @@ import time
 from absl import flags
 
 from tpu_keras import cli
+from tpu_keras.cluster import private_network
 from tpu_keras.errors import UserError
 
 flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
@@ -38,11 +47,18 @@ flags.DEFINE_float("failure_grace", 10, "Seconds the other hosts get to exit on 
 flags.DEFINE_bool("data_service", False,
                   "Start a local tf.data service (dispatcher + worker) for the hosts; "
                   "its address reaches them as TPU_KERAS_DATA_SERVICE.")
+NETWORKS = ("private", "host")
+flags.DEFINE_enum("network", "private", NETWORKS,
+                  "private: the hosts, their coordinator and the --data_service run in a network "
+                  "of their own that nothing outside reaches (their servers do not "
+                  "authenticate); host: on this machine's network, which they need to reach "
+                  "other machines (a remote tf.data service, a gs:// workdir).")
 
 FLAGS = flags.FLAGS
 
 GRACE_SECONDS = 5.0  # Between SIGTERM and SIGKILL: time for hosts to flush logs.
 TIMEOUT_EXIT_CODE = 124  # Same convention as coreutils `timeout`.
+_URL = re.compile(r"(?:^|=)([a-z][a-z0-9+.-]*://\S*)")  # gs://..., or --flag=grpc://...
 _POLL_SECONDS = 0.1
 _PRINT_LOCK = threading.Lock()  # One whole line at a time, from any thread.
 
@@ -204,14 +220,39 @@ def _start_data_service(timeout):
     return proc, line[1]
 
 
+def _enter_private_network(command):
+    """Moves this process, and so every host it starts, into a network of its own.
+
+    A command that names another machine's URL is refused first: the hosts
+    could not reach it. Where the kernel refuses the namespace, says so in one
+    line and leaves the network as it is.
+    """
+    for arg in command:
+        url = _URL.search(arg)
+        if url and not url.group(1).startswith("file://"):
+            raise UserError(f"the command names {url.group(1)}, which the hosts cannot reach in "
+                            "the launcher's private network; pass --network=host")
+    try:
+        private_network.enter()
+    except private_network.Unavailable as why:
+        _log(f"notice: no private network here ({why}), so the hosts' TF worker, JAX coordinator "
+             "and tf.data service ports listen on all interfaces, without authentication, while "
+             "they run; to avoid that, allow unprivileged user namespaces (sysctl "
+             "user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1) or block incoming "
+             "connections with a firewall")
+
+
 def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
-           failure_grace=10.0):
+           failure_grace=10.0, network="private"):
     """Runs `command` once per simulated host and returns the launcher's exit code.
 
     0 if every host exits 0; the first failing host's code (or 1 if a
     signal killed it), once the others have stopped on their own within
     `failure_grace` seconds or been stopped; 124 on timeout; 128+signal if
     interrupted.
+    With `network='private'` this process first moves into a private network
+    namespace for good (see the module's docstring): call it from a process of
+    its own, as `python -m tpu_keras.launch` does.
     Raises UserError for bad arguments.
     """
     if not command:
@@ -225,6 +266,10 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
         raise UserError(f"--timeout must be > 0 seconds, got {timeout:g}")
     if failure_grace < 0:
         raise UserError(f"--failure_grace must be >= 0 seconds, got {failure_grace:g}")
+    if network not in NETWORKS:
+        raise UserError(f"--network must be one of {', '.join(NETWORKS)}, got {network!r}")
+    if network == "private":
+        _enter_private_network(command)
 
     *worker_ports, coordinator_port = _free_ports(hosts + 1)
     workers = [f"127.0.0.1:{port}" for port in worker_ports]
@@ -279,7 +324,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
 def main(argv):
     """Everything after '--' is the command; a UserError is one `error:` line (`cli`)."""
     return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
-                  FLAGS.data_service, FLAGS.failure_grace)
+                  FLAGS.data_service, FLAGS.failure_grace, FLAGS.network)
 
 
 if __name__ == "__main__":
