@@ -62,8 +62,9 @@ def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis
     assert result["mesh"] == {"data": data_axis, "fsdp": 1, "model": model_axis}
     split = assert_laid_out_as_placed(result)
     # 10 per block (QKV kernels and biases, attention-out, MLP up kernel and
-    # bias, MLP down) + 2 embeddings + the head's kernel and bias.
-    assert split == (0 if model_axis == 1 else 2 * 10 + 4), split
+    # bias, MLP down) + the token embedding + the head's kernel and bias (the
+    # position embedding stays whole, like the residual stream it joins).
+    assert split == (0 if model_axis == 1 else 2 * 10 + 3), split
     # Optimizer state follows its variable.
     momentum = result["optimizer"]["adam_w/block0_mlp_up_kernel_momentum"]
     assert momentum["shard_shape"] == result["weights"]["block0_mlp_up/kernel"]["shard_shape"]

@@ -54,8 +54,8 @@ def main(argv):
     result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value)
     best = result["recommended"]
     if _MEASURE.value and best:
-        from tpu_keras.tools import step_memory
-        result["measured"] = step_memory.measure(layout_search.configured(_CONFIG.value, best),
+        from tpu_keras.tools import compiled_step
+        result["measured"] = compiled_step.measure(layout_search.configured(_CONFIG.value, best),
                                                  best["mesh"], best["batch_per_replica"])
     print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
 

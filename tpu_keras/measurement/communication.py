@@ -40,7 +40,6 @@ class WeightUse:
     contracted: frozenset      # the weight's dimensions summed over (looked up, for a lookup)
     output_bytes: int          # the result, per example
     input_bytes: int           # the other operand (the activation), per example
-    input_id: int = 0          # which activation that is: matmuls of one input share a reduction
 
 
 def ring(n: int) -> float:
@@ -79,7 +78,7 @@ def _walk(jaxpr, origins, uses) -> None:
                     path, dims = found
                     other = eqn.invars[1 - side]
                     uses.append(WeightUse(path, "dot", frozenset(dims[c] for c in contracting[side]),
-                                          _nbytes(eqn.outvars[0]), _nbytes(other), id(other)))
+                                          _nbytes(eqn.outvars[0]), _nbytes(other)))
         elif name == "gather" and source:
             path, dims = source
             looked_up = eqn.params["dimension_numbers"].collapsed_slice_dims
@@ -144,17 +143,16 @@ def model_axis_bytes(placements, uses, model: int) -> float:
     if model == 1:
         return 0.0
     split = {p.path: {d for d, axis in enumerate(p.axes) if axis == "model"} for p in placements}
-    sent, reduced_inputs = 0.0, set()
+    sent = 0.0
     for use in uses:
         dims = split.get(use.path)
         if not dims:
             continue
         if dims & use.contracted:      # a partial sum: all-reduce the result, forward
             sent += 2 * ring(model) * use.output_bytes
-        elif use.kind == "dot":        # column-parallel: all-reduce the input's gradient, backward,
-            if use.input_id not in reduced_inputs:  # once for all the matmuls that read it (QKV)
-                reduced_inputs.add(use.input_id)
-                sent += 2 * ring(model) * use.input_bytes
+        elif use.kind == "dot":        # column-parallel: all-reduce the input's gradient, backward
+            # (one per matmul: XLA reduces Q's, K's and V's separately, not their sum)
+            sent += 2 * ring(model) * use.input_bytes
         else:                          # a lookup split along its rows' width: gather the rows
             sent += ring(model) * use.output_bytes
     return sent

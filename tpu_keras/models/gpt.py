@@ -79,8 +79,10 @@ def gpt_layout_rules() -> list[Rule]:
     return [
         # token_embedding/embeddings                      (V, W)
         Rule(r"token_embedding/embeddings", ("model", None)),
-        # position_embedding/embeddings                   (L, W)
-        Rule(r"position_embedding/embeddings", (None, "model")),
+        # position_embedding/embeddings                   (L, W)  added to the residual
+        # stream, which stays whole: split over W, it would split the stream, and XLA
+        # then all-gathers it before every matmul (seen in the compiled step's collectives)
+        replicated(r"position_embedding/embeddings"),
         # block{i}_attention/{query,key,value}/kernel     (W, H, K)
         Rule(r"block\d+_attention/(query|key|value)/kernel", (None, "model", None)),
         # block{i}_attention/{query,key,value}/bias       (H, K)

@@ -15,7 +15,7 @@ on the config's mesh:
 Then whether the sum fits the device's HBM less a margin (room for XLA's
 own buffers and fragmentation), and the largest global batch that would.
 Nothing is allocated; it needs the jax extra. `--measure` checks the plan
-against XLA (`step_memory`); `--auto` searches the layouts (`layout_search`).
+against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 """
 
 import functools
@@ -147,8 +147,8 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
         "sent_per_step": footprint.sent_per_step(mesh, per_replica, config.train.grad_accum_steps),
     }
     if measure:
-        from tpu_keras.tools import step_memory
-        result["measured"] = step_memory.measure(config, mesh, per_replica)
+        from tpu_keras.tools import compiled_step
+        result["measured"] = compiled_step.measure(config, mesh, per_replica)
     return result
 
 
@@ -193,7 +193,10 @@ def format_plan(p: dict) -> str:
                   f"{d['total'] / m['total']:.2f})",
                   f"  {'activations':<16} {format_bytes(m['activations']):>11}  the temporaries "
                   f"that grow with the batch (estimate / XLA = "
-                  f"{d['activations'] / max(1, m['activations']):.2f})"]
+                  f"{d['activations'] / max(1, m['activations']):.2f})",
+                  f"  {'sent per step':<16} {format_bytes(m['sent_per_step']['total']):>11}  by the "
+                  f"compiled collectives ({_sent_parts(m['sent_per_step'])}; plan / XLA = "
+                  f"{p['sent_per_step']['total'] / max(1, m['sent_per_step']['total']):.2f})"]
     lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
                   f"({p['margin']:.0%} kept free)", MARGIN_NOTE]
     share = d["total"] / p["usable_bytes_per_device"]

@@ -1,4 +1,4 @@
-"""XLA's own memory figure for the real sharded training step: the plan's check.
+"""XLA's own figures for the real sharded training step: the plan's check.
 
 `python -m tpu_keras.plan --measure` builds the config's model as a run
 does (the jax cluster on as many fake CPU devices as the slice has, the
@@ -9,6 +9,8 @@ arguments (weights, optimizer state, the batch), its outputs less those
 written over a donated argument, and its temporaries (gradients,
 activations, XLA's workspace). Compiling the step at twice the batch too
 gives the activations alone: the temporaries that grow with the batch.
+The compiled program's collectives give the bytes each device sends
+(`measurement.collectives`), beside the plan's.
 
 On CPU, compare in float32: with bf16, CPU XLA keeps float32 copies a TPU
 does not. On a TPU VM the same command gives the TPU compiler's figures.
@@ -51,7 +53,7 @@ def _analysis(model, config, batch_per_replica: int) -> dict:
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_keras.measurement import memory
+    from tpu_keras.measurement import collectives, memory
     from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
@@ -69,8 +71,10 @@ def _analysis(model, config, batch_per_replica: int) -> dict:
     # As Keras's jax trainer jits it: state donated, and laid out as it came in.
     step = jax.jit(model.train_step, donate_argnums=0,
                    out_shardings=(None, jax.tree.map(lambda a: a.sharding, state)))
-    analysis = step.lower(abstract_state, batch).compile().memory_analysis()
+    compiled = step.lower(abstract_state, batch).compile()
+    analysis = compiled.memory_analysis()
     held = {"arguments": analysis.argument_size_in_bytes,
             "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
             "temporaries": analysis.temp_size_in_bytes}
-    return {**held, "total": sum(held.values())}
+    sent = collectives.sent_per_device(compiled.as_text(), jax.device_count())
+    return {**held, "total": sum(held.values()), "sent_per_step": sent}
