@@ -118,3 +118,23 @@ def test_bad_input_is_one_line(args, fragments):
     result = run([sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py", *args],
                  check=False)
     assert_one_line_error(result, *fragments)
+
+
+def test_collective_bytes_are_read_from_each_replica_group_form():
+    from tpu_keras.measurement import collectives
+    hlo = "\n".join([
+        # 8 devices in groups of 2 (iota form): an all-gather's result is the whole tensor.
+        "  %all-gather = f32[128,256]{1,0} all-gather(%p), channel_id=7, "
+        "replica_groups=[4,2]<=[4,2]T(1,0), dimensions={0}",
+        # A tuple all-reduce over the mesh's axis_2 (size 2), with an index comment inside.
+        "  %all-reduce.1 = (f32[8,128]{1,0}, /*index=1*/bf16[8,128]{1,0}) all-reduce(%a, %b), "
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}, to_apply=%sum",
+        # Explicit groups of 4; a reduce-scatter's result is the shard.
+        "  %reduce-scatter = f32[16]{0} reduce-scatter(%g), replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "  %all-reduce-done = f32[16]{0} all-reduce-done(%start)",  # the pair's second half: not again
+    ])
+    sent = collectives.sent_per_device(hlo, devices=8)
+    assert sent["all_gather"] == 128 * 256 * 4 // 2
+    assert sent["all_reduce"] == 2 * (1 / 2) * (8 * 128 * 4 + 8 * 128 * 2)
+    assert sent["reduce_scatter"] == 3 * 16 * 4
+    assert sent["total"] == sent["all_gather"] + sent["all_reduce"] + sent["reduce_scatter"]
