@@ -27,8 +27,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _TPU = flags.DEFINE_string("tpu", None, "The slice to plan for: v4-32, v5litepod-16, v5p-64, v6e-256, ...")
 _MARGIN = flags.DEFINE_float("margin", 0.1, "Share of HBM kept free for XLA's own buffers, "
                              "padding and fragmentation.")
-_MEASURE = flags.DEFINE_bool("measure", False, "Also compile the gradient here and report "
-                             "XLA's activation bytes next to the estimate.")
+_MEASURE = flags.DEFINE_bool("measure", False, "Also build the model here, compile its sharded "
+                             "step on as many fake CPU devices as the slice has, and print XLA's "
+                             "memory and collectives next to the plan (small configs: the model "
+                             "is allocated).")
 _AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) of the slice with "
                           "each remat setting and recommend the one that fits with the least "
                           "communication.")
@@ -55,8 +57,11 @@ def main(argv):
     best = result["recommended"]
     if _MEASURE.value and best:
         from tpu_keras.tools import compiled_step
-        result["measured"] = compiled_step.measure(layout_search.configured(_CONFIG.value, best),
-                                                 best["mesh"], best["batch_per_replica"])
+        d = best["per_device"]
+        result["measured"] = compiled_step.measure(
+            layout_search.configured(_CONFIG.value, best), best["mesh"], best["batch_per_replica"],
+            (d["parameters"] + d["optimizer"]) * result["devices"])  # an upper bound on the whole
+
     print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
 
 

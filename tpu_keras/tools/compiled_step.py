@@ -17,12 +17,17 @@ does not. On a TPU VM the same command gives the TPU compiler's figures.
 """
 
 import copy
+import os
 
 from tpu_keras.errors import UserError
 
 
-def measure(config, mesh: dict, batch_per_replica: int) -> dict:
-    """XLA's bytes per device for one step of `config` on `mesh` at `batch_per_replica`."""
+def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0) -> dict:
+    """XLA's bytes per device for one step of `config` on `mesh` at `batch_per_replica`.
+
+    The model is really built, so on CPU its weights and optimizer state
+    (`state_bytes` in all) must fit this machine's memory.
+    """
     import jax
     devices = 1
     for size in mesh.values():
@@ -30,6 +35,12 @@ def measure(config, mesh: dict, batch_per_replica: int) -> dict:
     if jax.device_count() != devices:
         raise UserError(f"--measure needs {devices} devices for mesh {mesh}, and JAX has "
                         f"{jax.device_count()}; run it in a fresh process")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if jax.default_backend() == "cpu" and state_bytes > memory / 2:
+        raise UserError(f"--measure builds the model here: its weights and optimizer state "
+                        f"({state_bytes / 2**30:.1f} GiB) would not fit this machine's "
+                        f"{memory / 2**30:.0f} GiB; measure a smaller variant of the config "
+                        "(the plan's accuracy does not depend on the size), or run it on the TPU VM")
     config = copy.deepcopy(config)
     config.engine, config.cluster.virtual_devices = "jax", devices
     config.mesh = dict(mesh)

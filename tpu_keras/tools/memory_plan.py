@@ -148,7 +148,9 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
     }
     if measure:
         from tpu_keras.tools import compiled_step
-        result["measured"] = compiled_step.measure(config, mesh, per_replica)
+        totals = footprint.layout(_key(mesh))["totals"]
+        result["measured"] = compiled_step.measure(
+            config, mesh, per_replica, totals["parameters"]["bytes"] + totals["optimizer"]["bytes"])
     return result
 
 
