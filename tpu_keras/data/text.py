@@ -26,7 +26,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tpu_keras.data import sources, tokenizers
+from tpu_keras.data import sources, stdlib_text, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -48,6 +48,18 @@ def resolve(config) -> None:
         config.data.context_length = int(config.model.get("context_length", 0) or 0)
     if config.data.tokenizer == tokenizers.PRESET:
         config.data.vocabulary = config.model.get("preset", "")
+
+
+def check_vocabulary(tokenizer, model_vocabulary: int, config) -> None:
+    """A one-line error, before training, when the tokenizer's ids and the model's
+    embedding do not match."""
+    if tokenizer.vocabulary_size != model_vocabulary:
+        raise UserError(
+            f"data.tokenizer={config.tokenizer!r} ({tokenizer.name}) has "
+            f"{tokenizer.vocabulary_size:,} tokens but the model's embedding has "
+            f"{model_vocabulary:,}; set the model's vocabulary size (model.vocabulary_size or "
+            f"model.vocab_size) to {tokenizer.vocabulary_size}, or use the model's own tokenizer "
+            "(data.tokenizer='preset')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,18 +156,23 @@ def _pack(chunks, length, pad_tail, with_ids):
 
 def open_source(config, training: bool) -> PackedSource:
     """The train or eval text source of the `data` section, opened and counted."""
-    tokenizer = tokenizers.make(config)
     if config.context_length < 1:
         raise UserError("data.context_length is 0 and the model sets no context_length; set "
                         "data.context_length to the tokens per sequence the model reads")
     data_dir = os.path.expanduser(config.data_dir)
+    config = config.copy_and_resolve_references()
+    for key in ("text_files", "eval_text_files", "vocabulary"):
+        config[key] = config[key].replace(DATA_DIR, data_dir)
+        if config[key].startswith(stdlib_text.folder(data_dir) + os.sep):
+            stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
+    tokenizer = tokenizers.make(config)
     if config.text_files:
         key = "data.text_files" if training else "data.eval_text_files"
         pattern = config.text_files if training else config.eval_text_files
         if not pattern:
             raise UserError("data.eval_text_files is empty; set it to a glob of evaluation text "
                             "files (data.text_files is for training)")
-        documents = files_source(pattern.replace(DATA_DIR, data_dir), config.text_field, key)
+        documents = files_source(pattern, config.text_field, key)
     else:
         split = config.train_split if training else config.eval_split
         documents = sources.tfds_source(config.name, split, data_dir,
