@@ -268,3 +268,21 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
         resumed = logged_tokens(tmp_path / "logs" / str(index) / "resumed")
         for host in range(hosts):
             assert sorted(resumed[host, steps // 2]) == sorted(logged[host, steps // 2])
+
+
+
+
+def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, stdlib_text):
+    """One process: evaluation over every token once equals numpy; a TFDS text feature
+    packs; SentencePiece by class and by preset tokenize alike, as sentencepiece does."""
+    result = run([sys.executable, str(REPO / "tests" / "text_eval.py"), data_dir, str(tmp_path),
+                  str(stdlib_text / "spm1024.model")])
+    tokens, rows, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+) (\S+)",
+                                                    result.stdout).groups()
+    assert int(steps) == -(-int(rows) // 8) and int(tokens) % 16  # the last row and batch padded
+    assert float(toolkit) == pytest.approx(float(numpy), abs=1e-6)
+    steps, expected = re.search(r"TFDS (\d+) (\d+)", result.stdout).groups()
+    assert int(steps) == int(expected) > 0
+    eos = re.search(r"SPM 1024 True True (\d+)", result.stdout)
+    assert eos and int(eos.group(1)) in (6, 7), result.stdout[-2000:]  # 7 documents, the tail cut
+    assert "PRESET preset " in result.stdout and re.search(r"PRESET .* True", result.stdout)
