@@ -77,16 +77,17 @@ class Source:
         return read.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
-def open_source(config, training: bool):
-    """The train or eval source: `data.name` (TFDS, with its splits),
-    `data.files` / `data.eval_files` (TFRecord globs), or text, packed
-    (`data.text_files`, or `data.name` with `data.text_field`: see `text`)."""
+def check_choice(config) -> None:
+    """One kind of source at a time."""
     if sum(map(bool, (config.name, config.files, config.text_files))) > 1:
         raise UserError("set one of data.name (a TFDS dataset), data.files (a TFRecord glob) "
                         "and data.text_files (a text glob), not several")
-    from tpu_keras.data import text  # it builds on this module
-    if text.is_text(config):
-        return text.open_source(config, training)
+
+
+def open_source(config, training: bool) -> Source:
+    """The train or eval source: `data.name` (TFDS, with its splits) or
+    `data.files` / `data.eval_files` (TFRecord globs). Text is `text.open_source`'s."""
+    check_choice(config)
     if config.files:
         pattern = config.files if training else config.eval_files
         if not pattern:

@@ -156,6 +156,7 @@ def _pack(chunks, length, pad_tail, with_ids):
 
 def open_source(config, training: bool) -> PackedSource:
     """The train or eval text source of the `data` section, opened and counted."""
+    sources.check_choice(config)
     if config.context_length < 1:
         raise UserError("data.context_length is 0 and the model sets no context_length; set "
                         "data.context_length to the tokens per sequence the model reads")
