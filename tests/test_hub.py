@@ -52,6 +52,9 @@ def test_sentencepiece_llama_trains_on_packed_text_on_both_engines(stdlib_text, 
             assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
         assert float(lines[1][2]) < float(lines[0][2])
         assert re.search(r"done at step 20: val_bits_per_byte \d", out)
+    refused = run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={tmp_path / 'tf'}"],
+                  check=False)
+    assert_one_line_error(refused, "data.tokenizer='LlamaTokenizer'", "generate reads and writes bytes")
 
 
 def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):
