@@ -3,6 +3,7 @@
     python -m tpu_keras.train --config=configs/llama_stdlib.py --workdir=/tmp/llama
     python -m tpu_keras.train --config=configs/llama_stdlib.py:tiny --workdir=/tmp/llama_tiny
     python -m tpu_keras.train --config=configs/llama_stdlib.py:lora --workdir=/tmp/llama_lora
+    python -m tpu_keras.train --config=configs/llama_stdlib.py:spm --workdir=/tmp/llama_spm
 
 Needs the 'hub' extra (pip install -e ".[hub]"). The Llama architecture
 (rotary positions, grouped-query attention, SwiGLU, RMS norm) with a byte
@@ -13,6 +14,11 @@ Variants: '' (a few minutes on a 2-core CPU), 'tiny' (seconds; for tests)
 and 'lora' (the tiny model fine-tuned with LoRA rank 4 from a preset: the
 run first saves a freshly initialised backbone to DIR/base_preset, an
 offline stand-in for a downloaded preset; point model.preset at a real one).
+'spm' is the default model with a 1,024-piece SentencePiece vocabulary read
+by keras-hub's LlamaTokenizer, on the standard library as .txt documents
+(tpu_keras.data.stdlib_text writes both under data.data_dir on first use),
+tokenized and packed; it reports bits per byte like the byte-level models.
+'spm_tiny' is the same path at the tiny model's size.
 """
 
 from tpu_keras.config import defaults
@@ -46,9 +52,23 @@ def get_config(arg=None):
                             eval_steps=2, steps_per_execution=5, jit_compile=False)
         config.checkpoint.every_steps = 10
         config.log.every_steps = 10
+    if arg in ("spm", "spm_tiny"):
+        text = "{data_dir}/stdlib_text"  # '{data_dir}': data.data_dir
+        config.data.update(name="", text_files=f"{text}/train/*.txt",
+                           eval_text_files=f"{text}/validation/*.txt",
+                           tokenizer="LlamaTokenizer", vocabulary=f"{text}/spm1024.model")
+        config.model.vocabulary_size = 1024
+    if arg == "spm_tiny":
+        config.model.update(context_length=64, hidden_dim=32, num_layers=1, num_query_heads=2,
+                            num_key_value_heads=2, intermediate_dim=64)
+        config.train.update(batch_size=16, steps=20, warmup_steps=5, eval_every=10,
+                            eval_steps=2, steps_per_execution=5, jit_compile=False)
+        config.checkpoint.every_steps = 10
+        config.log.every_steps = 10
     if arg == "lora":
         config.model.update(preset="{workdir}/base_preset", lora_rank=4)
         config.train.update(steps=40, learning_rate=1e-2, eval_every=20)
-    elif arg not in (None, "", "tiny"):
-        raise ValueError(f"unknown variant {arg!r} of llama_stdlib; use '', 'tiny' or 'lora'")
+    elif arg not in (None, "", "tiny", "spm", "spm_tiny"):
+        raise ValueError(f"unknown variant {arg!r} of llama_stdlib; use '', 'tiny', 'lora', "
+                         "'spm' or 'spm_tiny'")
     return config

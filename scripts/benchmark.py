@@ -22,7 +22,9 @@ tpu_keras.measurement.flops), the fraction of the float32 ceiling, and the ratio
 both peers. Each mode (one device; 4 logical CPU devices under Mirrored)
 runs in its own process, since TensorFlow fixes its devices at start-up.
 
---data: for each shipped config, the examples/s its training input pipeline
+--data: for each shipped config (the byte windows of lm_stdlib, the images of
+digits, and llama_stdlib:spm's text, tokenized with SentencePiece and packed
+inside tf.data), the examples/s its training input pipeline
 (one host's tf.data pipeline, pulled inside a tf.function as training pulls
 it) produces, next to the examples/s its training step consumes on one
 device (one batch repeated from memory, so the step alone is timed). The
@@ -46,7 +48,7 @@ _FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaul
 _MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device layouts to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "--fit: turns each variant gets; the median counts.")
 _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
-_CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits"],
+_CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits", "llama_stdlib:spm"],
                               "Config modules under configs/, each optionally with :VARIANT.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate.")
 _RUN = flags.DEFINE_bool("run", False, "A whole training run, timed, and where its time goes.")
@@ -82,6 +84,7 @@ def data_benchmark(name, seconds):
     from tpu_keras.training.run import build_model
 
     config = _config(name)
+    data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
     cluster = tpu_keras.connect({"strategy": "one_device"})
     batch = config.train.batch_size
     host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)

@@ -81,3 +81,13 @@ def tiny_run(tmp_path_factory, data_dir):
     result = train("configs/lm_stdlib.py:tiny", workdir, f"--config.data.data_dir={data_dir}",
                    "--config.log.profile_steps=(11, 12)")
     return workdir, result.stdout
+
+
+@pytest.fixture(scope="session")
+def stdlib_text(data_dir):
+    """The standard library as .txt documents with its 1,024-piece SentencePiece
+    vocabulary (trained offline with keras-hub), written once into `data_dir`;
+    returns their folder."""
+    run([sys.executable, "-c", "import sys; from tpu_keras.data import stdlib_text; "
+         "print(stdlib_text.prepare(sys.argv[1]))", data_dir], timeout=300)
+    return Path(data_dir) / "stdlib_text"

@@ -199,3 +199,90 @@ def test_tfrecord_train_and_eval_files_are_separate(tmp_path):
     eval_pattern, _ = write_files(tmp_path / "eval", [20])
     result = run([sys.executable, "-c", TFRECORD_SPLITS, train_pattern, eval_pattern])
     assert "STEPS 8 2" in result.stdout  # 128 / 16 train steps; 20 eval rows -> 2 padded steps
+
+
+# ----- text: tokenized and packed -------------------------------------------------
+
+TEXT_CONTEXT = 15  # sequences of 16 tokens
+
+
+def write_text(directory):
+    """Two text sets: 8 .txt documents of 128 tokens each (EOS included), which divide
+    into whole batches, and 4 .jsonl files of documents of uneven lengths, some
+    non-ASCII. Returns {glob: {document id: token count}}."""
+    (directory / "txt").mkdir()
+    (directory / "jsonl").mkdir()
+    txt = {}
+    for file in range(8):
+        text = "".join(chr(ord("a") + (file + i) % 26) for i in range(127))  # + EOS: 128
+        (directory / "txt" / f"doc-{file}.txt").write_text(text)
+        txt[file * 2 ** 32] = 128
+    jsonl = {}
+    for file in range(4):
+        with open(directory / "jsonl" / f"part-{file}.jsonl", "w") as lines:
+            for line in range(5):
+                text = f"é{file}{line} " * (3 + 7 * line + file)
+                lines.write(json.dumps({"text": text, "id": line}) + "\n")
+                jsonl[file * 2 ** 32 + line] = len(text.encode()) + 1
+    return {str(directory / "txt" / "*.txt"): txt, str(directory / "jsonl" / "*.jsonl"): jsonl}
+
+
+def logged_tokens(folder):
+    """{(host, batch position): [(document id, position), ...]} from the example logs."""
+    import glob, numpy as np
+    seen = {}
+    for path in glob.glob(f"{folder}/host*.txt"):
+        host = int(re.search(r"host(\d+)\.txt$", path).group(1))
+        for position, ids in re.findall(r"^(\d+) (\[[^a-z]*?\]\]\])$", open(path).read(), re.M):
+            pairs = np.array(re.findall(r"-?\d+", ids), np.int64).reshape(-1, 2)
+            seen.setdefault((host, int(position)), []).extend(map(tuple, pairs.tolist()))
+    return seen
+
+
+@pytest.mark.parametrize("hosts, devices", [(1, 1), (2, 2)])
+def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices):
+    global_batch = 8
+    documents = write_text(tmp_path)
+    result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
+                  f"--devices_per_host={devices}", "--timeout=240", "--",
+                  sys.executable, str(REPO / "tests" / "text_probe.py"), str(tmp_path / "logs"),
+                  ",".join(documents), str(global_batch), str(TEXT_CONTEXT)], timeout=300)
+    reports = [json.loads(line) for line in re.findall(r"PROBE (.*)", result.stdout)]
+    assert len(reports) == 2 * hosts
+    for index, (pattern, lengths) in enumerate(documents.items()):
+        steps = {r["steps"] for r in reports if r["pattern"] == pattern}
+        assert len(steps) == 1
+        steps = steps.pop()
+        logged = logged_tokens(tmp_path / "logs" / str(index) / "epoch")
+        epoch = [token for (host, position), tokens in logged.items() if position < steps
+                 for token in tokens]
+        expected = {(doc, position) for doc, count in lengths.items() for position in range(count)}
+        assert len(epoch) == steps * global_batch * (TEXT_CONTEXT + 1)  # no padding, full rows
+        assert len(set(epoch)) == len(epoch), f"{pattern}: a token was seen twice"
+        assert set(epoch) <= expected  # ids of real tokens only: never padding (-1)
+        if index == 0:  # 8 x 128 tokens divide into whole global batches: nothing left out
+            assert set(epoch) == expected
+        else:
+            assert len(expected) - len(epoch) < hosts * (global_batch // hosts + 1) * (TEXT_CONTEXT + 1)
+        # Resumed at the middle step, each host starts on the very batch it fed there.
+        resumed = logged_tokens(tmp_path / "logs" / str(index) / "resumed")
+        for host in range(hosts):
+            assert sorted(resumed[host, steps // 2]) == sorted(logged[host, steps // 2])
+
+
+
+
+def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, stdlib_text):
+    """One process: evaluation over every token once equals numpy; a TFDS text feature
+    packs; SentencePiece by class and by preset tokenize alike, as sentencepiece does."""
+    result = run([sys.executable, str(REPO / "tests" / "text_eval.py"), data_dir, str(tmp_path),
+                  str(stdlib_text / "spm1024.model")])
+    tokens, rows, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+) (\S+)",
+                                                    result.stdout).groups()
+    assert int(steps) == -(-int(rows) // 8) and int(tokens) % 16  # the last row and batch padded
+    assert float(toolkit) == pytest.approx(float(numpy), abs=1e-6)
+    steps, expected = re.search(r"TFDS (\d+) (\d+)", result.stdout).groups()
+    assert int(steps) == int(expected) > 0
+    eos = re.search(r"SPM 1024 True True (\d+)", result.stdout)
+    assert eos and int(eos.group(1)) in (6, 7), result.stdout[-2000:]  # 7 documents, the tail cut
+    assert "PRESET preset " in result.stdout and re.search(r"PRESET .* True", result.stdout)

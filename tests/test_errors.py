@@ -30,6 +30,8 @@ def inputs(tmp_path_factory):
         f"    config.data.files = config.data.eval_files = {str(folder / 'garbage.tfrecord')!r}\n"
         "    config.data.features = {'image': 'float32[8,8,1]', 'label': 'int64'}\n")))
     (folder / "syntax_error.py").write_text("def get_config(:\n")
+    (folder / "doc.txt").write_text("def f():\n    return 1\n" * 40)
+    (folder / "docs.jsonl").write_text('{"body": "no text key here"}\n')
     return folder
 
 
@@ -111,6 +113,28 @@ CASES = [
     pytest.param("{inputs}/tfrecords.py", [],
                  ["garbage.tfrecord is not a readable TFRecord file", "leave it out of data.files"],
                  id="corrupt-tfrecord"),
+    # Text sources.
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
+                           "--config.data.eval_text_files={inputs}/none-*.txt", DATA],
+                 ["data.eval_text_files='", "none-*.txt' matches no file", ".txt or .jsonl"],
+                 id="text-glob-matches-nothing"),
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/docs.jsonl",
+                           "--config.data.eval_text_files={inputs}/docs.jsonl",
+                           "--config.data.text_field=text", DATA],
+                 ["docs.jsonl:1 has no text under data.text_field='text'", "['body']"],
+                 id="jsonl-without-the-text-field"),
+    pytest.param(LM_TINY, ["--config.data.text_field=text", DATA],
+                 ["'stdlib_bytes/ctx64' has no text feature data.text_field='text'"],
+                 id="tfds-without-the-text-feature"),
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
+                           "--config.data.eval_text_files={inputs}/doc.txt",
+                           "--config.data.tokenizer=LlamaTokeniser", DATA],
+                 ["data.tokenizer='LlamaTokeniser'", "'LlamaTokenizer'"], id="unknown-tokenizer"),
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
+                           "--config.data.eval_text_files={inputs}/doc.txt",
+                           "--config.model.vocab_size=300", DATA],
+                 ["has 256 tokens but the model's embedding has 300", "vocab_size) to 256"],
+                 id="vocabulary-does-not-match-the-model"),
     # The command line and the workdir.
     pytest.param("configs/nope.py", [], ["configs/nope.py"], id="missing-config-file"),
     pytest.param("configs/digits.py:huge", [], ["unknown variant 'huge'", "'tiny'"],

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from conftest import REPO, assert_one_line_error, run, train
 from placements import assert_laid_out_as_placed, assert_same_losses
@@ -34,6 +35,26 @@ def test_tiny_llama_trains_exports_and_generates_on_both_engines(data_dir, tmp_p
         texts = [generate(workdir, "--prompt=def ", "--max_length=40", "--seed=3",
                           "--top_k=20").stdout for _ in range(2)]
         assert texts[0] == texts[1] and texts[0].startswith("def "), texts
+
+
+def test_sentencepiece_llama_trains_on_packed_text_on_both_engines(stdlib_text, data_dir, tmp_path):
+    """configs/llama_stdlib.py:spm at the tiny size: LlamaTokenizer on the offline vocabulary."""
+    for engine in ("tf", "jax"):
+        out = train("configs/llama_stdlib.py:spm_tiny", tmp_path / engine,
+                    f"--config.data.data_dir={data_dir}", f"--config.engine={engine}").stdout
+        assert re.search(r"validation/\*\.txt \(LlamaTokenizer\(spm1024\.model\), 65 tokens per "
+                         r"sequence\): 55 documents, [\d,]+ tokens, 0\.\d+ tokens per byte", out), out[-3000:]
+        lines = re.findall(r"step \d+/20 \| bits_per_byte (\S+) \| bits_per_token (\S+) \| .*? loss "
+                           r"(\S+) \| val_bits_per_byte (\S+) \| val_bits_per_token (\S+)", out)
+        assert len(lines) == 2, out[-3000:]
+        for bpb, bpt, loss, val_bpb, val_bpt in (map(float, line) for line in lines):
+            assert bpt == pytest.approx(float(loss) / np.log(2), rel=1e-3)
+            assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
+        assert float(lines[1][2]) < float(lines[0][2])
+        assert re.search(r"done at step 20: val_bits_per_byte \d", out)
+    refused = run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={tmp_path / 'tf'}"],
+                  check=False)
+    assert_one_line_error(refused, "data.tokenizer='LlamaTokenizer'", "generate reads and writes bytes")
 
 
 def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):

@@ -78,6 +78,18 @@ def defaults() -> ml_collections.ConfigDict:
         deterministic=True,   # False lets tf.data reorder for speed
         service_address="",   # a tf.data service dispatcher, e.g. grpc://host:5050
         log_example_ids=False,  # append each training batch's example ids to DIR/example_ids/
+        # Text, tokenized and packed (tpu_keras.data.text): a glob of .txt files (a document
+        # each) or .jsonl files (a document per line, under text_field); or data.name with
+        # text_field, a TFDS text feature. '{data_dir}' in a path stands for data.data_dir.
+        text_files="",
+        eval_text_files="",
+        text_field="",
+        # 'bytes' | a keras_hub tokenizer class with its vocabulary file (a SentencePiece
+        # proto; a BPE vocab.json with merges) | 'preset': model.preset's tokenizer.
+        tokenizer="bytes",
+        vocabulary="",
+        merges="",
+        context_length=0,     # packed sequences hold context_length + 1 tokens; 0: model's
     )
 
     # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.
@@ -217,6 +229,7 @@ _RANGES = (
     ("train.eval_steps", 0, None), ("train.steps_per_execution", 0, None),
     ("checkpoint.every_steps", 1, None), ("checkpoint.keep", 1, None), ("log.every_steps", 1, None),
     ("cluster.virtual_devices", 0, None), ("data.shuffle_buffer", 1, None),
+    ("data.context_length", 0, None),
     ("layout.replicate_below", 0, None),
 )
 

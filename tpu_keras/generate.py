@@ -31,6 +31,10 @@ def main(argv):
     from tpu_keras.cluster import engine
     from tpu_keras.tools import sampling
     config = sampling.read_run_config(_WORKDIR.value)
+    tokenizer = config.data.get("tokenizer", "bytes")
+    if tokenizer != "bytes" and (config.data.get("text_files") or config.data.get("text_field")):
+        raise UserError(f"{_WORKDIR.value} trained on data.tokenizer={tokenizer!r} tokens, and "
+                        "generate reads and writes bytes; sample from a byte-level run")
     engine.select(config.engine)
     from tpu_keras.models import hub
     hub.import_keras_hub()  # its samplers serve every model: a one-line error without the extra

@@ -17,7 +17,7 @@ LOCK_FILENAME = ".prepare.lock"
 
 
 @contextlib.contextmanager
-def _exclusive(data_dir: str):
+def exclusive(data_dir: str):
     """Holds an flock on data_dir.
 
     TFDS writes into a temporary folder and renames it at the end, but the
@@ -52,7 +52,7 @@ def prepare(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     _check_variant(dataset_name.name, kwargs.get("config"))
     if dataset_name.namespace or dataset_name.name not in OFFLINE_BUILDERS:
         return tfds.builder(name, data_dir=data_dir)
-    with _exclusive(os.fspath(data_dir)):
+    with exclusive(os.fspath(data_dir)):
         # Built inside the lock, so it reads what another process just wrote.
         builder = tfds.builder(name, data_dir=data_dir)
         # Returns at once when the data is already there. try_download_gcs=False:

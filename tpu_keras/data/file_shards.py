@@ -29,7 +29,7 @@ class Plan:
 
     def examples_of(self, host: int) -> int:
         if self.by_file:
-            return sum(f.take for f in self.files_of(host))
+            return self.source.examples_in(self.files_of(host))
         return len(range(host, self.source.num_examples, self.num_hosts))
 
     def train_steps(self, per_host_batch: int) -> int:

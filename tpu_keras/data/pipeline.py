@@ -26,7 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from tpu_keras import workdir
-from tpu_keras.data import file_shards, iterator_reaper, sources
+from tpu_keras.data import file_shards, iterator_reaper, sources, text
 from tpu_keras.data.preprocess import PREPROCESSORS
 from tpu_keras.errors import UserError, closest
 
@@ -67,12 +67,14 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
         raise UserError(
             f"train.batch_size={global_batch} does not divide across {cluster.num_replicas} "
             f"replicas; use a multiple of {cluster.num_replicas}")
-    if config.preprocess not in PREPROCESSORS:
-        raise UserError(f"data.preprocess={config.preprocess!r} is not one of "
-                        f"{sorted(PREPROCESSORS)}{closest(config.preprocess, PREPROCESSORS)}")
-    preprocess = PREPROCESSORS[config.preprocess](config)
+    # Packed text is token sequences: next_token unless the config says otherwise.
+    name = config.preprocess or ("next_token" if text.is_text(config) else "")
+    if name not in PREPROCESSORS:
+        raise UserError(f"data.preprocess={name!r} is not one of "
+                        f"{sorted(PREPROCESSORS)}{closest(name, PREPROCESSORS)}")
+    preprocess = PREPROCESSORS[name](config)
     service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
-    source = sources.open_source(config, training)
+    source = (text.open_source if text.is_text(config) else sources.open_source)(config, training)
     plan = file_shards.plan(source, cluster.input_pipelines)
     per_replica = global_batch // cluster.num_replicas
     per_host = global_batch // cluster.input_pipelines
@@ -199,12 +201,13 @@ def _shuffle_blocks(blocks, seed):
 
 
 def _padded(examples, size):
-    """Adds weight 1 to every target and pads with weight-0 copies of zeros to `size`.
+    """Adds weight 1 to every target (unless the preprocessor gave weights) and pads with
+    weight-0 copies of zeros to `size`.
 
     Weights have the targets' shape (one per token for a language model), so
     Keras's weighted metrics count real targets only.
     """
-    weighted = examples.map(lambda x, y: (x, y, tf.ones_like(y, tf.float32)))
+    weighted = examples.map(lambda x, y, *w: (x, y, w[0] if w else tf.ones_like(y, tf.float32)))
     zeros = tf.nest.map_structure(lambda spec: tf.zeros(spec.shape, spec.dtype),
                                   weighted.element_spec)
     padding = tf.data.Dataset.from_tensors(zeros).repeat()

@@ -10,11 +10,15 @@ import tensorflow as tf
 
 
 def next_token(config):
-    """A byte sequence of length L+1 -> (first L bytes, the L bytes after each)."""
+    """A token sequence of length L+1 -> (first L tokens, the L tokens after each), and
+    per-target weights when the example carries a mask."""
     del config
 
     def preprocess(example):
         tokens = tf.cast(example["tokens"], tf.int32)
+        if "mask" in example:  # packed text's evaluation: its last sequence is padded
+            weights = tf.cast(example["mask"][..., 1:], tf.float32)
+            return tokens[..., :-1], tokens[..., 1:], weights
         return tokens[..., :-1], tokens[..., 1:]
     return preprocess
 

@@ -33,10 +33,17 @@ class Source:
     name: str
     files: tuple[FileSlice, ...]
     decode: Callable[[tf.Tensor], dict]
+    # Opens one file as a dataset of records: TFRecords here; lines or whole
+    # files for the text sources (tpu_keras.data.text).
+    reader: Callable[[tf.Tensor], tf.data.Dataset] = tf.data.TFRecordDataset
 
     @property
     def num_examples(self) -> int:
-        return sum(f.take for f in self.files)
+        return self.examples_in(self.files)
+
+    def examples_in(self, files) -> int:
+        """The examples `files` hold: a plan counts each host's share with it."""
+        return sum(f.take for f in files)
 
     def read(self, files, deterministic: bool, order_seed=None,
              with_ids: bool = False) -> tf.data.Dataset:
@@ -57,7 +64,7 @@ class Source:
             columns = tuple(tf.gather(column, order) for column in columns)
 
         def records(path, skip, take, file_index):
-            file = tf.data.TFRecordDataset(path).skip(skip).take(take)
+            file = self.reader(path).skip(skip).take(take)
             if not with_ids:
                 return file
             ids = tf.data.Dataset.range(skip, skip + take).map(lambda i: file_index * 2 ** 32 + i)
@@ -70,12 +77,17 @@ class Source:
         return read.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
+def check_choice(config) -> None:
+    """One kind of source at a time."""
+    if sum(map(bool, (config.name, config.files, config.text_files))) > 1:
+        raise UserError("set one of data.name (a TFDS dataset), data.files (a TFRecord glob) "
+                        "and data.text_files (a text glob), not several")
+
+
 def open_source(config, training: bool) -> Source:
     """The train or eval source: `data.name` (TFDS, with its splits) or
-    `data.files` / `data.eval_files` (TFRecord globs)."""
-    if config.name and config.files:
-        raise UserError("set either data.name (a TFDS dataset) or data.files (a TFRecord "
-                        "glob), not both")
+    `data.files` / `data.eval_files` (TFRecord globs). Text is `text.open_source`'s."""
+    check_choice(config)
     if config.files:
         pattern = config.files if training else config.eval_files
         if not pattern:
@@ -88,7 +100,9 @@ def open_source(config, training: bool) -> Source:
                        "data.train_split" if training else "data.eval_split")
 
 
-def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split") -> Source:
+def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split",
+                text_field: str = "") -> Source:
+    """A TFDS split; with `text_field`, its examples decode to that text feature alone."""
     if not name:
         raise UserError("data.name and data.files are both empty; set data.name to a TFDS "
                         "name such as 'stdlib_bytes' or 'digits', or data.files to a glob")
@@ -109,7 +123,15 @@ def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split") 
         raise UserError(f"{split_key}={split!r}: dataset {name!r} has no such split; use one of "
                         f"{sorted(builder.info.splits)}, or a slice such as 'train[:90%]'") from None
     files = tuple(FileSlice(f.filename, f.skip, f.take) for f in split_info.file_instructions)
-    return Source(f"{name}[{split}]", files, builder.info.features.deserialize_example)
+    decode = builder.info.features.deserialize_example
+    if text_field:
+        features = builder.info.features
+        if text_field not in features or features[text_field].dtype != tf.string:
+            texts = sorted(k for k in features if features[k].dtype == tf.string)
+            raise UserError(f"dataset {name!r} has no text feature data.text_field={text_field!r}"
+                            f"{closest(text_field, texts)}; set data.text_field to one of {texts}")
+        decode = lambda record: builder.info.features.deserialize_example(record)[text_field]
+    return Source(f"{name}[{split}]", files, decode)
 
 
 _SPEC = re.compile(r"^(\w+)(?:\[([\d, ]*)\])?$")

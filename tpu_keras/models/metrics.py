@@ -11,8 +11,16 @@ def bits_per_token(y_true, y_pred):
     return nats / math.log(2.0)
 
 
-def bits_per_byte():
-    return keras.metrics.MeanMetricWrapper(bits_per_token, name="bits_per_byte")
+def scaled_bits_per_token(y_true, y_pred, scale=1.0):
+    return bits_per_token(y_true, y_pred) * scale
+
+
+def bits_per_byte(tokens_per_byte: float = 1.0):
+    """Bits per byte of text: bits per token x tokens per byte, so runs with different
+    tokenizers compare on one scale. 1.0 where a token is a byte (fixed byte windows);
+    for packed text, the evaluated text's tokens (end-of-document ones included) per byte."""
+    return keras.metrics.MeanMetricWrapper(scaled_bits_per_token, name="bits_per_byte",
+                                           scale=tokens_per_byte)
 
 
 def bits_per_token_metric():

@@ -63,8 +63,17 @@ def train(config, workdir: str, started: float | None = None):
     # ----- model ---------------------------------------------------------------
     train_cfg = config.train
     models.hub.prepare_preset(config.model, workdir, cluster.is_chief)  # a {workdir} preset
+    text_source = None
+    if data.text.is_text(config.data):  # its tokens per byte turn bits per token into bits per byte
+        data.text.resolve(config)
+        with run_timings.phase("data"):
+            text_source = data.text.open_source(config.data, training=False)
+        builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with run_timings.phase("model"):
-        model = build_model(config, cluster)
+        model = build_model(config, cluster,
+                            tokens_per_byte=text_source.tokens_per_byte if text_source else None)
+    if text_source is not None:
+        data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], config.data)
     logging.info("model: %s", _describe(model, config))
 
     # ----- checkpoints ---------------------------------------------------------
@@ -141,8 +150,19 @@ def train(config, workdir: str, started: float | None = None):
     return history
 
 
-def build_model(config, cluster):
+def with_text_metrics(builder, tokens_per_byte: float):
+    """A language model's builder on packed text: bits per token and bits per byte (the
+    headline), whatever the tokenizer."""
+    import dataclasses
+    from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
+    return dataclasses.replace(builder, headline="bits_per_byte", metrics=lambda: [
+        bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
+
+
+def build_model(config, cluster, tokens_per_byte: float | None = None):
     """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
+
+    `tokens_per_byte` (packed text's) compiles bits per token and bits per byte as its metrics.
 
     On jax this first sets the process's `keras.distribution` from the
     model's layout rules, so that Keras lays each weight out as it creates
@@ -151,6 +171,8 @@ def build_model(config, cluster):
     from tpu_keras import models
     from tpu_keras.training import optimization
     builder, _ = models.registry.get(config.model)
+    if tokens_per_byte is not None:
+        builder = with_text_metrics(builder, tokens_per_byte)
     placer = models.registry.placer(config.model, config.layout, cluster.mesh)
     if cluster.engine == "jax":
         from tpu_keras.parallelism import distribution

@@ -1,0 +1,68 @@
+"""Run by test_data.py: packed text's evaluation over every token once against numpy,
+a TFDS text feature, and SentencePiece by class and by preset, in one process.
+
+    python tests/text_eval.py DATA_DIR FOLDER SPM_PROTO
+"""
+
+import os, sys, numpy as np, keras, sentencepiece, tensorflow_datasets as tfds
+import keras_hub
+import tpu_keras
+from tpu_keras import config as config_lib, data, models
+from tpu_keras.data import text
+import tiny_text  # registers the builder
+data_dir, folder, spm = sys.argv[1:]
+texts = ["def f(x):\n    return x * %d\n" % i * (i + 1) for i in range(6)] + ["ünïcödé ✓\n" * 9]
+os.makedirs(f"{folder}/docs")
+for i, body in enumerate(texts):
+    open(f"{folder}/docs/{i}.txt", "w").write(body)
+docs = f"{folder}/docs/*.txt"
+
+# Evaluation over every token once, on 4 replicas: the toolkit against numpy.
+cluster = tpu_keras.connect({"virtual_devices": 4})
+config = config_lib.defaults()
+config.data.update(text_files=docs, eval_text_files=docs, context_length=15)
+config.model = dict(name="gpt", vocab_size=256, context_length=15, width=32, depth=1, num_heads=2)
+keras.utils.set_random_seed(1)
+with cluster.scope():
+    model = models.build(config.model)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[
+        keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="ce")])
+tpu_keras.distributed_steps(model)
+evaluation, steps = data.build(config.data, cluster, 8, training=False)
+toolkit = model.evaluate(evaluation, steps=steps, verbose=0, return_dict=True)["ce"]
+stream = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8), 0) for t in texts])
+rows = -(-len(stream) // 16)
+tokens = np.zeros(rows * 16, np.int64)
+tokens[:len(stream)] = stream
+tokens, real = tokens.reshape(rows, 16), (np.arange(rows * 16) < len(stream)).reshape(rows, 16)[:, 1:]
+logits = model.predict(tokens[:, :-1], verbose=0).astype(np.float64)
+top = logits.max(-1, keepdims=True)
+logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+print("EVAL", len(stream), rows, steps, toolkit, nll[real].mean())
+
+# A TFDS text feature.
+tfds.builder("tiny_text", data_dir=data_dir).download_and_prepare()
+tfds_config = config_lib.defaults().data
+tfds_config.update(name="tiny_text", data_dir=data_dir, text_field="text", context_length=15)
+total = sum(len(tiny_text.line(i)) + 1 for i in range(40))
+print("TFDS", data.build(tfds_config, cluster, 8, training=True)[1], total // 16 // 8)
+
+# SentencePiece: a class with its proto, and the same tokenizer saved with a preset.
+by_class = config_lib.defaults()
+by_class.data.update(text_files=docs, tokenizer="SentencePieceTokenizer", vocabulary=spm, context_length=15)
+source = text.open_source(by_class.data, training=True)
+reference = [len(ids) + 1 for ids in sentencepiece.SentencePieceProcessor(model_file=spm).encode(texts)]
+sequences = np.stack([s["tokens"] for s in source.read(source.files, True).as_numpy_iterator()])
+print("SPM", source.tokenizer.vocabulary_size, list(source.tokens_per_file) == reference,
+      sequences.max() < 1024, int((sequences == source.tokenizer.eos_id).sum()))
+keras_hub.models.LlamaBackbone(vocabulary_size=1024, num_layers=1, num_query_heads=2, hidden_dim=8,
+                               num_key_value_heads=1, intermediate_dim=8).save_to_preset(f"{folder}/preset")
+keras_hub.tokenizers.LlamaTokenizer(proto=spm).save_to_preset(f"{folder}/preset")
+by_preset = config_lib.defaults()
+by_preset.data.update(text_files=docs, tokenizer="preset")
+by_preset.model = dict(name="keras_hub:LlamaCausalLM", preset=f"{folder}/preset", context_length=15)
+text.resolve(by_preset)
+preset_source = text.open_source(by_preset.data, training=True)
+preset_sequences = np.stack([s["tokens"] for s in preset_source.read(preset_source.files, True).as_numpy_iterator()])
+print("PRESET", preset_source.tokenizer.name, np.array_equal(preset_sequences, sequences))

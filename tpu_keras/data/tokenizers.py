@@ -1,0 +1,115 @@
+"""Tokenizers for the text sources: raw bytes, or a keras-hub tokenizer.
+
+`data.tokenizer` names one:
+
+- `bytes`: each UTF-8 byte is its token (vocabulary 256, as `stdlib_bytes`,
+  so byte-level models read either source). Byte 0 (NUL, which text files
+  do not hold) is the end-of-document token: the vocabulary stays 256.
+- a keras-hub tokenizer class (`SentencePieceTokenizer`, `BytePairTokenizer`,
+  `LlamaTokenizer`, ...) with its vocabulary file in `data.vocabulary` (a
+  SentencePiece proto; a BPE `vocab.json`, with `data.merges`).
+- `preset`: the tokenizer saved with `model.preset`, so the data and the
+  model cannot disagree on the vocabulary.
+
+All of them tokenize a whole block of documents at once inside tf.data
+(graph ops: keras-hub tokenizers are TensorFlow preprocessing layers).
+"""
+
+import dataclasses
+import inspect
+import os
+from typing import Callable
+
+import tensorflow as tf
+
+from tpu_keras.errors import UserError, closest
+
+BYTES = "bytes"
+PRESET = "preset"
+BYTES_EOS = 0
+# End-of-sequence pieces, in the order they are looked for, when the tokenizer has no end_token_id.
+_EOS_PIECES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    name: str
+    vocabulary_size: int
+    eos_id: int
+    # A [batch] string tensor -> a ragged [batch, None] int32 tensor of token ids.
+    tokenize: Callable[[tf.Tensor], tf.RaggedTensor] = dataclasses.field(compare=False)
+
+
+def make(config) -> Tokenizer:
+    """The tokenizer `config` (the `data` section) names; a one-line error if it cannot be made."""
+    choice = config.tokenizer
+    if choice == BYTES:
+        return Tokenizer(BYTES, 256, BYTES_EOS, _bytes)
+    keras_hub = _keras_hub(choice)
+    if choice == PRESET:
+        if not config.vocabulary:
+            raise UserError("data.tokenizer='preset' reads the tokenizer of model.preset, which is "
+                            "empty; set model.preset, or name a tokenizer class and data.vocabulary")
+        try:
+            layer = keras_hub.tokenizers.Tokenizer.from_preset(config.vocabulary)
+        except (ValueError, FileNotFoundError, OSError) as error:
+            raise UserError(f"model.preset={config.vocabulary!r} has no tokenizer to read "
+                            f"({str(error).splitlines()[0][:120]}); save one with "
+                            "tokenizer.save_to_preset, or set data.tokenizer to a class and "
+                            "data.vocabulary") from None
+        return _wrap(f"preset {config.vocabulary}", layer)
+    classes = {name: value for name, value in vars(keras_hub.tokenizers).items()
+               if isinstance(value, type) and issubclass(value, keras_hub.tokenizers.Tokenizer)}
+    if choice not in classes:
+        raise UserError(f"data.tokenizer={choice!r} is not 'bytes', 'preset' or a keras_hub "
+                        f"tokenizer class{closest(choice, classes)}; use one such as "
+                        "'SentencePieceTokenizer' or 'LlamaTokenizer'")
+    if not config.vocabulary:
+        raise UserError(f"data.tokenizer={choice!r} needs its vocabulary file; set "
+                        "data.vocabulary (a SentencePiece proto, or a BPE vocab.json)")
+    for key in ("vocabulary", "merges"):
+        path = config[key]
+        if path and not tf.io.gfile.exists(path):
+            raise UserError(f"data.{key}={path!r} does not exist; set it to the tokenizer's file")
+    cls = classes[choice]
+    parameters = inspect.signature(cls.__init__).parameters
+    if "proto" in parameters:
+        layer = cls(proto=config.vocabulary)
+    elif "merges" in parameters:
+        if not config.merges:
+            raise UserError(f"data.tokenizer={choice!r} is a byte-pair tokenizer; set data.merges "
+                            "to its merges.txt beside data.vocabulary")
+        layer = cls(vocabulary=config.vocabulary, merges=config.merges)
+    else:
+        layer = cls(vocabulary=config.vocabulary)
+    return _wrap(f"{choice}({os.path.basename(config.vocabulary)})", layer)
+
+
+def _bytes(texts):
+    """Every document's UTF-8 bytes, as one ragged batch (one decode for the block)."""
+    values = tf.io.decode_raw(tf.strings.reduce_join(texts), tf.uint8)
+    return tf.RaggedTensor.from_row_lengths(tf.cast(values, tf.int32),
+                                            tf.cast(tf.strings.length(texts), tf.int64))
+
+
+def _wrap(name, layer) -> Tokenizer:
+    eos = getattr(layer, "end_token_id", None)
+    if eos is None:
+        vocabulary = layer.get_vocabulary()
+        eos = next((vocabulary.index(p) for p in _EOS_PIECES if p in vocabulary), None)
+    if eos is None:
+        raise UserError(f"the tokenizer {name} has no end-of-sequence token (none of "
+                        f"{list(_EOS_PIECES)}); use a vocabulary that has one")
+
+    def tokenize(texts):
+        return tf.cast(layer.tokenize(texts), tf.int32)
+    return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize)
+
+
+def _keras_hub(choice):
+    try:
+        import keras_hub
+    except ImportError:
+        raise UserError(f"data.tokenizer={choice!r} needs keras-hub: pip install -e \".[hub]\", "
+                        "or use data.tokenizer='bytes'") from None
+    return keras_hub
