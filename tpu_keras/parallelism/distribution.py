@@ -57,3 +57,19 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
 
     def get_data_layout(self, data_shape):
         return _Layout((BATCH_AXES,) + (None,) * (len(data_shape) - 1), self.device_mesh)
+
+    def get_tensor_layout(self, path):
+        """Every layer's output keeps the batch split, when weights are split over fsdp alone.
+
+        Keras asks for `<layer path>/output` after each layer call. Without a
+        constraint, XLA may meet an fsdp-split weight by splitting the
+        activations' features instead of gathering the weight, and then
+        reshuffle and all-reduce activations: several times the memory and
+        the traffic FSDP should cost (seen in the compiled step, README
+        "Memory planning"). With a model axis, layer outputs are split over
+        it by the rules, so only the batch could be named; left to XLA.
+        """
+        mesh = self.placer.mesh
+        if path.endswith("/output") and mesh.get("fsdp", 1) > 1 and mesh.get("model", 1) == 1:
+            return _Layout((BATCH_AXES,), self.device_mesh)
+        return None
