@@ -86,7 +86,7 @@ def tiny_run(tmp_path_factory, data_dir):
 @pytest.fixture(scope="session")
 def stdlib_text(data_dir):
     """The standard library as .txt documents with its 1,024-piece SentencePiece
-    vocabulary (trained offline with keras-hub), written once into `data_dir`;
+    vocabulary (trained offline with SentencePiece), written once into `data_dir`;
     returns their folder."""
     run([sys.executable, "-c", "import sys; from tpu_keras.data import stdlib_text; "
          "print(stdlib_text.prepare(sys.argv[1]))", data_dir], timeout=300)
