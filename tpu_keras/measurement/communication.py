@@ -26,9 +26,9 @@ With gradient accumulation every collective runs once per micro-batch.
 import dataclasses
 
 import jax
-from jax.extend.core import Literal
 
 from tpu_keras.measurement import memory
+from tpu_keras.measurement.jaxpr_walk import called_program, is_literal, nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ def weight_uses(model, loss) -> list[WeightUse]:
 def _walk(jaxpr, origins, uses) -> None:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        source = origins.get(eqn.invars[0]) if eqn.invars and not _literal(eqn.invars[0]) else None
+        source = origins.get(eqn.invars[0]) if eqn.invars and not is_literal(eqn.invars[0]) else None
         if name in ("convert_element_type", "copy", "copy_p") and source:
             origins[eqn.outvars[0]] = source
         elif name == "transpose" and source:
@@ -73,41 +73,23 @@ def _walk(jaxpr, origins, uses) -> None:
         elif name == "dot_general":
             contracting = eqn.params["dimension_numbers"][0]
             for side in (0, 1):
-                found = origins.get(eqn.invars[side]) if not _literal(eqn.invars[side]) else None
+                found = origins.get(eqn.invars[side]) if not is_literal(eqn.invars[side]) else None
                 if found:
                     path, dims = found
                     other = eqn.invars[1 - side]
                     uses.append(WeightUse(path, "dot", frozenset(dims[c] for c in contracting[side]),
-                                          _nbytes(eqn.outvars[0]), _nbytes(other)))
+                                          nbytes(eqn.outvars[0]), nbytes(other)))
         elif name == "gather" and source:
             path, dims = source
             looked_up = eqn.params["dimension_numbers"].collapsed_slice_dims
             uses.append(WeightUse(path, "lookup", frozenset(dims[d] for d in looked_up),
-                                  _nbytes(eqn.outvars[0]), 0))
-        for inner in _sub_jaxprs(eqn):  # jit, custom_jvp, checkpoint: follow the weight inside
+                                  nbytes(eqn.outvars[0]), 0))
+        inner = called_program(eqn)  # jit, custom_jvp, checkpoint: follow the weight inside
+        if inner is not None:
             inner_origins = {inner_var: origins[outer] for inner_var, outer in zip(inner.invars, eqn.invars)
-                             if not _literal(outer) and outer in origins}
+                             if not is_literal(outer) and outer in origins}
             if inner_origins:
                 _walk(inner, inner_origins, uses)
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        inner = getattr(value, "jaxpr", value)
-        if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
-            yield inner
-
-
-def _literal(var) -> bool:
-    return isinstance(var, Literal)
-
-
-def _nbytes(var) -> int:
-    aval = var.aval
-    count = 1
-    for n in aval.shape:
-        count *= n
-    return count * aval.dtype.itemsize
 
 
 def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: int,

@@ -8,17 +8,14 @@ shapes and dtypes (bf16 activations under mixed precision, attention's
 seq x seq scores) and allocates nothing. Weights that autodiff also keeps are
 left out: they are already counted as parameters.
 
-`measured_activation_bytes` is the check: XLA's own buffer assignment for the
-compiled gradient, the part of its temporary memory that grows with the batch.
-On CPU the two agree within about 10% in float32 (README "Memory planning");
-with bf16, CPU XLA keeps float32 copies a TPU does not, so compare there in
-float32, or run `--measure` on the TPU VM itself.
+The check is XLA's own buffer assignment for the compiled sharded step
+(`tpu_keras.tools.compiled_step`, `python -m tpu_keras.plan --measure`): the
+part of its temporary memory that grows with the batch.
 """
 
-import math
-
 import jax
-from jax.extend.core import Literal
+
+from tpu_keras.measurement.jaxpr_walk import is_literal, nbytes
 
 
 def abstract_inputs(model, batch: int):
@@ -72,19 +69,9 @@ def activation_bytes(model, loss, batch: int, model_split: dict | None = None,
     for v in traced.jaxpr.outvars:
         if id(v) in inputs:
             continue
-        nbytes = math.prod(v.aval.shape) * v.aval.dtype.itemsize
-        is_split = not isinstance(v, Literal) and split.get(v) is not None
-        total += nbytes / model_size if is_split else nbytes
+        is_split = not is_literal(v) and split.get(v) is not None
+        total += nbytes(v) / model_size if is_split else nbytes(v)
     return round(total)
-
-
-def measured_activation_bytes(model, loss, batch: int) -> int:
-    """XLA's temporary bytes for the gradient at 2 x `batch`, less those at `batch`.
-
-    The difference leaves out what does not grow with the batch (gradients,
-    workspace), so it measures the activations of `batch` examples.
-    """
-    return step_temp_bytes(model, loss, 2 * batch) - step_temp_bytes(model, loss, batch)
 
 
 def step_temp_bytes(model, loss, batch: int) -> int:

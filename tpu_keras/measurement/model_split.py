@@ -20,7 +20,7 @@ whole. Where unsure, whole: the estimate errs high.
 
 import math
 
-from jax.extend.core import Literal
+from tpu_keras.measurement.jaxpr_walk import called_program, is_literal
 
 _STRUCTURAL = ("convert_element_type", "copy", "copy_p", "reduce_precision")
 
@@ -39,8 +39,8 @@ def split_dims(jaxpr, inputs: list) -> dict:
 
 def _walk(jaxpr, split, weights) -> None:
     for eqn in jaxpr.eqns:
-        ins = [None if isinstance(v, Literal) else split.get(v) for v in eqn.invars]
-        from_weight = [not isinstance(v, Literal) and v in weights for v in eqn.invars]
+        ins = [None if is_literal(v) else split.get(v) for v in eqn.invars]
+        from_weight = [not is_literal(v) and v in weights for v in eqn.invars]
         outs = _inner(eqn, ins, from_weight)
         if outs is None:
             outs = [_rule(eqn, ins, from_weight)] + [None] * (len(eqn.outvars) - 1)
@@ -53,15 +53,13 @@ def _walk(jaxpr, split, weights) -> None:
 
 def _inner(eqn, ins, from_weight):
     """Follows the split into a nested jaxpr (jit, custom_jvp, checkpoint) and back out."""
-    for value in eqn.params.values():
-        inner = getattr(value, "jaxpr", value)
-        if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars) \
-                and len(inner.outvars) == len(eqn.outvars):
-            split = dict(zip(inner.invars, ins))
-            weights = {v for v, w in zip(inner.invars, from_weight) if w}
-            _walk(inner, split, weights)
-            return [None if isinstance(v, Literal) else split.get(v) for v in inner.outvars]
-    return None
+    inner = called_program(eqn)
+    if inner is None:
+        return None
+    split = dict(zip(inner.invars, ins))
+    weights = {v for v, w in zip(inner.invars, from_weight) if w}
+    _walk(inner, split, weights)
+    return [None if is_literal(v) else split.get(v) for v in inner.outvars]
 
 
 def _rule(eqn, ins, from_weight):
@@ -105,7 +103,7 @@ def _rule(eqn, ins, from_weight):
         return None if first in dims else first - sum(d < first for d in dims)
     # Elementwise (inputs of the output's shape, or broadcast to it along dimensions of
     # size 1, or scalars): the activations' split, if they agree; weights follow it.
-    operands = [(i, v.aval.shape) for i, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
+    operands = [(i, v.aval.shape) for i, v in enumerate(eqn.invars) if not is_literal(v)]
     if not all(shape == () or _broadcasts(shape, out.shape) for _, shape in operands):
         return None  # not elementwise (concatenate, gather, pad, ...): whole
     dims = {ins[i] for i, shape in operands if shape != () and not from_weight[i]
