@@ -53,15 +53,7 @@ def main(argv):
         print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
         return
     from tpu_keras.tools import layout_search
-    result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value)
-    best = result["recommended"]
-    if _MEASURE.value and best:
-        from tpu_keras.tools import compiled_step
-        d = best["per_device"]
-        result["measured"] = compiled_step.measure(
-            layout_search.configured(_CONFIG.value, best), best["mesh"], best["batch_per_replica"],
-            (d["parameters"] + d["optimizer"]) * result["devices"])  # an upper bound on the whole
-
+    result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
     print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
 
 

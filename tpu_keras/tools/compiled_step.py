@@ -17,6 +17,7 @@ does not. On a TPU VM the same command gives the TPU compiler's figures.
 """
 
 import copy
+import math
 import os
 
 from tpu_keras.errors import UserError
@@ -29,9 +30,7 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0) ->
     (`state_bytes` in all) must fit this machine's memory.
     """
     import jax
-    devices = 1
-    for size in mesh.values():
-        devices *= size
+    devices = math.prod(mesh.values())
     if jax.device_count() != devices:
         raise UserError(f"--measure needs {devices} devices for mesh {mesh}, and JAX has "
                         f"{jax.device_count()}; run it in a fresh process")

@@ -15,14 +15,10 @@ from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.parallelism.rules import Placement, dtype_name
 
 
-def describe(config, num_devices: int, built=None) -> dict:
-    """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready).
-
-    `built` is `abstract_model(config)`'s result, for a caller that places one
-    model on many meshes (the planner's search).
-    """
+def describe(config, num_devices: int) -> dict:
+    """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready)."""
     mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
-    return report_on(config, mesh, *(built or abstract_model(config)))
+    return report_on(config, mesh, *abstract_model(config))
 
 
 def abstract_model(config):

@@ -27,8 +27,9 @@ from tpu_keras.tools.layout_report import format_bytes
 from tpu_keras.tools.memory_plan import MARGIN_NOTE, Footprint, usable_bytes
 
 
-def search(config, slice_name: str, margin: float = 0.1) -> dict:
-    """Every candidate layout of `config` on the slice, and the recommended one (a dict, JSON-ready)."""
+def search(config, slice_name: str, margin: float = 0.1, measure: bool = False) -> dict:
+    """Every candidate layout of `config` on the slice, and the recommended one (a dict,
+    JSON-ready); with `measure`, XLA's figures for the recommended one's compiled step."""
     found = topology.parse_slice(slice_name)
     usable = usable_bytes(found, margin)
     footprint = Footprint(config)
@@ -41,7 +42,7 @@ def search(config, slice_name: str, margin: float = 0.1) -> dict:
                                                     f"over {splits} batch splits"})
             continue
         try:
-            footprint.per_device(mesh, 0, "none")  # places the weights: the rules' checks
+            footprint.layout(tuple(mesh[axis] for axis in mesh_lib.AXES))  # the rules' checks
         except UserError as error:
             skipped.append({"mesh": mesh, "reason": str(error)})
             continue
@@ -49,7 +50,7 @@ def search(config, slice_name: str, margin: float = 0.1) -> dict:
             candidates.append(_candidate(footprint, mesh, remat, update_batch // splits, usable))
     fitting = [c for c in candidates if c["fits"]]
     best = min(fitting, key=_preference, default=None)
-    return {
+    result = {
         "model": config.model.name, "slice": found.name, "devices": found.devices,
         "hosts": found.hosts, "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
         "usable_bytes_per_device": usable, "precision": footprint.precision,
@@ -60,6 +61,11 @@ def search(config, slice_name: str, margin: float = 0.1) -> dict:
         "recommended": best,
         "flags": flags(best) if best else None,
     }
+    if measure and best:
+        from tpu_keras.tools import compiled_step
+        result["measured"] = compiled_step.measure(configured(config, best), best["mesh"],
+                                                   best["batch_per_replica"], footprint.state_bytes)
+    return result
 
 
 def meshes(devices: int) -> list[dict]:
@@ -99,8 +105,7 @@ def _candidate(footprint, mesh: dict, remat: str, share: int, usable: int) -> di
     largest = footprint.largest_batch(mesh, remat, usable)
     batch = max((b for b in range(1, min(largest, share) + 1) if share % b == 0), default=0)
     candidate = {"mesh": mesh, "remat": remat, "fits": batch > 0,
-                 "largest_batch_per_replica": largest,
-                 "activations_split_by_model": mesh["model"] > 1}
+                 "largest_batch_per_replica": largest}
     if batch:
         steps = share // batch
         candidate.update(batch_per_replica=batch, grad_accum_steps=steps,
@@ -135,7 +140,7 @@ def format_search(s: dict, rows: int = 12) -> str:
                       str(c["batch_per_replica"]), str(c["grad_accum_steps"]),
                       format_bytes(d["parameters"]), format_bytes(d["optimizer"]),
                       format_bytes(d["gradients"]),
-                      format_bytes(d["activations"]) + ("*" if c["activations_split_by_model"] else ""),
+                      format_bytes(d["activations"]) + ("*" if mesh["model"] > 1 else ""),
                       format_bytes(d["total"]), format_bytes(c["sent_per_step"]["total"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w)

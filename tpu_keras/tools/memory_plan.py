@@ -99,6 +99,12 @@ class Footprint:
         fixed = self.per_device(mesh, 0, remat)["total"]
         return max(0, int((usable - fixed) // per_example)) if per_example > 0 else 0
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the weights and the optimizer state in all (the same on any mesh)."""
+        totals = self.layout((1, 1, 1))["totals"]
+        return totals["parameters"]["bytes"] + totals["optimizer"]["bytes"]
+
     def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1) -> dict:
         """Bytes each device sends per optimizer update (`measurement.communication`)."""
         from tpu_keras.measurement import communication
@@ -141,16 +147,13 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
         "global_batch": global_batch, "per_replica_batch": per_replica,
         "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
-        "activations_split_by_model": mesh["model"] > 1,
         "fits": per_device["total"] <= usable,
         "largest_global_batch": largest * splits,
         "sent_per_step": footprint.sent_per_step(mesh, per_replica, config.train.grad_accum_steps),
     }
     if measure:
         from tpu_keras.tools import compiled_step
-        totals = footprint.layout(_key(mesh))["totals"]
-        result["measured"] = compiled_step.measure(
-            config, mesh, per_replica, totals["parameters"]["bytes"] + totals["optimizer"]["bytes"])
+        result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes)
     return result
 
 
@@ -172,7 +175,7 @@ def format_plan(p: dict) -> str:
                            + (f", remat {p['remat']}" if p.get("remat", "none") != "none"
                               else ", no rematerialisation")
                            + (", split as tensor parallelism splits them (errs high)"
-                              if p["activations_split_by_model"] else "")}
+                              if mesh["model"] > 1 else "")}
     lines = [f"{p['model']} on {p['slice']}: {p['devices']} devices on {p['hosts']} host(s), "
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
              f"mesh {mesh_lib.describe(mesh)}, global batch "
