@@ -10,13 +10,10 @@ import os
 import random
 import re
 import signal
-import socket
 import sys
 import time
 
-import pytest
-
-from conftest import run
+from conftest import reachable, run, skip_without_private_network
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish,
                               read_until, resumed_step, seen_over_the_run, start)
 
@@ -45,14 +42,6 @@ def listening_ports(pid):
     return ports
 
 
-def reachable_from_here(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
-        return True
-    except ConnectionRefusedError:
-        return False
-
-
 def host_pids(lines):
     return [int(pid) for pid in re.findall(r"host \d+ pid (\d+)", "".join(lines))]
 
@@ -63,12 +52,10 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
     launcher = start(launch_args(reference, data_dir))
     try:
         started = read_until(launcher, r"hosts started: ")
-        refused = [line for line in started if "notice: no private network here" in line]
-        if refused:
-            pytest.skip(f"no unprivileged network namespaces on this machine: {refused[0]}")
+        skip_without_private_network("".join(started))
         read_until(launcher, rf"\[host 0\].*step 10/{STEPS}")
         listening = {pid: listening_ports(pid) for pid in host_pids(started)}
-        in_reach = {port: reachable_from_here(port) for ports in listening.values() for port in ports}
+        in_reach = {port: reachable(port) for ports in listening.values() for port in ports}
         output = finish(launcher, timeout=300)
     finally:
         if launcher.poll() is None:
@@ -85,7 +72,7 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         host1 = host_pids(started)[1]
         read_until(launcher, rf"\[host 0\].*step {random.choice([10, 20, 30])}/{STEPS}")
         host1_ports = listening_ports(host1)
-        assert host1_ports and all(reachable_from_here(port) for port in host1_ports), host1_ports
+        assert host1_ports and all(reachable(port) for port in host1_ports), host1_ports
         time.sleep(random.uniform(0, 0.5))
         killed_at = time.monotonic()
         os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
