@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -207,13 +206,22 @@ def test_the_hosts_ports_are_out_of_reach_unless_on_the_host_network(tmp_path, n
     assert NO_PRIVATE_NETWORK not in out
 
 
-def test_where_namespaces_are_refused_one_line_says_what_is_exposed(tmp_path):
-    argv = _launch_argv(["--hosts=2"], "print('RAN')")
-    probe = subprocess.run(["unshare", "--user", "true"], capture_output=True, timeout=30) \
-        if shutil.which("unshare") else None
-    if probe and probe.returncode == 0:
-        # In a user namespace that maps no uid, the kernel refuses a nested one (EPERM).
-        argv = ["unshare", "--user", "--", *argv]
+# Execs the rest of its argv in a user namespace that maps no uid, where the kernel
+# refuses a nested one (EPERM); where it refuses even this one, the launcher will too.
+_UNMAPPED_USER_NAMESPACE = """
+import os, sys
+from tpu_keras.cluster import private_network
+try:
+    private_network._unshare(private_network.CLONE_NEWUSER)
+except OSError:
+    pass
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def test_where_namespaces_are_refused_one_line_says_what_is_exposed():
+    argv = [sys.executable, "-c", _UNMAPPED_USER_NAMESPACE,
+            *_launch_argv(["--hosts=2"], "print('RAN')")[1:]]
     result = subprocess.run(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=60)
     assert result.returncode == 0, result.stdout
