@@ -15,7 +15,7 @@ import time
 
 from conftest import reachable, run, skip_without_private_network
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish,
-                              read_until, resumed_step, seen_over_the_run, start)
+                    read_until, resumed_step, running, seen_over_the_run)
 
 
 def launch_args(workdir, data_dir, *launcher_flags):
@@ -49,25 +49,19 @@ def host_pids(lines):
 def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         tmp_path_factory, data_dir):
     reference = tmp_path_factory.mktemp("two_hosts_reference")
-    launcher = start(launch_args(reference, data_dir))
-    try:
+    with running(launch_args(reference, data_dir)) as launcher:
         started = read_until(launcher, r"hosts started: ")
         skip_without_private_network("".join(started))
         read_until(launcher, rf"\[host 0\].*step 10/{STEPS}")
         listening = {pid: listening_ports(pid) for pid in host_pids(started)}
         in_reach = {port: reachable(port) for ports in listening.values() for port in ports}
         output = finish(launcher, timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     assert launcher.returncode == 0, output[-3000:]
     assert len(listening) == 2 and all(listening.values()), listening  # each its TF worker server
     assert not any(in_reach.values()), in_reach
     workdir = tmp_path_factory.mktemp("two_hosts_killed")
 
-    launcher = start(launch_args(workdir, data_dir, "--failure_grace=150", "--network=host"))
-    try:
+    with running(launch_args(workdir, data_dir, "--failure_grace=150", "--network=host")) as launcher:
         started = read_until(launcher, r"hosts started: ")
         host1 = host_pids(started)[1]
         read_until(launcher, rf"\[host 0\].*step {random.choice([10, 20, 30])}/{STEPS}")
@@ -78,10 +72,6 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
         output = finish(launcher, timeout=200)
         stopped_after = time.monotonic() - killed_at
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     assert launcher.returncode != 0
     assert "host 1 failed first, with signal 9 (SIGKILL)" in output, output[-3000:]
     assert "host 0 stopped on its own" in output, output[-3000:]
