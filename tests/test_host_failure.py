@@ -3,7 +3,8 @@
 The reference run is on the launcher's private network (the default) and the
 killed one on the host's (`--network=host`): nothing outside reaches the
 first one's servers, the second one's are reachable, and both end with the
-same weights.
+same weights. Where the kernel refuses a namespace, the rest still runs, and
+the test then skips to say the private network went unchecked.
 """
 
 import os
@@ -13,7 +14,7 @@ import signal
 import sys
 import time
 
-from conftest import reachable, run, skip_without_private_network
+from conftest import NO_PRIVATE_NETWORK, reachable, run, skip_without_private_network
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish,
                     read_until, resumed_step, running, seen_over_the_run)
 
@@ -50,20 +51,20 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         tmp_path_factory, data_dir):
     reference = tmp_path_factory.mktemp("two_hosts_reference")
     with running(launch_args(reference, data_dir)) as launcher:
-        started = read_until(launcher, r"hosts started: ")
-        skip_without_private_network("".join(started))
+        started = "".join(read_until(launcher, r"hosts started: "))
         read_until(launcher, rf"\[host 0\].*step 10/{STEPS}")
         listening = {pid: listening_ports(pid) for pid in host_pids(started)}
         in_reach = {port: reachable(port) for ports in listening.values() for port in ports}
         output = finish(launcher, timeout=300)
     assert launcher.returncode == 0, output[-3000:]
     assert len(listening) == 2 and all(listening.values()), listening  # each its TF worker server
-    assert not any(in_reach.values()), in_reach
+    private = NO_PRIVATE_NETWORK not in started
+    if private:
+        assert not any(in_reach.values()), in_reach
     workdir = tmp_path_factory.mktemp("two_hosts_killed")
 
     with running(launch_args(workdir, data_dir, "--failure_grace=150", "--network=host")) as launcher:
-        started = read_until(launcher, r"hosts started: ")
-        host1 = host_pids(started)[1]
+        host1 = host_pids(read_until(launcher, r"hosts started: "))[1]
         read_until(launcher, rf"\[host 0\].*step {random.choice([10, 20, 30])}/{STEPS}")
         host1_ports = listening_ports(host1)
         assert host1_ports and all(reachable(port) for port in host1_ports), host1_ports
@@ -87,3 +88,5 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
     reference_ids = example_ids(reference / "example_ids")
     assert sorted(reference_ids) == [(h, p) for h in (0, 1) for p in range(STEPS)]
     assert seen == reference_ids
+    if not private:  # the failure and the resume hold without a namespace; say what went unchecked
+        skip_without_private_network(started)
