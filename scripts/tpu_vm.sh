@@ -204,7 +204,7 @@ parse() {
   local positional=()
   while (( $# )); do
     case $1 in
-      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; no_dry_run_in "$@"; break ;;
+      --) shift; REMOTE=("$@"); HAVE_REMOTE=1; break ;;
       --help|-h) usage; exit 0 ;;
       --dry-run) DRY_RUN=1 ;;
       --spot) SPOT=1; SEEN+=("$1") ;;
@@ -222,6 +222,7 @@ parse() {
   done
   COMMAND="${positional[0]:-}"
   NAME="${positional[1]:-}"
+  no_dry_run_in ${REMOTE[@]+"${REMOTE[@]}"}
   if (( ${#positional[@]} > 2 )); then
     fail "unexpected argument '${positional[2]}'; options start with --, and a command to run goes after --"
   fi
@@ -231,8 +232,7 @@ no_dry_run_in() {  # COMMAND's words: a --dry-run there would not stop gcloud
   local word
   for word in "$@"; do
     if [[ $word == --dry-run ]]; then
-      # positional is parse's: what the line named so far
-      fail "--dry-run after -- would be COMMAND's, and gcloud would really run; put it before --: tpu_vm.sh ${positional[0]:-run} ${positional[1]:-NAME} ... --dry-run -- ..."
+      fail "--dry-run after -- would be COMMAND's, and gcloud would really run; put it before --: tpu_vm.sh ${COMMAND:-run} ${NAME:-NAME} ... --dry-run -- ..."
     fi
   done
 }

@@ -5,6 +5,8 @@ start-up), and every process is bounded by a timeout.
 """
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +52,27 @@ def assert_one_line_error(result, *fragments):
     assert len(errors) == 1, result.stdout[-3000:]
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
+
+
+# The launcher's line where the kernel refuses it a private network namespace.
+NO_PRIVATE_NETWORK = "notice: no private network here"
+
+
+def skip_without_private_network(output):
+    """Skips a test of the private network where the launcher's `output` says the
+    kernel refused one: CI machines may forbid unprivileged user namespaces."""
+    refused = re.search(re.escape(NO_PRIVATE_NETWORK) + r" \((.*?)\)", output)
+    if refused:
+        pytest.skip(f"no unprivileged network namespaces on this machine ({refused.group(1)})")
+
+
+def reachable(port):
+    """Whether this process, outside any launcher's private network, connects to 127.0.0.1:`port`."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except ConnectionRefusedError:
+        return False
 
 
 def train(config, workdir, *overrides, timeout=300, check=True, env=None):

@@ -6,6 +6,7 @@ resume too) under TensorFlow op determinism, 40 steps, a checkpoint every
 """
 
 import collections
+import contextlib
 import glob
 import os
 import re
@@ -37,6 +38,18 @@ def start(args, **env):
     full_env.pop("TF_CONFIG", None)
     return subprocess.Popen(args, cwd=REPO, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=full_env)
+
+
+@contextlib.contextmanager
+def running(args, **env):
+    """`start(args)` for the block; killed (a PID it started) if it outlives the block."""
+    process = start(args, **env)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def read_until(process, pattern, timeout=240):

@@ -4,9 +4,7 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +12,8 @@ import time
 
 import pytest
 
-from conftest import assert_one_line_error, run
+from conftest import NO_PRIVATE_NETWORK, assert_one_line_error, reachable, run, \
+    skip_without_private_network
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -178,19 +177,10 @@ _LISTENER = """
     while not done.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
 """
-_NO_NAMESPACE = "notice: no private network here"
 
 
-def _reachable(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
-        return True
-    except ConnectionRefusedError:
-        return False
-
-
-@pytest.mark.parametrize("network, reachable", [("private", False), ("host", True)])
-def test_the_hosts_ports_are_out_of_reach_unless_on_the_host_network(tmp_path, network, reachable):
+@pytest.mark.parametrize("network, in_reach", [("private", False), ("host", True)])
+def test_the_hosts_ports_are_out_of_reach_unless_on_the_host_network(tmp_path, network, in_reach):
     launcher = subprocess.Popen(
         _launch_argv(["--hosts=2", "--timeout=60", f"--network={network}"],
                      _LISTENER.format(tmp=str(tmp_path))),
@@ -202,33 +192,41 @@ def test_the_hosts_ports_are_out_of_reach_unless_on_the_host_network(tmp_path, n
             if sum("LISTENING" in line for line in lines) == 2:
                 break
         ports = [int(line.split()[-1]) for line in lines if "LISTENING" in line]
-        found = {port: _reachable(port) for port in ports}
+        found = {port: reachable(port) for port in ports}
         (tmp_path / "done").write_text("")
         out = "".join(lines) + launcher.communicate(timeout=30)[0]
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    refused = re.search(_NO_NAMESPACE + r" \((.*?)\)", out)
-    if network == "private" and refused:
-        pytest.skip(f"no unprivileged network namespaces on this machine ({refused.group(1)})")
+    if network == "private":
+        skip_without_private_network(out)
     assert launcher.returncode == 0, out
-    assert len(ports) == 2 and found == {port: reachable for port in ports}, out
-    assert _NO_NAMESPACE not in out
+    assert len(ports) == 2 and found == {port: in_reach for port in ports}, out
+    assert NO_PRIVATE_NETWORK not in out
 
 
-def test_where_namespaces_are_refused_one_line_says_what_is_exposed(tmp_path):
-    argv = _launch_argv(["--hosts=2"], "print('RAN')")
-    probe = subprocess.run(["unshare", "--user", "true"], capture_output=True, timeout=30) \
-        if shutil.which("unshare") else None
-    if probe and probe.returncode == 0:
-        # In a user namespace that maps no uid, the kernel refuses a nested one (EPERM).
-        argv = ["unshare", "--user", "--", *argv]
+# Execs the rest of its argv in a user namespace that maps no uid, where the kernel
+# refuses a nested one (EPERM); where it refuses even this one, the launcher will too.
+_UNMAPPED_USER_NAMESPACE = """
+import os, sys
+from tpu_keras.cluster import private_network
+try:
+    private_network._unshare(private_network.CLONE_NEWUSER)
+except OSError:
+    pass
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def test_where_namespaces_are_refused_one_line_says_what_is_exposed():
+    argv = [sys.executable, "-c", _UNMAPPED_USER_NAMESPACE,
+            *_launch_argv(["--hosts=2"], "print('RAN')")[1:]]
     result = subprocess.run(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=60)
     assert result.returncode == 0, result.stdout
     assert "[host 0] RAN" in result.stdout and "[host 1] RAN" in result.stdout
-    notices = [line for line in result.stdout.splitlines() if _NO_NAMESPACE in line]
+    notices = [line for line in result.stdout.splitlines() if NO_PRIVATE_NETWORK in line]
     assert len(notices) == 1, result.stdout
     for fragment in ("listen on all interfaces", "without authentication", "user namespaces",
                      "firewall"):

@@ -39,10 +39,11 @@ def connect(config, mesh_config) -> Cluster:
     shape = tuple(mesh[axis] for axis in mesh_lib.AXES)
     device_mesh = keras.distribution.DeviceMesh(shape, mesh_lib.AXES, _device_grid(shape, devices))
     local = [f"{d.platform}:{d.id}" for d in jax.local_devices()]
-    rows = device_mesh.devices.reshape(mesh_lib.batch_splits(mesh), mesh["model"])
+    batch_splits = mesh_lib.batch_splits(mesh)
+    rows = device_mesh.devices.reshape(batch_splits, mesh["model"])
     pipelines, index = mesh_lib.input_pipelines(rows.tolist(), local)
     cluster = Cluster(strategy=None, kind="jax", num_hosts=jax.process_count(),
-                      host_index=jax.process_index(), num_replicas=mesh_lib.batch_splits(mesh),
+                      host_index=jax.process_index(), num_replicas=batch_splits,
                       device_kind=f"{len(devices)} x {jax.devices()[0].device_kind}",
                       engine="jax", mesh=mesh, device_mesh=device_mesh,
                       input_pipelines=pipelines, input_index=index)
@@ -51,15 +52,14 @@ def connect(config, mesh_config) -> Cluster:
 
 
 def _device_grid(shape, devices):
-    """The devices arranged on the mesh. On a TPU, by the physical topology
-    (`mesh_utils.create_device_mesh`: the last axes, where collectives are most
-    frequent, on neighbouring chips); elsewhere, and in Keras, in the order given."""
-    import numpy as np
+    """The devices in mesh order, flat (`DeviceMesh` reshapes them). On a TPU, by the
+    physical topology (`mesh_utils.create_device_mesh`: the last axes, where collectives
+    are most frequent, on neighbouring chips); elsewhere, and in Keras, as given."""
     if jax.devices()[0].platform != "tpu":
-        return np.array(devices).reshape(shape)
+        return devices
     from jax.experimental import mesh_utils
     grid = mesh_utils.create_device_mesh(shape, devices=jax.devices())
-    return np.vectorize(lambda d: f"{d.platform}:{d.id}")(grid)
+    return [f"{d.platform}:{d.id}" for d in grid.flat]
 
 
 def _initialize_processes(config) -> None:
