@@ -17,6 +17,7 @@ with a mask that gives its padding weight 0.
 """
 
 import dataclasses
+import functools
 import glob as globlib
 import json
 import math
@@ -88,8 +89,13 @@ class PackedSource:
     def tokens_per_byte(self) -> float:
         return sum(self.tokens_per_file) / max(self.text_bytes, 1)
 
+    @functools.cached_property
+    def _tokens_of(self) -> dict:
+        """File -> its tokens: a plan asks for every host's files, so not files.index."""
+        return dict(zip(self.files, self.tokens_per_file))
+
     def examples_in(self, files) -> int:
-        tokens = sum(self.tokens_per_file[self.files.index(f)] for f in files)
+        tokens = sum(self._tokens_of[f] for f in files)
         return math.ceil(tokens / self.length) if self.pad_tail else tokens // self.length
 
     def read(self, files, deterministic: bool, order_seed=None, with_ids: bool = False):
