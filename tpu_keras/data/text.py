@@ -106,19 +106,17 @@ class PackedSource:
         id is the source's example id (file index * 2**32 + record).
         """
         documents = self.documents.read(files, deterministic, order_seed, with_ids=with_ids)
-        if not with_ids:
-            documents = documents.map(lambda text: (text, tf.constant(0, tf.int64)))
         blocks = documents.batch(DOCUMENTS_PER_BLOCK).map(
-            lambda texts, ids: self._tokenize(texts, ids, with_ids),
-            num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+            self._tokenize, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
         return _pack(blocks, self.length, self.pad_tail, with_ids)
 
-    def _tokenize(self, texts, doc_ids, with_ids):
-        """A block of documents -> their tokens, each document ended by EOS, flat."""
+    def _tokenize(self, texts, doc_ids=None):
+        """A block of documents -> their tokens, each document ended by EOS, flat (and
+        their ids, given the documents' ids)."""
         ragged = self.tokenizer.tokenize(texts)
         eos = tf.fill([tf.shape(texts)[0], 1], self.tokenizer.eos_id)
         ragged = tf.concat([ragged, tf.RaggedTensor.from_tensor(eos)], axis=1)
-        if not with_ids:
+        if doc_ids is None:
             return (ragged.flat_values,)
         rows = ragged.row_lengths()
         ids = tf.stack([tf.repeat(doc_ids, rows), tf.ragged.range(rows).flat_values], axis=-1)
@@ -133,11 +131,10 @@ def _pack(chunks, length, pad_tail, with_ids):
     remainder as one last row, padded with 0 (id -1) and masked.
     """
     pad_values = (0, -1)
+    empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
     flagged = chunks.map(lambda *columns: (columns, False))
     if pad_tail:
-        empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
         flagged = flagged.concatenate(tf.data.Dataset.from_tensors((empty, True)))
-    initial = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
 
     def step(carried, element):
         columns, flush = element
@@ -157,7 +154,7 @@ def _pack(chunks, length, pad_tail, with_ids):
         out = (example, cut[1]) if with_ids else example
         return tuple(column[used:] for column in joined), out
 
-    return flagged.scan(initial, step).unbatch()
+    return flagged.scan(empty, step).unbatch()
 
 
 def open_source(config, training: bool) -> PackedSource:
