@@ -33,7 +33,7 @@ from tpu_keras.errors import UserError
 AUTOTUNE = tf.data.AUTOTUNE
 DOCUMENTS_PER_BLOCK = 32  # documents tokenized together
 DATA_DIR = "{data_dir}"   # in data.text_files / data.vocabulary: data.data_dir
-_COUNTS = {}              # (source name, files, tokenizer) -> (tokens per file, bytes)
+_OPENED = {}              # (the data section, training) -> its PackedSource
 
 
 def is_text(config) -> bool:
@@ -158,7 +158,16 @@ def _pack(chunks, length, pad_tail, with_ids):
 
 
 def open_source(config, training: bool) -> PackedSource:
-    """The train or eval text source of the `data` section, opened and counted."""
+    """The train or eval text source of the `data` section, opened and counted once per
+    process: a run opens each several times (its metrics, evaluation, every resume), and
+    opening reads every .jsonl line and tokenizes every file."""
+    key = (config.to_json_best_effort(sort_keys=True), training)
+    if key not in _OPENED:
+        _OPENED[key] = _open(config, training)
+    return _OPENED[key]
+
+
+def _open(config, training: bool) -> PackedSource:
     sources.check_choice(config)
     if config.context_length < 1:
         raise UserError("data.context_length is 0 and the model sets no context_length; set "
@@ -167,8 +176,9 @@ def open_source(config, training: bool) -> PackedSource:
     config = config.copy_and_resolve_references()
     for key in ("text_files", "eval_text_files", "vocabulary"):
         config[key] = config[key].replace(DATA_DIR, data_dir)
-        if config[key].startswith(stdlib_text.folder(data_dir) + os.sep):
-            stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
+    if any(config[key].startswith(stdlib_text.folder(data_dir) + os.sep)
+           for key in ("text_files", "eval_text_files", "vocabulary")):
+        stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
     tokenizer = tokenizers.make(config)
     if config.text_files:
         key = "data.text_files" if training else "data.eval_text_files"
@@ -238,17 +248,14 @@ def _check_lines(path: str, field: str) -> int:
 
 def _count(documents: sources.Source, tokenizer) -> tuple[tuple[int, ...], int]:
     """Tokens (EOS included) of each file of `documents`, and the bytes of their text."""
-    key = (documents.name, documents.files, tokenizer.name)
-    if key not in _COUNTS:
-        tokens = np.zeros(len(documents.files), np.int64)
-        text_bytes = 0
+    tokens = np.zeros(len(documents.files), np.int64)
+    text_bytes = 0
 
-        def lengths(texts, ids):
-            return ids // 2 ** 32, tokenizer.tokenize(texts).row_lengths() + 1, tf.strings.length(texts)
-        read = documents.read(documents.files, deterministic=False, with_ids=True)
-        for files, counts, sizes in read.batch(256).map(lengths, num_parallel_calls=AUTOTUNE) \
-                .as_numpy_iterator():
-            np.add.at(tokens, files, counts)
-            text_bytes += int(sizes.sum())
-        _COUNTS[key] = (tuple(int(t) for t in tokens), text_bytes)
-    return _COUNTS[key]
+    def lengths(texts, ids):
+        return ids // 2 ** 32, tokenizer.tokenize(texts).row_lengths() + 1, tf.strings.length(texts)
+    read = documents.read(documents.files, deterministic=False, with_ids=True)
+    for files, counts, sizes in read.batch(256).map(lengths, num_parallel_calls=AUTOTUNE) \
+            .as_numpy_iterator():
+        np.add.at(tokens, files, counts)
+        text_bytes += int(sizes.sum())
+    return tuple(int(t) for t in tokens), text_bytes
