@@ -44,7 +44,7 @@ def get_config(arg=None):
     config.checkpoint.every_steps = 200
     config.log.every_steps = 100
 
-    if arg in ("tiny", "lora"):
+    if arg in ("tiny", "lora", "spm_tiny"):  # spm_tiny: the spm branch below replaces data
         config.data.name = "stdlib_bytes/ctx64"
         config.model.update(context_length=64, hidden_dim=32, num_layers=1, num_query_heads=2,
                             num_key_value_heads=2, intermediate_dim=64)
@@ -58,13 +58,6 @@ def get_config(arg=None):
                            eval_text_files=f"{text}/validation/*.txt",
                            tokenizer="LlamaTokenizer", vocabulary=f"{text}/spm1024.model")
         config.model.vocabulary_size = 1024
-    if arg == "spm_tiny":
-        config.model.update(context_length=64, hidden_dim=32, num_layers=1, num_query_heads=2,
-                            num_key_value_heads=2, intermediate_dim=64)
-        config.train.update(batch_size=16, steps=20, warmup_steps=5, eval_every=10,
-                            eval_steps=2, steps_per_execution=5, jit_compile=False)
-        config.checkpoint.every_steps = 10
-        config.log.every_steps = 10
     if arg == "lora":
         config.model.update(preset="{workdir}/base_preset", lora_rank=4)
         config.train.update(steps=40, learning_rate=1e-2, eval_every=20)

@@ -270,8 +270,6 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
             assert sorted(resumed[host, steps // 2]) == sorted(logged[host, steps // 2])
 
 
-
-
 def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, stdlib_text):
     """One process: evaluation over every token once equals numpy; a TFDS text feature
     packs; SentencePiece by class and by preset tokenize alike, as sentencepiece does."""
@@ -283,6 +281,7 @@ def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, 
     assert float(toolkit) == pytest.approx(float(numpy), abs=1e-6)
     steps, expected = re.search(r"TFDS (\d+) (\d+)", result.stdout).groups()
     assert int(steps) == int(expected) > 0
-    eos = re.search(r"SPM 1024 True True (\d+)", result.stdout)
+    eos = re.search(r"SPM 1024 True True (\d+) (\d+)", result.stdout)
     assert eos and int(eos.group(1)) in (6, 7), result.stdout[-2000:]  # 7 documents, the tail cut
+    assert eos.group(1) == eos.group(2)  # exactly the documents that end before the cut
     assert "PRESET preset " in result.stdout and re.search(r"PRESET .* True", result.stdout)

@@ -54,8 +54,10 @@ by_class.data.update(text_files=docs, tokenizer="SentencePieceTokenizer", vocabu
 source = text.open_source(by_class.data, training=True)
 reference = [len(ids) + 1 for ids in sentencepiece.SentencePieceProcessor(model_file=spm).encode(texts)]
 sequences = np.stack([s["tokens"] for s in source.read(source.files, True).as_numpy_iterator()])
+kept = sum(reference) // 16 * 16  # training drops the tail that fills no sequence
 print("SPM", source.tokenizer.vocabulary_size, list(source.tokens_per_file) == reference,
-      sequences.max() < 1024, int((sequences == source.tokenizer.eos_id).sum()))
+      sequences.max() < 1024, int((sequences == source.tokenizer.eos_id).sum()),
+      int((np.cumsum(reference) <= kept).sum()))
 keras_hub.models.LlamaBackbone(vocabulary_size=1024, num_layers=1, num_query_heads=2, hidden_dim=8,
                                num_key_value_heads=1, intermediate_dim=8).save_to_preset(f"{folder}/preset")
 keras_hub.tokenizers.LlamaTokenizer(proto=spm).save_to_preset(f"{folder}/preset")

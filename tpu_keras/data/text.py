@@ -17,6 +17,7 @@ with a mask that gives its padding weight 0.
 """
 
 import dataclasses
+import functools
 import glob as globlib
 import json
 import math
@@ -32,7 +33,7 @@ from tpu_keras.errors import UserError
 AUTOTUNE = tf.data.AUTOTUNE
 DOCUMENTS_PER_BLOCK = 32  # documents tokenized together
 DATA_DIR = "{data_dir}"   # in data.text_files / data.vocabulary: data.data_dir
-_COUNTS = {}              # (source name, files, tokenizer) -> (tokens per file, bytes)
+_OPENED = {}              # (the data section, training) -> its PackedSource
 
 
 def is_text(config) -> bool:
@@ -88,8 +89,13 @@ class PackedSource:
     def tokens_per_byte(self) -> float:
         return sum(self.tokens_per_file) / max(self.text_bytes, 1)
 
+    @functools.cached_property
+    def _tokens_of(self) -> dict:
+        """File -> its tokens: a plan asks for every host's files, so not files.index."""
+        return dict(zip(self.files, self.tokens_per_file))
+
     def examples_in(self, files) -> int:
-        tokens = sum(self.tokens_per_file[self.files.index(f)] for f in files)
+        tokens = sum(self._tokens_of[f] for f in files)
         return math.ceil(tokens / self.length) if self.pad_tail else tokens // self.length
 
     def read(self, files, deterministic: bool, order_seed=None, with_ids: bool = False):
@@ -100,19 +106,17 @@ class PackedSource:
         id is the source's example id (file index * 2**32 + record).
         """
         documents = self.documents.read(files, deterministic, order_seed, with_ids=with_ids)
-        if not with_ids:
-            documents = documents.map(lambda text: (text, tf.constant(0, tf.int64)))
         blocks = documents.batch(DOCUMENTS_PER_BLOCK).map(
-            lambda texts, ids: self._tokenize(texts, ids, with_ids),
-            num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+            self._tokenize, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
         return _pack(blocks, self.length, self.pad_tail, with_ids)
 
-    def _tokenize(self, texts, doc_ids, with_ids):
-        """A block of documents -> their tokens, each document ended by EOS, flat."""
+    def _tokenize(self, texts, doc_ids=None):
+        """A block of documents -> their tokens, each document ended by EOS, flat (and
+        their ids, given the documents' ids)."""
         ragged = self.tokenizer.tokenize(texts)
         eos = tf.fill([tf.shape(texts)[0], 1], self.tokenizer.eos_id)
         ragged = tf.concat([ragged, tf.RaggedTensor.from_tensor(eos)], axis=1)
-        if not with_ids:
+        if doc_ids is None:
             return (ragged.flat_values,)
         rows = ragged.row_lengths()
         ids = tf.stack([tf.repeat(doc_ids, rows), tf.ragged.range(rows).flat_values], axis=-1)
@@ -127,11 +131,10 @@ def _pack(chunks, length, pad_tail, with_ids):
     remainder as one last row, padded with 0 (id -1) and masked.
     """
     pad_values = (0, -1)
+    empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
     flagged = chunks.map(lambda *columns: (columns, False))
     if pad_tail:
-        empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
         flagged = flagged.concatenate(tf.data.Dataset.from_tensors((empty, True)))
-    initial = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
 
     def step(carried, element):
         columns, flush = element
@@ -151,11 +154,20 @@ def _pack(chunks, length, pad_tail, with_ids):
         out = (example, cut[1]) if with_ids else example
         return tuple(column[used:] for column in joined), out
 
-    return flagged.scan(initial, step).unbatch()
+    return flagged.scan(empty, step).unbatch()
 
 
 def open_source(config, training: bool) -> PackedSource:
-    """The train or eval text source of the `data` section, opened and counted."""
+    """The train or eval text source of the `data` section, opened and counted once per
+    process: a run opens each several times (its metrics, evaluation, every resume), and
+    opening reads every .jsonl line and tokenizes every file."""
+    key = (config.to_json_best_effort(sort_keys=True), training)
+    if key not in _OPENED:
+        _OPENED[key] = _open(config, training)
+    return _OPENED[key]
+
+
+def _open(config, training: bool) -> PackedSource:
     sources.check_choice(config)
     if config.context_length < 1:
         raise UserError("data.context_length is 0 and the model sets no context_length; set "
@@ -164,8 +176,9 @@ def open_source(config, training: bool) -> PackedSource:
     config = config.copy_and_resolve_references()
     for key in ("text_files", "eval_text_files", "vocabulary"):
         config[key] = config[key].replace(DATA_DIR, data_dir)
-        if config[key].startswith(stdlib_text.folder(data_dir) + os.sep):
-            stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
+    if any(config[key].startswith(stdlib_text.folder(data_dir) + os.sep)
+           for key in ("text_files", "eval_text_files", "vocabulary")):
+        stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
     tokenizer = tokenizers.make(config)
     if config.text_files:
         key = "data.text_files" if training else "data.eval_text_files"
@@ -235,17 +248,14 @@ def _check_lines(path: str, field: str) -> int:
 
 def _count(documents: sources.Source, tokenizer) -> tuple[tuple[int, ...], int]:
     """Tokens (EOS included) of each file of `documents`, and the bytes of their text."""
-    key = (documents.name, documents.files, tokenizer.name)
-    if key not in _COUNTS:
-        tokens = np.zeros(len(documents.files), np.int64)
-        text_bytes = 0
+    tokens = np.zeros(len(documents.files), np.int64)
+    text_bytes = 0
 
-        def lengths(texts, ids):
-            return ids // 2 ** 32, tokenizer.tokenize(texts).row_lengths() + 1, tf.strings.length(texts)
-        read = documents.read(documents.files, deterministic=False, with_ids=True)
-        for files, counts, sizes in read.batch(256).map(lengths, num_parallel_calls=AUTOTUNE) \
-                .as_numpy_iterator():
-            np.add.at(tokens, files, counts)
-            text_bytes += int(sizes.sum())
-        _COUNTS[key] = (tuple(int(t) for t in tokens), text_bytes)
-    return _COUNTS[key]
+    def lengths(texts, ids):
+        return ids // 2 ** 32, tokenizer.tokenize(texts).row_lengths() + 1, tf.strings.length(texts)
+    read = documents.read(documents.files, deterministic=False, with_ids=True)
+    for files, counts, sizes in read.batch(256).map(lengths, num_parallel_calls=AUTOTUNE) \
+            .as_numpy_iterator():
+        np.add.at(tokens, files, counts)
+        text_bytes += int(sizes.sum())
+    return tuple(int(t) for t in tokens), text_bytes

@@ -70,8 +70,7 @@ def train(config, workdir: str, started: float | None = None):
             text_source = data.text.open_source(config.data, training=False)
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with run_timings.phase("model"):
-        model = build_model(config, cluster,
-                            tokens_per_byte=text_source.tokens_per_byte if text_source else None)
+        model = build_model(config, cluster, builder)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], config.data)
     logging.info("model: %s", _describe(model, config))
@@ -159,10 +158,10 @@ def with_text_metrics(builder, tokens_per_byte: float):
         bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
 
 
-def build_model(config, cluster, tokens_per_byte: float | None = None):
+def build_model(config, cluster, builder=None):
     """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
 
-    `tokens_per_byte` (packed text's) compiles bits per token and bits per byte as its metrics.
+    `builder` replaces the registry's for `config.model` (packed text's metrics: `run`).
 
     On jax this first sets the process's `keras.distribution` from the
     model's layout rules, so that Keras lays each weight out as it creates
@@ -170,9 +169,8 @@ def build_model(config, cluster, tokens_per_byte: float | None = None):
     """
     from tpu_keras import models
     from tpu_keras.training import optimization
-    builder, _ = models.registry.get(config.model)
-    if tokens_per_byte is not None:
-        builder = with_text_metrics(builder, tokens_per_byte)
+    if builder is None:
+        builder, _ = models.registry.get(config.model)
     placer = models.registry.placer(config.model, config.layout, cluster.mesh)
     if cluster.engine == "jax":
         from tpu_keras.parallelism import distribution
