@@ -90,6 +90,14 @@ def defaults() -> ml_collections.ConfigDict:
         vocabulary="",
         merges="",
         context_length=0,     # packed sequences hold context_length + 1 tokens; 0: model's
+        # Instruction data: each .jsonl line a prompt and a response; the loss and the
+        # metrics count the response's tokens alone (tpu_keras.data.documents).
+        instructions=False,
+        prompt_field="prompt",
+        response_field="response",
+        # Where each text file's token count is kept, made once and read by every host and
+        # restart (tpu_keras.data.token_counts); empty: DIR/token_counts.
+        token_counts="",
     )
 
     # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.

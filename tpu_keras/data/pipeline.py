@@ -74,7 +74,10 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
                         f"{sorted(PREPROCESSORS)}{closest(name, PREPROCESSORS)}")
     preprocess = PREPROCESSORS[name](config)
     service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
-    source = (text.open_source if text.is_text(config) else sources.open_source)(config, training)
+    if text.is_text(config):
+        source = text.open_source(config, training, (cluster.host_index, cluster.num_processes))
+    else:
+        source = sources.open_source(config, training)
     plan = file_shards.plan(source, cluster.input_pipelines)
     per_replica = global_batch // cluster.num_replicas
     per_host = global_batch // cluster.input_pipelines

@@ -6,14 +6,17 @@ from a TFDS dataset's text feature (`data.name` + `data.text_field`). Each
 is a `Source` of files like any other, so the sharding plan, the epochs,
 resume and the padded evaluation (`pipeline`) work on them unchanged.
 
-`PackedSource` wraps one: it tokenizes blocks of documents inside tf.data,
-ends each with the tokenizer's end-of-sequence token, and cuts the stream
+With `data.instructions`, each .jsonl line is a prompt and a response
+instead (`documents.Instructions`), whose prompt tokens weigh 0.
+
+`PackedSource` wraps one: it tokenizes blocks of documents inside tf.data
+(`documents`: a document's tokens, then the end token), and cuts the stream
 into sequences of `data.context_length + 1` tokens (inputs and shifted
-targets), so no training position is padding. To plan exactly-once epochs
-it must know how many sequences a host's files give, so the tokens of
-every file are counted once when the source opens (one tokenizing pass,
-kept for the process). Evaluation keeps the last partial sequence, padded,
-with a mask that gives its padding weight 0.
+targets), so no training position is padding; a `mask` beside the tokens
+carries their weights where not all are 1. To plan exactly-once epochs it
+must know how many sequences a host's files give, so the tokens of every
+file are counted: once per corpus, shared by every host (`token_counts`).
+Evaluation keeps the last partial sequence, padded, with weight 0.
 """
 
 import dataclasses
@@ -27,7 +30,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tpu_keras.data import sources, stdlib_text, tokenizers
+from tpu_keras.data import documents as documents_lib, sources, stdlib_text, token_counts, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -40,11 +43,14 @@ def is_text(config) -> bool:
     return bool(config.text_files or config.text_field)
 
 
-def resolve(config) -> None:
+def resolve(config, workdir: str = "") -> None:
     """Fills what the data section takes from the model: `data.context_length`
-    (0: `model.context_length`), and for `data.tokenizer='preset'` the preset's path."""
+    (0: `model.context_length`), and for `data.tokenizer='preset'` the preset's path;
+    and from the run: `data.token_counts` (empty: `workdir`/token_counts)."""
     if not is_text(config.data):
         return
+    if workdir and not config.data.token_counts:
+        config.data.token_counts = os.path.join(workdir, "token_counts")
     if not config.data.context_length:
         config.data.context_length = int(config.model.get("context_length", 0) or 0)
     if config.data.tokenizer == tokenizers.PRESET:
@@ -65,12 +71,14 @@ def check_vocabulary(tokenizer, model_vocabulary: int, config) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PackedSource:
-    """Sequences of `length` tokens packed from `documents` (a source of strings)."""
+    """Sequences of `length` tokens packed from `documents` (a source of documents)."""
     documents: sources.Source
+    recipe: object  # documents.Text or documents.Instructions
     tokenizer: tokenizers.Tokenizer
     length: int
     tokens_per_file: tuple[int, ...]
-    text_bytes: int
+    trained_tokens: int  # the tokens that weigh 1 (all of them, but for instructions)
+    trained_bytes: int   # ... and the bytes of their text
     pad_tail: bool  # evaluation: keep the last partial sequence, padded and masked
 
     @property
@@ -87,7 +95,8 @@ class PackedSource:
 
     @property
     def tokens_per_byte(self) -> float:
-        return sum(self.tokens_per_file) / max(self.text_bytes, 1)
+        """Trained tokens per byte of their text: turns bits per token into bits per byte."""
+        return self.trained_tokens / max(self.trained_bytes, 1)
 
     @functools.cached_property
     def _tokens_of(self) -> dict:
@@ -99,7 +108,7 @@ class PackedSource:
         return math.ceil(tokens / self.length) if self.pad_tail else tokens // self.length
 
     def read(self, files, deterministic: bool, order_seed=None, with_ids: bool = False):
-        """Packed sequences `{"tokens"}` (`{"tokens", "mask"}` with `pad_tail`) of `files`.
+        """Packed sequences `{"tokens"}` (`{"tokens", "mask"}` with weights) of `files`.
 
         `with_ids` pairs each sequence with its tokens' ids, shape [length, 2]:
         (document id, position in the document), -1 for padding; a document's
@@ -110,64 +119,70 @@ class PackedSource:
             self._tokenize, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
         return _pack(blocks, self.length, self.pad_tail, with_ids)
 
-    def _tokenize(self, texts, doc_ids=None):
-        """A block of documents -> their tokens, each document ended by EOS, flat (and
-        their ids, given the documents' ids)."""
-        ragged = self.tokenizer.tokenize(texts)
-        eos = tf.fill([tf.shape(texts)[0], 1], self.tokenizer.eos_id)
-        ragged = tf.concat([ragged, tf.RaggedTensor.from_tensor(eos)], axis=1)
-        if doc_ids is None:
-            return (ragged.flat_values,)
-        rows = ragged.row_lengths()
-        ids = tf.stack([tf.repeat(doc_ids, rows), tf.ragged.range(rows).flat_values], axis=-1)
-        return ragged.flat_values, ids
+    def _tokenize(self, block, doc_ids=None):
+        """A block of documents -> their columns, flat: tokens, weights (where some are not 1,
+        or the tail is padded) and ids (given the documents' ids)."""
+        tokens, weights, _ = self.recipe.tokenize(self.tokenizer, block)
+        columns = {"tokens": tokens.flat_values}
+        if weights is not None or self.pad_tail:
+            columns["mask"] = (tf.ones_like(tokens) if weights is None else weights).flat_values
+        if doc_ids is not None:
+            rows = tokens.row_lengths()
+            columns["ids"] = tf.stack([tf.repeat(doc_ids, rows), tf.ragged.range(rows).flat_values],
+                                      axis=-1)
+        return columns
+
+
+_PAD = {"tokens": 0, "mask": 0, "ids": -1}
 
 
 def _pack(chunks, length, pad_tail, with_ids):
-    """Cuts a stream of token chunks into rows of `length`; carries the remainder over.
+    """Cuts a stream of chunks (flat columns) into rows of `length`; carries the remainder over.
 
-    A `scan` whose state is the tokens not yet in a row, so the work is per
+    A `scan` whose state is the columns not yet in a row, so the work is per
     chunk, not per token. With `pad_tail` a final empty chunk flushes the
-    remainder as one last row, padded with 0 (id -1) and masked.
+    remainder as one last row, padded (tokens 0, mask 0, ids -1).
     """
-    pad_values = (0, -1)
-    empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype) for spec in chunks.element_spec)
-    flagged = chunks.map(lambda *columns: (columns, False))
+    empty = {key: tf.zeros([0, *spec.shape[1:]], spec.dtype)
+             for key, spec in chunks.element_spec.items()}
+    flagged = chunks.map(lambda columns: (columns, False))
     if pad_tail:
         flagged = flagged.concatenate(tf.data.Dataset.from_tensors((empty, True)))
 
     def step(carried, element):
         columns, flush = element
-        joined = tuple(tf.concat([c, new], 0) for c, new in zip(carried, columns))
-        size = tf.shape(joined[0])[0]
+        joined = {key: tf.concat([carried[key], columns[key]], 0) for key in carried}
+        size = tf.shape(joined["tokens"])[0]
         rows = size // length + tf.cast(flush & (size % length > 0), tf.int32)
         used = tf.minimum(size, rows * length)
-        cut = []
-        for column, pad in zip(joined, pad_values):
-            padding = tf.fill([rows * length - used, *column.shape[1:]], tf.cast(pad, column.dtype))
-            cut.append(tf.reshape(tf.concat([column[:used], padding], 0),
-                                  [rows, length, *column.shape[1:]]))
-        example = {"tokens": cut[0]}
-        if pad_tail:
-            example["mask"] = tf.reshape(tf.sequence_mask(used, rows * length, tf.int32),
-                                         [rows, length])
-        out = (example, cut[1]) if with_ids else example
-        return tuple(column[used:] for column in joined), out
+        cut = {}
+        for key, column in joined.items():
+            padding = tf.fill([rows * length - used, *column.shape[1:]],
+                              tf.cast(_PAD[key], column.dtype))
+            cut[key] = tf.reshape(tf.concat([column[:used], padding], 0),
+                                  [rows, length, *column.shape[1:]])
+        ids = cut.pop("ids", None)
+        out = (cut, ids) if with_ids else cut
+        return {key: column[used:] for key, column in joined.items()}, out
 
     return flagged.scan(empty, step).unbatch()
 
 
-def open_source(config, training: bool) -> PackedSource:
-    """The train or eval text source of the `data` section, opened and counted once per
-    process: a run opens each several times (its metrics, evaluation, every resume), and
-    opening reads every .jsonl line and tokenizes every file."""
-    key = (config.to_json_best_effort(sort_keys=True), training)
+def open_source(config, training: bool, hosts: tuple[int, int] = (0, 1)) -> PackedSource:
+    """The train or eval text source of the `data` section, opened once per process: a
+    run opens each several times (its metrics, evaluation, every resume).
+
+    `hosts` is (this process, processes): each counts its share of the files'
+    tokens, once per corpus (`token_counts`); with `data.token_counts`
+    empty, it counts them all.
+    """
+    key = (config.to_json_best_effort(sort_keys=True), training, tuple(hosts))
     if key not in _OPENED:
-        _OPENED[key] = _open(config, training)
+        _OPENED[key] = _open(config, training, hosts)
     return _OPENED[key]
 
 
-def _open(config, training: bool) -> PackedSource:
+def _open(config, training: bool, hosts) -> PackedSource:
     sources.check_choice(config)
     if config.context_length < 1:
         raise UserError("data.context_length is 0 and the model sets no context_length; set "
@@ -180,27 +195,47 @@ def _open(config, training: bool) -> PackedSource:
            for key in ("text_files", "eval_text_files", "vocabulary")):
         stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
     tokenizer = tokenizers.make(config)
+    if config.instructions:
+        recipe = documents_lib.Instructions(config.prompt_field, config.response_field)
+    else:
+        recipe = documents_lib.Text(config.text_field)
     if config.text_files:
         key = "data.text_files" if training else "data.eval_text_files"
         pattern = config.text_files if training else config.eval_text_files
         if not pattern:
             raise UserError("data.eval_text_files is empty; set it to a glob of evaluation text "
                             "files (data.text_files is for training)")
-        documents = files_source(pattern, config.text_field, key)
+        documents = files_source(pattern, recipe, key)
     else:
+        if config.instructions:
+            raise UserError("data.instructions reads .jsonl files: set data.text_files (and "
+                            "data.eval_text_files) to globs of them, and data.name to ''")
         split = config.train_split if training else config.eval_split
         documents = sources.tfds_source(config.name, split, data_dir,
                                         "data.train_split" if training else "data.eval_split",
                                         text_field=config.text_field)
-    counts, text_bytes = _count(documents, tokenizer)
-    source = PackedSource(documents, tokenizer, config.context_length + 1, counts, text_bytes,
-                          pad_tail=not training)
-    logging.info("%s: %d documents, %s tokens, %.4f tokens per byte", source.name,
-                 documents.num_examples, f"{sum(counts):,}", source.tokens_per_byte)
+    fingerprint = f"{tokenizer.fingerprint} {recipe}"
+    records = token_counts.gather(documents.files, fingerprint,
+                                  lambda indices: _count(documents, recipe, tokenizer, indices),
+                                  os.path.expanduser(config.token_counts), *hosts)
+    documents = dataclasses.replace(documents, files=tuple(
+        dataclasses.replace(f, take=r["documents"]) if f.take == LINES else f
+        for f, r in zip(documents.files, records)))
+    _check_prompts(documents.files, records, config.context_length)
+    source = PackedSource(documents, recipe, tokenizer, config.context_length + 1,
+                          tuple(r["tokens"] for r in records),
+                          sum(r["trained_tokens"] for r in records),
+                          sum(r["trained_bytes"] for r in records), pad_tail=not training)
+    logging.info("%s: %d documents, %s tokens, %.4f tokens per byte%s", source.name,
+                 documents.num_examples, f"{sum(source.tokens_per_file):,}",
+                 source.tokens_per_byte, " (of the responses)" if config.instructions else "")
     return source
 
 
-def files_source(pattern: str, text_field: str, key: str) -> sources.Source:
+LINES = -1  # a .jsonl file's take until its lines are counted
+
+
+def files_source(pattern: str, recipe, key: str) -> sources.Source:
     """`.txt` files (one document each) or `.jsonl` files (a document per line)."""
     paths = sorted(globlib.glob(os.path.expanduser(pattern), recursive=True))
     if not paths:
@@ -210,52 +245,70 @@ def files_source(pattern: str, text_field: str, key: str) -> sources.Source:
     if any(lines) and not all(lines):
         raise UserError(f"{key}={pattern!r} mixes .jsonl and other files; give a glob of one kind")
     if not all(lines):
+        if isinstance(recipe, documents_lib.Instructions):
+            raise UserError(f"data.instructions reads .jsonl files of prompts and responses, but "
+                            f"{key}={pattern!r} matches other files; give a glob of .jsonl files")
         return sources.Source(pattern, tuple(sources.FileSlice(p, 0, 1) for p in paths),
                               decode=lambda text: text, reader=_whole_file)
-    if not text_field:
+    if isinstance(recipe, documents_lib.Text) and not recipe.field:
         raise UserError(f"{key}={pattern!r} holds .jsonl files; set data.text_field to the key "
-                        "of each line's text")
-    files = tuple(sources.FileSlice(p, 0, _check_lines(p, text_field)) for p in paths)
-
-    def decode(line):
-        text = tf.numpy_function(lambda raw: json.loads(raw)[text_field].encode("utf-8"),
-                                 [line], tf.string, stateful=False)
-        return tf.ensure_shape(text, [])
-    return sources.Source(pattern, files, decode=decode, reader=tf.data.TextLineDataset)
+                        "of each line's text (or data.instructions=True for prompts and responses)")
+    return sources.Source(pattern, tuple(sources.FileSlice(p, 0, LINES) for p in paths),
+                          decode=recipe.decode, reader=tf.data.TextLineDataset)
 
 
 def _whole_file(path):
     return tf.data.Dataset.from_tensors(tf.io.read_file(path))
 
 
-def _check_lines(path: str, field: str) -> int:
-    """The lines of a .jsonl file; a one-line error for the first that lacks `field`."""
-    count = 0
-    with tf.io.gfile.GFile(path, "rb") as file:
-        for count, line in enumerate(file, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{count} is not a JSON object; write one object per "
-                                "line, with no blank lines") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                keys = sorted(record) if isinstance(record, dict) else []
-                raise UserError(f"{path}:{count} has no text under data.text_field={field!r}; "
-                                f"set data.text_field to the key of the text (this line has "
-                                f"{keys})")
-    return count
+def _count(documents: sources.Source, recipe, tokenizer, indices) -> dict:
+    """{index: record} of `documents.files[indices]`: its documents, tokens (the end token
+    included), bytes, the tokens and bytes trained on, and its longest prompt ([tokens,
+    record]); a file with a bad line gets {"error": its one-line message}."""
+    records, files = {}, {}
+    for index in indices:
+        file = documents.files[index]
+        try:
+            take = documents_lib.check_lines(file.path, recipe) if file.take == LINES else file.take
+        except UserError as error:
+            records[index] = {token_counts.ERROR: str(error)}
+            continue
+        files[index] = dataclasses.replace(file, take=take)
+    if not files:
+        return records
+    counted = dataclasses.replace(documents, files=tuple(files.values()))
+    keys = ("tokens", "trained_tokens", "bytes", "trained_bytes")
+    sums = np.zeros((len(files), len(keys)), np.int64)
+    longest = np.zeros((len(files), 2), np.int64)  # per file: prompt tokens, its record
 
-
-def _count(documents: sources.Source, tokenizer) -> tuple[tuple[int, ...], int]:
-    """Tokens (EOS included) of each file of `documents`, and the bytes of their text."""
-    tokens = np.zeros(len(documents.files), np.int64)
-    text_bytes = 0
-
-    def lengths(texts, ids):
-        return ids // 2 ** 32, tokenizer.tokenize(texts).row_lengths() + 1, tf.strings.length(texts)
-    read = documents.read(documents.files, deterministic=False, with_ids=True)
-    for files, counts, sizes in read.batch(256).map(lengths, num_parallel_calls=AUTOTUNE) \
+    def stats(block, ids):
+        tokens, weights, prompt = recipe.tokenize(tokenizer, block)
+        trained = tokens.row_lengths() if weights is None else tf.reduce_sum(weights, axis=1)
+        size, trained_size = recipe.sizes(block)
+        return ids, tf.stack([tokens.row_lengths(), tf.cast(trained, tf.int64),
+                              tf.cast(size, tf.int64), tf.cast(trained_size, tf.int64)], -1), prompt
+    read = counted.read(counted.files, deterministic=False, with_ids=True)
+    for ids, counts, prompts in read.batch(256).map(stats, num_parallel_calls=AUTOTUNE) \
             .as_numpy_iterator():
-        np.add.at(tokens, files, counts)
-        text_bytes += int(sizes.sum())
-    return tuple(int(t) for t in tokens), text_bytes
+        file_of, record_of = ids // 2 ** 32, ids % 2 ** 32
+        np.add.at(sums, file_of, counts)
+        for file, record, prompt in zip(file_of, record_of, prompts):
+            if prompt > longest[file, 0]:
+                longest[file] = prompt, record
+    for row, (index, file) in enumerate(files.items()):
+        records[index] = {"path": file.path, "documents": file.take,
+                          **{key: int(value) for key, value in zip(keys, sums[row])},
+                          "longest_prompt": [int(v) for v in longest[row]]}
+    return records
+
+
+def _check_prompts(files, records, context_length: int) -> None:
+    """A one-line error for a prompt that leaves no room in a sequence for its response."""
+    for file, record in zip(files, records):
+        tokens, line = record["longest_prompt"]
+        if tokens > context_length:
+            raise UserError(
+                f"{file.path}:{line + 1} has a prompt of {tokens} tokens (its start token "
+                f"included), longer than data.context_length={context_length}: its response "
+                f"would never follow it in one sequence; raise data.context_length (and the "
+                f"model's context_length) to at least {tokens + 1}, or shorten that prompt")

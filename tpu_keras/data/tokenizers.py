@@ -5,20 +5,28 @@
 - `bytes`: each UTF-8 byte is its token (vocabulary 256, as `stdlib_bytes`,
   so byte-level models read either source). Byte 0 (NUL, which text files
   do not hold) is the end-of-document token: the vocabulary stays 256.
+  There is no start token (a byte model has no id to spare for one).
 - a keras-hub tokenizer class (`SentencePieceTokenizer`, `BytePairTokenizer`,
   `LlamaTokenizer`, ...) with its vocabulary file in `data.vocabulary` (a
   SentencePiece proto; a BPE `vocab.json`, with `data.merges`).
 - `preset`: the tokenizer saved with `model.preset`, so the data and the
   model cannot disagree on the vocabulary.
 
+A keras-hub tokenizer's own `start_token_id` and `end_token_id` are the
+start and end tokens (instruction data begins each example with the start
+token, where the tokenizer has one). `fingerprint` names the tokenizer's
+exact vocabulary, so counts made with one are never read for another.
+
 All of them tokenize a whole block of documents at once inside tf.data
 (graph ops: keras-hub tokenizers are TensorFlow preprocessing layers).
 """
 
 import dataclasses
+import hashlib
 import inspect
+import json
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -38,6 +46,8 @@ class Tokenizer:
     eos_id: int
     # A [batch] string tensor -> a ragged [batch, None] int32 tensor of token ids.
     tokenize: Callable[[tf.Tensor], tf.RaggedTensor] = dataclasses.field(compare=False)
+    start_id: Optional[int] = None
+    fingerprint: str = BYTES  # a hash of the vocabulary, merges and special tokens
 
 
 def make(config) -> Tokenizer:
@@ -103,7 +113,22 @@ def _wrap(name, layer) -> Tokenizer:
 
     def tokenize(texts):
         return tf.cast(layer.tokenize(texts), tf.int32)
-    return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize)
+    start = getattr(layer, "start_token_id", None)
+    start = None if start is None else int(start)
+    return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize, start,
+                     _fingerprint(layer, start, int(eos)))
+
+
+def _fingerprint(layer, start, end) -> str:
+    """A hash of what decides the ids: the class, its vocabulary (a SentencePiece proto,
+    a BPE vocabulary and merges, a word list) and its start and end tokens."""
+    digest = hashlib.sha256(json.dumps([type(layer).__name__, start, end]).encode())
+    for name in ("proto", "vocabulary", "merges"):
+        value = getattr(layer, name, None)
+        if value is not None:
+            digest.update(value if isinstance(value, bytes) else
+                          json.dumps(value, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
 
 
 def _keras_hub(choice):

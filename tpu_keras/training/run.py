@@ -65,9 +65,10 @@ def train(config, workdir: str, started: float | None = None):
     models.hub.prepare_preset(config.model, workdir, cluster.is_chief)  # a {workdir} preset
     text_source = None
     if data.text.is_text(config.data):  # its tokens per byte turn bits per token into bits per byte
-        data.text.resolve(config)
+        data.text.resolve(config, workdir)
         with run_timings.phase("data"):
-            text_source = data.text.open_source(config.data, training=False)
+            text_source = data.text.open_source(config.data, training=False,
+                                                hosts=(cluster.host_index, cluster.num_processes))
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with run_timings.phase("model"):
         model = build_model(config, cluster, builder)
