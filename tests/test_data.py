@@ -207,9 +207,10 @@ TEXT_CONTEXT = 15  # sequences of 16 tokens
 
 
 def write_text(directory):
-    """Two text sets: 8 .txt documents of 128 tokens each (EOS included), which divide
-    into whole batches, and 4 .jsonl files of documents of uneven lengths, some
-    non-ASCII. Returns {glob: {document id: token count}}."""
+    """Three text sets: 8 .txt documents of 128 tokens each (EOS included), which divide
+    into whole batches, 4 .jsonl files of documents of uneven lengths, some
+    non-ASCII, and 4 .jsonl files of prompts and responses; and a bad set.
+    Returns {glob: {document id: token count}} of the three."""
     (directory / "txt").mkdir()
     (directory / "jsonl").mkdir()
     txt = {}
@@ -224,7 +225,20 @@ def write_text(directory):
                 text = f"é{file}{line} " * (3 + 7 * line + file)
                 lines.write(json.dumps({"text": text, "id": line}) + "\n")
                 jsonl[file * 2 ** 32 + line] = len(text.encode()) + 1
-    return {str(directory / "txt" / "*.txt"): txt, str(directory / "jsonl" / "*.jsonl"): jsonl}
+    (directory / "instructions").mkdir()
+    instructions = {}  # 4 files of 6 prompts and responses: bytes, no start token, an end token
+    for file in range(4):
+        with open(directory / "instructions" / f"part-{file}.jsonl", "w") as lines:
+            for line in range(6):
+                pair = {"prompt": f"Q{file}.{line}: " + "ü" * (line // 2), "response": "ok " * (file + 1)}
+                lines.write(json.dumps(pair) + "\n")
+                instructions[file * 2 ** 32 + line] = len("".join(pair.values()).encode()) + 1
+    (directory / "bad").mkdir()  # file 1, host 1's on two hosts, has a line without a response
+    for file in range(2):
+        (directory / "bad" / f"part-{file}.jsonl").write_text(
+            '{"prompt": "a", "response": "b"}\n' + ('{"prompt": "c"}\n' if file else ""))
+    return {str(directory / "txt" / "*.txt"): txt, str(directory / "jsonl" / "*.jsonl"): jsonl,
+            str(directory / "instructions" / "*.jsonl"): instructions}
 
 
 def logged_tokens(folder):
@@ -241,18 +255,33 @@ def logged_tokens(folder):
 
 @pytest.mark.parametrize("hosts, devices", [(1, 1), (2, 2)])
 def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices):
+    """Text, .jsonl text and instructions: every token once per epoch, a resumed run on
+    its batch; each host tokenizes only its own files at start-up, none on a restart."""
     global_batch = 8
     documents = write_text(tmp_path)
+    bad = str(tmp_path / "bad" / "*.jsonl")
     result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
                   f"--devices_per_host={devices}", "--timeout=240", "--",
                   sys.executable, str(REPO / "tests" / "text_probe.py"), str(tmp_path / "logs"),
-                  ",".join(documents), str(global_batch), str(TEXT_CONTEXT)], timeout=300)
+                  ",".join([*documents, bad]), str(global_batch), str(TEXT_CONTEXT)], timeout=300)
     reports = [json.loads(line) for line in re.findall(r"PROBE (.*)", result.stdout)]
-    assert len(reports) == 2 * hosts
+    assert len(reports) == 3 * hosts
+    # A bad line in one host's file stops every host, on the same line.
+    errors = re.findall(r"PROBE_ERROR (\d) (.*)", result.stdout)
+    assert sorted(int(host) for host, _ in errors) == list(range(hosts))
+    assert {message for _, message in errors} == {
+        f"{tmp_path}/bad/part-1.jsonl:2 has no text under data.response_field='response'; set "
+        "data.response_field to the key of the response (this line has ['prompt'])"}
     for index, (pattern, lengths) in enumerate(documents.items()):
         steps = {r["steps"] for r in reports if r["pattern"] == pattern}
         assert len(steps) == 1
         steps = steps.pop()
+        # At start-up a host tokenizes the documents of its own files (a prompt and a
+        # response apart), on a restart none.
+        per_document = 2 if "instructions" in pattern else 1
+        for report in (r for r in reports if r["pattern"] == pattern):
+            own = sum(1 for doc in lengths if (doc // 2 ** 32) % hosts == report["host"])
+            assert report["tokenized"] == [own * per_document, 0], (pattern, report)
         logged = logged_tokens(tmp_path / "logs" / str(index) / "epoch")
         epoch = [token for (host, position), tokens in logged.items() if position < steps
                  for token in tokens]

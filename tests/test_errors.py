@@ -32,6 +32,9 @@ def inputs(tmp_path_factory):
     (folder / "syntax_error.py").write_text("def get_config(:\n")
     (folder / "doc.txt").write_text("def f():\n    return 1\n" * 40)
     (folder / "docs.jsonl").write_text('{"body": "no text key here"}\n')
+    (folder / "pairs.jsonl").write_text('{"prompt": "a", "response": "b"}\n'
+                                        '{"prompt": "c", "answer": "d"}\n')
+    (folder / "long.jsonl").write_text('{"prompt": "%s", "response": "b"}\n' % ("x" * 100))
     return folder
 
 
@@ -123,6 +126,18 @@ CASES = [
                            "--config.data.text_field=text", DATA],
                  ["docs.jsonl:1 has no text under data.text_field='text'", "['body']"],
                  id="jsonl-without-the-text-field"),
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/pairs.jsonl",
+                           "--config.data.eval_text_files={inputs}/pairs.jsonl",
+                           "--config.data.instructions=true", DATA],
+                 ["pairs.jsonl:2 has no text under data.response_field='response'",
+                  "set data.response_field to the key of the response", "['answer', 'prompt']"],
+                 id="instruction-without-its-response"),
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/long.jsonl",
+                           "--config.data.eval_text_files={inputs}/long.jsonl",
+                           "--config.data.instructions=true", DATA],
+                 ["long.jsonl:1 has a prompt of 100 tokens, longer than data.context_length=64",
+                  "raise data.context_length", "to at least 100, or shorten that prompt"],
+                 id="instruction-prompt-longer-than-the-context"),
     pytest.param(LM_TINY, ["--config.data.text_field=text", DATA],
                  ["'stdlib_bytes/ctx64' has no text feature data.text_field='text'"],
                  id="tfds-without-the-text-feature"),

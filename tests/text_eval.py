@@ -1,14 +1,16 @@
 """Run by test_data.py: packed text's evaluation over every token once against numpy,
-a TFDS text feature, and SentencePiece by class and by preset, in one process.
+a TFDS text feature, SentencePiece by class and by preset, and instruction data's
+response-only loss and metrics against numpy, in one process.
 
     python tests/text_eval.py DATA_DIR FOLDER SPM_PROTO
 """
 
-import os, sys, numpy as np, keras, sentencepiece, tensorflow_datasets as tfds
+import json, os, sys, numpy as np, keras, sentencepiece, tensorflow_datasets as tfds
 import keras_hub
 import tpu_keras
 from tpu_keras import config as config_lib, data, models
 from tpu_keras.data import text
+from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
 import tiny_text  # registers the builder
 data_dir, folder, spm = sys.argv[1:]
 texts = ["def f(x):\n    return x * %d\n" % i * (i + 1) for i in range(6)] + ["ünïcödé ✓\n" * 9]
@@ -68,3 +70,50 @@ text.resolve(by_preset)
 preset_source = text.open_source(by_preset.data, training=True)
 preset_sequences = np.stack([s["tokens"] for s in preset_source.read(preset_source.files, True).as_numpy_iterator()])
 print("PRESET", preset_source.tokenizer.name, np.array_equal(preset_sequences, sequences))
+
+# Instructions: start, prompt, response, end; the prompt's tokens weigh exactly 0 in the loss
+# and the metrics, as numpy says; bits per byte over the responses' bytes alone.
+pairs = [(f"Question {i}: what is {i} times {i + 1}?\n", f"It is {i * (i + 1)}." * (i % 3 + 1))
+         for i in range(12)]
+with open(f"{folder}/pairs.jsonl", "w") as lines:
+    lines.writelines(json.dumps({"q": p, "a": r}) + "\n" for p, r in pairs)
+instruct = config_lib.defaults()
+instruct.data.update(text_files=f"{folder}/pairs.jsonl", eval_text_files=f"{folder}/pairs.jsonl",
+                     instructions=True, prompt_field="q", response_field="a",
+                     tokenizer="LlamaTokenizer", vocabulary=spm, context_length=31)
+instruct.model = dict(name="gpt", vocab_size=1024, context_length=31, width=32, depth=1, num_heads=2)
+sp = sentencepiece.SentencePieceProcessor(model_file=spm)
+stream, weights = [], []
+for p, r in pairs:
+    prompt, response = [sp.bos_id()] + sp.encode(p), sp.encode(r) + [sp.eos_id()]
+    stream += prompt + response
+    weights += [0] * len(prompt) + [1] * len(response)
+rows = -(-len(stream) // 32)
+padded = lambda values: np.pad(values, (0, rows * 32 - len(values))).reshape(rows, 32)
+stream, weights = padded(stream), padded(weights)
+source = text.open_source(instruct.data, training=False)
+packed = list(source.read(source.files, True).as_numpy_iterator())  # one file: in line order
+same = (np.array_equal(np.stack([s["tokens"] for s in packed]), stream)
+        and np.array_equal(np.stack([s["mask"] for s in packed]), weights))
+response_bytes = sum(len(r.encode()) for _, r in pairs)
+with cluster.scope():
+    model = models.build(instruct.model)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  weighted_metrics=[bits_per_token_metric(),
+                                    bits_per_byte(source.tokens_per_byte)])
+tpu_keras.distributed_steps(model)
+x, y, w = stream[:, :-1], stream[:, 1:], weights[:, 1:].astype(np.float32)
+logits = model.predict(x, verbose=0)
+loss = float(model.compute_loss(x=x, y=y, y_pred=logits, sample_weight=w))
+noise = np.where(w == 0, (y + 1 + np.arange(y.size).reshape(y.shape)) % 1024, y)  # other targets
+prompt_free = float(model.compute_loss(x=x, y=noise, y_pred=logits, sample_weight=w))
+logits = logits.astype(np.float64)
+top = logits.max(-1, keepdims=True)
+logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+nll = -np.take_along_axis(logp, y[..., None], -1)[..., 0]
+evaluation, steps = data.build(instruct.data, cluster, 8, training=False)
+metrics = model.evaluate(evaluation, steps=steps, verbose=0, return_dict=True)
+print("INSTRUCT", same, loss, (nll * w).sum() / nll.size, prompt_free == loss, nll.mean(),
+      metrics["bits_per_token"], (nll * w).sum() / w.sum() / np.log(2),
+      metrics["bits_per_byte"], (nll * w).sum() / np.log(2) / response_bytes,
+      source.tokens_per_byte, weights.sum() / response_bytes)

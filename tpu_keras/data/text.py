@@ -30,7 +30,8 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tpu_keras.data import documents as documents_lib, sources, stdlib_text, token_counts, tokenizers
+from tpu_keras.data import documents as documents_lib, sources, stdlib_instructions, stdlib_text, \
+    token_counts, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -191,9 +192,10 @@ def _open(config, training: bool, hosts) -> PackedSource:
     config = config.copy_and_resolve_references()
     for key in ("text_files", "eval_text_files", "vocabulary"):
         config[key] = config[key].replace(DATA_DIR, data_dir)
-    if any(config[key].startswith(stdlib_text.folder(data_dir) + os.sep)
-           for key in ("text_files", "eval_text_files", "vocabulary")):
-        stdlib_text.prepare(data_dir)  # the offline corpus, written on first use
+    for offline in (stdlib_text, stdlib_instructions):  # offline corpora, written on first use
+        if any(config[key].startswith(offline.folder(data_dir) + os.sep)
+               for key in ("text_files", "eval_text_files", "vocabulary")):
+            offline.prepare(data_dir)
     tokenizer = tokenizers.make(config)
     if config.instructions:
         recipe = documents_lib.Instructions(config.prompt_field, config.response_field)
@@ -221,7 +223,8 @@ def _open(config, training: bool, hosts) -> PackedSource:
     documents = dataclasses.replace(documents, files=tuple(
         dataclasses.replace(f, take=r["documents"]) if f.take == LINES else f
         for f, r in zip(documents.files, records)))
-    _check_prompts(documents.files, records, config.context_length)
+    _check_prompts(documents.files, records, config.context_length,
+                   tokenizer.start_id is not None)
     source = PackedSource(documents, recipe, tokenizer, config.context_length + 1,
                           tuple(r["tokens"] for r in records),
                           sum(r["trained_tokens"] for r in records),
@@ -302,13 +305,15 @@ def _count(documents: sources.Source, recipe, tokenizer, indices) -> dict:
     return records
 
 
-def _check_prompts(files, records, context_length: int) -> None:
-    """A one-line error for a prompt that leaves no room in a sequence for its response."""
+def _check_prompts(files, records, context_length: int, start: bool) -> None:
+    """A one-line error for a prompt longer than the context: its response would never
+    follow it in one sequence."""
     for file, record in zip(files, records):
         tokens, line = record["longest_prompt"]
         if tokens > context_length:
             raise UserError(
-                f"{file.path}:{line + 1} has a prompt of {tokens} tokens (its start token "
-                f"included), longer than data.context_length={context_length}: its response "
-                f"would never follow it in one sequence; raise data.context_length (and the "
-                f"model's context_length) to at least {tokens + 1}, or shorten that prompt")
+                f"{file.path}:{line + 1} has a prompt of {tokens} tokens"
+                f"{' (its start token included)' if start else ''}, longer than "
+                f"data.context_length={context_length}, so its response never follows it in "
+                f"one sequence; raise data.context_length (and the model's context_length) to "
+                f"at least {tokens}, or shorten that prompt")
