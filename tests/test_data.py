@@ -8,7 +8,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, run
+from conftest import REPO, run, train
 
 EXAMPLE_STRIDE = 100_000  # id = file * EXAMPLE_STRIDE + row: the id names its file
 
@@ -314,3 +314,30 @@ def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, 
     assert eos and int(eos.group(1)) in (6, 7), result.stdout[-2000:]  # 7 documents, the tail cut
     assert eos.group(1) == eos.group(2)  # exactly the documents that end before the cut
     assert "PRESET preset " in result.stdout and re.search(r"PRESET .* True", result.stdout)
+    # Instructions: the packed tokens and weights are numpy's (start, prompt at 0, response
+    # and end at 1); the loss is numpy's sum over response targets alone, whatever the prompt
+    # targets are; bits per token over the response tokens, per byte over the response bytes.
+    same, loss, reference, prompt_free, unmasked, bits, bits_ref, per_byte, per_byte_ref, \
+        tokens_per_byte, tokens_per_byte_ref = re.search(r"INSTRUCT (.*)", result.stdout).group(1).split()
+    assert same == "True" and prompt_free == "True"
+    assert float(loss) == pytest.approx(float(reference), rel=1e-6)
+    assert float(unmasked) > float(loss) * 1.5  # prompts counted, the loss would differ
+    assert float(bits) == pytest.approx(float(bits_ref), rel=1e-6)
+    assert float(per_byte) == pytest.approx(float(per_byte_ref), rel=1e-6)
+    assert float(tokens_per_byte) == pytest.approx(float(tokens_per_byte_ref), rel=1e-12)
+
+
+def test_instruction_tuning_learns_a_fixed_response(tmp_path, data_dir, stdlib_text):
+    """configs/instruct_stdlib.py:tiny on prompts that all get one response: the loss on the
+    responses (val bits per token, counted on them alone) falls by half in 20 steps."""
+    with open(tmp_path / "pairs.jsonl", "w") as pairs:
+        for i in range(1000):
+            pairs.write(json.dumps({"prompt": f"Tell me about item {i}.\n",
+                                    "response": "I do not know that one."}) + "\n")
+    result = train("configs/instruct_stdlib.py:tiny", tmp_path / "run",
+                   f"--config.data.data_dir={data_dir}", f"--config.data.text_files={tmp_path}/pairs.jsonl",
+                   f"--config.data.eval_text_files={tmp_path}/pairs.jsonl",
+                   "--config.train.learning_rate=0.02")
+    assert "tokens per byte (of the responses)" in result.stdout
+    first, last = (float(v) for v in re.findall(r"val_bits_per_token ([\d.]+)", result.stdout))
+    assert last < first / 2, result.stdout[-2000:]

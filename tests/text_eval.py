@@ -113,7 +113,7 @@ logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 nll = -np.take_along_axis(logp, y[..., None], -1)[..., 0]
 evaluation, steps = data.build(instruct.data, cluster, 8, training=False)
 metrics = model.evaluate(evaluation, steps=steps, verbose=0, return_dict=True)
+bits = (nll * w).sum() / w.sum() / np.log(2)  # per response token: the end token included
 print("INSTRUCT", same, loss, (nll * w).sum() / nll.size, prompt_free == loss, nll.mean(),
-      metrics["bits_per_token"], (nll * w).sum() / w.sum() / np.log(2),
-      metrics["bits_per_byte"], (nll * w).sum() / np.log(2) / response_bytes,
+      metrics["bits_per_token"], bits, metrics["bits_per_byte"], bits * source.tokens_per_byte,
       source.tokens_per_byte, weights.sum() / response_bytes)
