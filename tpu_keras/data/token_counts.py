@@ -85,8 +85,9 @@ def _wait_for(names, folder, processes) -> dict:
             if time.monotonic() - logged > LOG_EVERY_SECONDS:
                 logged = time.monotonic()
                 hosts = sorted({i % processes for i in missing})
-                logging.info("token counts: waiting %.0f s for %d file(s) that host(s) %s count",
-                             logged - started, len(missing), hosts)
+                logging.info("token counts: waiting %.0f s for %d file(s) that host(s) %s count "
+                             "into %s (data.token_counts must be a folder every host sees, "
+                             "such as gs://...)", logged - started, len(missing), hosts, folder)
             time.sleep(POLL_SECONDS)
 
 
