@@ -15,21 +15,22 @@ A record's name is a hash of what its numbers depend on: the file's path,
 size and modification time (its slice, for TFDS), the tokenizer's
 fingerprint and what is counted (the fields read), so a changed file,
 tokenizer or field is counted anew, never read stale. Only a file's owner
-writes its record, to a temporary name and then a rename, so no reader sees
-half of one. A file with a bad line gets its error as its record, so every
-host stops on the same one-line error instead of waiting for the count.
+writes its record, to a temporary name of its own and then a rename, so no
+reader sees half of one (two runs sharing the folder may both write one
+record: the same numbers). A file with a bad line gets its error as its
+record, so every host stops on the same one-line error instead of waiting.
 """
 
 import hashlib
 import json
 import os
 import time
+import uuid
 from concurrent import futures
 
 from absl import logging
 import tensorflow as tf
 
-from tpu_keras import workdir
 from tpu_keras.errors import UserError
 
 ERROR = "error"            # a record of a file that cannot be read: its one-line message
@@ -53,7 +54,7 @@ def gather(files, recipe: str, count, folder: str, process: int = 0, processes: 
     own = [i for i in range(process, len(files), processes) if names[i] not in present]
     if own:
         for index, record in count(own).items():
-            workdir.write_text(os.path.join(folder, names[index]), json.dumps(record))
+            _write(os.path.join(folder, names[index]), json.dumps(record))
     records = _wait_for(names, folder, processes)
     logging.info("token counts: %d of %d file(s) counted here, the rest read from %s",
                  len(own), len(files), folder)
@@ -89,6 +90,15 @@ def _wait_for(names, folder, processes) -> dict:
                              "into %s (data.token_counts must be a folder every host sees, "
                              "such as gs://...)", logged - started, len(missing), hosts, folder)
             time.sleep(POLL_SECONDS)
+
+
+def _write(path: str, text: str) -> None:
+    """Whole or not at all, under a temporary name of this writer's own: two runs that share
+    a folder may count one file at once, and each then renames a complete record."""
+    temporary = f"{path}.{uuid.uuid4().hex}.tmp"
+    with tf.io.gfile.GFile(temporary, "w") as file:
+        file.write(text)
+    tf.io.gfile.rename(temporary, path, overwrite=True)
 
 
 def _read(path: str) -> dict:
