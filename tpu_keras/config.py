@@ -43,7 +43,9 @@ def defaults() -> ml_collections.ConfigDict:
     # splits every weight of layout.replicate_below elements or more (fully-sharded
     # data parallelism); model splits weights by the builder's layout rules. fsdp
     # and model need the jax engine. -1: the devices the other axes leave.
-    config.mesh = dict(data=-1, fsdp=1, model=1)
+    # slices: TPU slices joined by the data-center network (multislice, jax engine): data
+    # parallel across them, data x fsdp x model inside each (README "Multislice").
+    config.mesh = dict(slices=1, data=-1, fsdp=1, model=1)
 
     # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
     # extra_rules: added to the builder's rules (or to `rules`), in the same form.
@@ -143,7 +145,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     if strategy not in STRATEGIES:
         raise UserError(f"cluster.strategy={strategy!r} is not one of {STRATEGIES}"
                         f"{closest(strategy, STRATEGIES)}")
-    mesh_lib.check(config.mesh)  # against the devices: when the cluster connects
+    mesh_lib.check(config.mesh, config.engine)  # against the devices: when the cluster connects
     for key in ("rules", "extra_rules"):
         for rule in config.layout[key]:
             if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str)
