@@ -63,7 +63,7 @@ def rules_from_pairs(pairs: Iterable[Sequence]) -> list[Rule]:
     return [Rule(str(pattern), tuple(axes or ())) for pattern, axes in pairs]
 
 
-def _refuse_across_slices(rule: Rule, mesh: dict[str, int]) -> None:
+def refuse_across_slices(rule: Rule, mesh: dict[str, int]) -> None:
     """Weights are never split across slices: gathering them every step over the
     data-center network would cost far more than the memory saved. `data` spans the
     slices when there are several."""
@@ -121,7 +121,7 @@ class Placer:
         self._used: set[str] = set()
         self._placed: dict[tuple[str, tuple[int, ...]], Placement] = {}
         for rule in self.rules:
-            _refuse_across_slices(rule, self.mesh)
+            refuse_across_slices(rule, self.mesh)
             unknown = [a for a in rule.axes if a is not None and a not in self.mesh]
             if unknown:
                 raise UserError(f"layout rule '{rule.pattern}' names mesh axis {unknown[0]!r}; "
