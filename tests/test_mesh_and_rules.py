@@ -145,3 +145,23 @@ def test_slices_alone_need_no_rules_and_data_rules_stay_on_one_slice():
     one = {"slices": 1, "data": 2, "fsdp": 1, "model": 1}  # keras-hub's maps may name 'data'
     rule = parallelism.Rule("d0/kernel", ("data", None))
     assert parallelism.place_all([W("d0/kernel", (4, 4))], [rule], one)[0].axes == ("data", None)
+
+
+class FakeTpuChip:  # what JAX's mesh_utils reads from a TPU device, as in JAX's own tests
+    platform, device_kind, core_on_chip = "tpu", "TPU v4", 0
+
+    def __init__(self, id, coords, slice_index):
+        self.id, self.coords, self.slice_index = id, coords, slice_index
+        self.process_index = id // 4
+
+
+def test_on_a_tpu_slices_come_from_the_devices_and_each_is_laid_out_by_its_topology():
+    # Two v4-16 slices: 2x2x2 chips each, by the devices' own slice_index.
+    chips = [FakeTpuChip(8 * s + 4 * z + 2 * y + x, (x, y, z), s)
+             for s in (1, 0) for z in (0, 1) for y in (0, 1) for x in (0, 1)]
+    grid = mesh.device_grid(chips, 2, 2, 2, 2)
+    assert grid.shape == (4, 2, 2)
+    assert [{d.slice_index for d in row.flat} for row in grid] == [{0}, {0}, {1}, {1}]
+    assert sorted(d.id for d in grid.flat) == list(range(16))
+    with pytest.raises(UserError, match="TPU devices are in 2 slice\\(s\\) but mesh.slices=1"):
+        mesh.device_grid(chips, 1, 4, 2, 2)
