@@ -1,8 +1,8 @@
 """A simulated multislice pod: 2 slices of 2 hosts of 2 fake devices, on the jax engine.
 
 It trains like one device on the same global batches; when a host of one
-slice dies, every host of every slice stops within bounded time; and the
-rerun resumes exactly from the last checkpoint.
+slice dies, every host of every slice stops by itself within bounded time;
+and the rerun resumes exactly from the last checkpoint.
 """
 
 import glob
@@ -48,7 +48,7 @@ def test_a_two_slice_pod_trains_like_one_device(tmp_path):
 
 
 def train_on_the_pod(workdir, data_dir):
-    return [sys.executable, "-m", "tpu_keras.launch", *POD, "--timeout=500", "--",
+    return [sys.executable, "-m", "tpu_keras.launch", *POD, "--timeout=500", "--failure_grace=30", "--",
             sys.executable, "-m", "tpu_keras.train", "--config=configs/digits.py:tiny",
             f"--workdir={workdir}", f"--config.data.data_dir={data_dir}", "--config.engine=jax",
             "--config.mesh.slices=2", f"--config.train.steps={STEPS}", "--config.log.every_steps=5",
@@ -85,8 +85,14 @@ def test_a_dead_host_stops_every_slice_and_the_rerun_resumes_exactly(tmp_path, d
         stopped_after = time.monotonic() - killed_at
     assert launcher.returncode != 0
     assert "host 3 (slice 1) failed first, with signal 9 (SIGKILL)" in output, output[-3000:]
+    # Every other host, of both slices, notices and ends by itself (the launcher would
+    # stop it after --failure_grace), most with one line.
+    for host in range(3):
+        assert f"host {host} (slice {host // 2}) stopped on its own" in output, output[-3000:]
+    assert re.search(r"\[host \d\] error: lost contact with another host after step 30", output), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert stopped_after < 120, stopped_after
-    assert all(_gone(pid) for pid in pids.values()), pids  # both slices' hosts
+    assert all(_gone(pid) for pid in pids.values()), pids
 
     (tmp_path / "example_ids").rename(tmp_path / "example_ids.first")
     second = run(train_on_the_pod(tmp_path, data_dir), timeout=560).stdout
