@@ -99,6 +99,17 @@ def no_tpu_env(monkeypatch):
     return monkeypatch
 
 
+def test_the_tf_engine_refuses_slices_before_it_looks_for_a_tpu(no_tpu_env):
+    calls = []
+    no_tpu_env.setattr(tpu, "RUNTIME", fake_runtime("v4-8", calls))
+    with pytest.raises(UserError, match="mesh.slices=2 needs the jax engine"):
+        cluster_lib.connect({"strategy": "tpu", "tpu": "my-v4"}, engine="tf", mesh={"slices": 2})
+    no_tpu_env.setenv("TPU_KERAS_NUM_SLICES", "2")  # a pod the launcher simulated with --slices=2
+    with pytest.raises(UserError, match="the launcher started 2 slices.*--config.mesh.slices=2"):
+        cluster_lib.connect({"strategy": "tpu", "tpu": "my-v4"}, engine="tf")
+    assert calls == []  # TPUStrategy never reaches the TPU
+
+
 def test_a_named_single_host_tpu_is_looked_up_connected_and_initialised(no_tpu_env):
     calls = []
     no_tpu_env.setattr(tpu, "RUNTIME", fake_runtime("v4-8", calls))

@@ -34,6 +34,7 @@ def connect(config, mesh=None) -> Cluster:
     """The strategy `config.cluster.strategy` asks for ('auto': the first that fits)."""
     strategy = config.get("strategy", "auto")
     _refuse_slices()
+    mesh_lib.check(mesh, "tf")  # what no strategy can run, before reaching for the hardware
     split_cpu(config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0)))
     if strategy == "tpu" or (strategy == "auto" and tpu.is_present(config.get("tpu", ""))):
         cluster = _connect_tpu(config)
