@@ -92,11 +92,6 @@ def describe(mesh: dict[str, int]) -> str:
     return " x ".join(f"{axis}={mesh[axis]}" for axis in named)
 
 
-def device_shape(mesh: dict[str, int]) -> tuple[int, int, int]:
-    """The device mesh's shape over `AXES`: slices folded into `data`."""
-    return (mesh.get(SLICES, 1) * mesh["data"], mesh["fsdp"], mesh["model"])
-
-
 def device_grid(devices, slices: int, data: int, fsdp: int, model: int):
     """The devices as a `(slices * data, fsdp, model)` array: rows `s * data` to
     `(s + 1) * data - 1` are slice `s`, each slice a `(data, fsdp, model)` block.
