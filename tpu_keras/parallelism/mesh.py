@@ -127,10 +127,10 @@ def slice_of_row(row: int, mesh: dict[str, int]) -> int:
     return row // mesh["data"]
 
 
-def input_pipelines(device_grid, local_devices) -> tuple[int, int]:
+def input_pipelines(grid_rows, local_devices) -> tuple[int, int]:
     """How many distinct input pipelines feed the mesh, and which one this process runs.
 
-    `device_grid` is the (batch rows, model) array of devices: the mesh with
+    `grid_rows` is the (batch rows, model) array of devices: the mesh with
     `data` and `fsdp` flattened into rows. A process feeds the batch rows its
     devices hold. When every process holds
     its own block of rows (the usual case: the model axis stays within a
@@ -138,10 +138,10 @@ def input_pipelines(device_grid, local_devices) -> tuple[int, int]:
     model axis across hosts) share a pipeline and read the same examples.
     """
     local = set(local_devices)
-    rows_of_process = tuple(sorted({i for i, row in enumerate(device_grid) for d in row if d in local}))
+    rows_of_process = tuple(sorted({i for i, row in enumerate(grid_rows) for d in row if d in local}))
     rows = len(rows_of_process)
     if rows == 0 or rows_of_process != tuple(range(rows_of_process[0], rows_of_process[0] + rows)) \
-            or rows_of_process[0] % rows or len(device_grid) % rows:
+            or rows_of_process[0] % rows or len(grid_rows) % rows:
         raise UserError(f"this process's devices hold data rows {rows_of_process} of the mesh, "
                         "not one aligned block; use a mesh.model that divides the devices per host")
-    return len(device_grid) // rows, rows_of_process[0] // rows
+    return len(grid_rows) // rows, rows_of_process[0] // rows
