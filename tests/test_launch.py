@@ -98,6 +98,21 @@ def test_two_hosts_get_consistent_cluster_env():
     assert re.search(r"all hosts succeeded .* in [\d.]+ s", out), out
 
 
+def test_slices_of_hosts_are_numbered_across_slices_and_told_their_slice():
+    code, out, _ = _run(["--slices=2", "--hosts=2"], """
+        import json, os
+        config = json.loads(os.environ["TF_CONFIG"])
+        print("HOST", config["task"]["index"], len(config["cluster"]["worker"]),
+              os.environ["TPU_KERAS_NUM_HOSTS"], os.environ["TPU_KERAS_SLICE"],
+              os.environ["TPU_KERAS_NUM_SLICES"])
+    """)
+    assert code == 0, out
+    for host in range(4):
+        assert f"[host {host}] HOST {host} 4 4 {host // 2} 2" in out, out
+    assert re.search(r"hosts started: host 0 pid \d+ \(slice 0\), .* host 3 pid \d+ \(slice 1\)", out), out
+    assert "all hosts succeeded (slices=2, hosts=2 per slice" in out, out
+
+
 def test_single_host_has_no_tf_config():
     code, out, _ = _run(["--devices_per_host=2"], """
         import os
@@ -152,7 +167,7 @@ def test_sigterm_to_launcher_stops_hosts(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--hosts=2"], ["--hosts=0", "--"], ["--devices_per_host=0", "--"],
-                                   ["--network=none", "--"]])
+                                   ["--network=none", "--"], ["--slices=0", "--"]])
 def test_bad_usage_is_one_line(flags):
     argv = [sys.executable, "-m", "tpu_keras.launch", *flags]
     if "--" in flags:

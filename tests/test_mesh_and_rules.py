@@ -8,12 +8,15 @@ from tpu_keras.errors import UserError
 
 
 @pytest.mark.parametrize("config, devices, expected", [
-    ({"data": -1, "model": 1}, 8, {"data": 8, "fsdp": 1, "model": 1}),
-    ({"data": -1, "model": 2}, 8, {"data": 4, "fsdp": 1, "model": 2}),
-    ({"data": 2, "model": -1}, 8, {"data": 2, "fsdp": 1, "model": 4}),
-    ({"data": 4, "model": 2}, 8, {"data": 4, "fsdp": 1, "model": 2}),
-    ({}, 1, {"data": 1, "fsdp": 1, "model": 1}),
-    ({"data": 2, "fsdp": -1, "model": 2}, 16, {"data": 2, "fsdp": 4, "model": 2}),
+    ({"data": -1, "model": 1}, 8, {"slices": 1, "data": 8, "fsdp": 1, "model": 1}),
+    ({"data": -1, "model": 2}, 8, {"slices": 1, "data": 4, "fsdp": 1, "model": 2}),
+    ({"data": 2, "model": -1}, 8, {"slices": 1, "data": 2, "fsdp": 1, "model": 4}),
+    ({"data": 4, "model": 2}, 8, {"slices": 1, "data": 4, "fsdp": 1, "model": 2}),
+    ({}, 1, {"slices": 1, "data": 1, "fsdp": 1, "model": 1}),
+    ({"data": 2, "fsdp": -1, "model": 2}, 16, {"slices": 1, "data": 2, "fsdp": 4, "model": 2}),
+    # Each slice's shape: 2 slices of 8 devices, data x fsdp x model inside each.
+    ({"slices": 2, "fsdp": 2}, 16, {"slices": 2, "data": 4, "fsdp": 2, "model": 1}),
+    ({"slices": 4, "data": 1, "model": -1}, 16, {"slices": 4, "data": 1, "fsdp": 1, "model": 4}),
 ])
 def test_mesh_resolves_against_the_devices(config, devices, expected):
     assert mesh.resolve(config, devices) == expected
@@ -24,6 +27,10 @@ def test_mesh_resolves_against_the_devices(config, devices, expected):
     ({"data": 4, "model": 4}, 8, "needs 16 devices but there are 8"),
     ({"data": -1, "model": -1}, 8, "-1 on one axis"),
     ({"data": 0, "model": 1}, 8, "positive size"),
+    ({"slices": 3}, 8, "mesh.slices=3 does not divide the 8 devices"),
+    ({"slices": 2, "model": 3}, 8, "does not fit 4 devices per slice"),
+    ({"slices": 2, "data": 2, "model": 4}, 8, "needs 16 devices but there are 8"),
+    ({"slices": 0}, 8, "mesh.slices=0 is not valid"),
 ])
 def test_mesh_that_cannot_be_built_says_why(config, devices, message):
     with pytest.raises(UserError, match=message):
@@ -31,8 +38,8 @@ def test_mesh_that_cannot_be_built_says_why(config, devices, message):
 
 
 def test_tf_engine_accepts_only_a_data_axis():
-    assert mesh.resolve({"data": -1}, 4, "tf") == {"data": 4, "fsdp": 1, "model": 1}
-    for axis in ("model", "fsdp"):
+    assert mesh.resolve({"data": -1}, 4, "tf") == {"slices": 1, "data": 4, "fsdp": 1, "model": 1}
+    for axis in ("model", "fsdp", "slices"):
         with pytest.raises(UserError, match=f"mesh.{axis}=2 needs the jax engine"):
             mesh.resolve({"data": -1, axis: 2}, 4, "tf")
     with pytest.raises(UserError, match="mesh axis 'fdsp' is not one of"):
@@ -102,3 +109,58 @@ def test_bad_rules_are_refused(rules, weights, message):
 def test_large_weights_may_go_unruled_when_nothing_is_split():
     placed = parallelism.place_all([W("emb/embeddings", (512, 128))], [], {"data": 8, "model": 1})
     assert placed[0].axes == (None, None)
+
+
+class FakeDevice:  # what device_grid reads from a jax device off TPU
+    def __init__(self, id, process_index):
+        self.id, self.process_index, self.platform = id, process_index, "cpu"
+
+
+def test_slices_take_consecutive_blocks_of_the_outer_data_axis():
+    # 2 slices x 2 hosts x 2 devices, listed out of order: hosts 0-1 are slice 0, 2-3 slice 1.
+    devices = [FakeDevice(i, i // 2) for i in (7, 2, 5, 0, 3, 6, 1, 4)]
+    grid = mesh.device_grid(devices, 2, 2, 2, 1)
+    assert grid.shape == (4, 2, 1)
+    assert [[d.id for d in row.flat] for row in grid] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [mesh.slice_of_row(r, {"data": 2}) for r in range(4)] == [0, 0, 1, 1]
+    assert mesh.batch_splits({"slices": 2, "data": 2, "fsdp": 2, "model": 1}) == 8
+    assert mesh.describe({"slices": 2, "data": 2, "fsdp": 1, "model": 1}) == "slices=2 x data=2 x model=1"
+
+
+@pytest.mark.parametrize("axes, slices, message", [
+    ((None, "slices"), 2, "splits weights over mesh axis 'slices' but weights are never split across slices"),
+    (("data", None), 2, "'data', which spans the 2 slices,"),
+])
+def test_a_rule_may_not_split_weights_across_slices(axes, slices, message):
+    with pytest.raises(UserError, match=message) as raised:
+        parallelism.place_all([W("d0/kernel", (4, 4))], [parallelism.Rule("d0/kernel", axes)],
+                              {"slices": slices, "data": 2, "fsdp": 2, "model": 1})
+    assert "name 'fsdp' or 'model'" in str(raised.value)
+
+
+def test_slices_alone_need_no_rules_and_data_rules_stay_on_one_slice():
+    many = {"slices": 2, "data": 2, "fsdp": 1, "model": 1}
+    assert parallelism.place_all([W("emb/embeddings", (512, 128))], [], many)[0].axes == (None, None)
+    one = {"slices": 1, "data": 2, "fsdp": 1, "model": 1}  # keras-hub's maps may name 'data'
+    rule = parallelism.Rule("d0/kernel", ("data", None))
+    assert parallelism.place_all([W("d0/kernel", (4, 4))], [rule], one)[0].axes == ("data", None)
+
+
+class FakeTpuChip:  # what JAX's mesh_utils reads from a TPU device, as in JAX's own tests
+    platform, device_kind, core_on_chip = "tpu", "TPU v4", 0
+
+    def __init__(self, id, coords, slice_index):
+        self.id, self.coords, self.slice_index = id, coords, slice_index
+        self.process_index = id // 4
+
+
+def test_on_a_tpu_slices_come_from_the_devices_and_each_is_laid_out_by_its_topology():
+    # Two v4-16 slices: 2x2x2 chips each, by the devices' own slice_index.
+    chips = [FakeTpuChip(8 * s + 4 * z + 2 * y + x, (x, y, z), s)
+             for s in (1, 0) for z in (0, 1) for y in (0, 1) for x in (0, 1)]
+    grid = mesh.device_grid(chips, 2, 2, 2, 2)
+    assert grid.shape == (4, 2, 2)
+    assert [{d.slice_index for d in row.flat} for row in grid] == [{0}, {0}, {1}, {1}]
+    assert sorted(d.id for d in grid.flat) == list(range(16))
+    with pytest.raises(UserError, match="TPU devices are in 2 slice\\(s\\) but mesh.slices=1"):
+        mesh.device_grid(chips, 1, 4, 2, 2)

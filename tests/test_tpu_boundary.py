@@ -99,6 +99,17 @@ def no_tpu_env(monkeypatch):
     return monkeypatch
 
 
+def test_the_tf_engine_refuses_slices_before_it_looks_for_a_tpu(no_tpu_env):
+    calls = []
+    no_tpu_env.setattr(tpu, "RUNTIME", fake_runtime("v4-8", calls))
+    with pytest.raises(UserError, match="mesh.slices=2 needs the jax engine"):
+        cluster_lib.connect({"strategy": "tpu", "tpu": "my-v4"}, engine="tf", mesh={"slices": 2})
+    no_tpu_env.setenv("TPU_KERAS_NUM_SLICES", "2")  # a pod the launcher simulated with --slices=2
+    with pytest.raises(UserError, match="the launcher started 2 slices.*--config.mesh.slices=2"):
+        cluster_lib.connect({"strategy": "tpu", "tpu": "my-v4"}, engine="tf")
+    assert calls == []  # TPUStrategy never reaches the TPU
+
+
 def test_a_named_single_host_tpu_is_looked_up_connected_and_initialised(no_tpu_env):
     calls = []
     no_tpu_env.setattr(tpu, "RUNTIME", fake_runtime("v4-8", calls))
@@ -138,7 +149,7 @@ def test_a_multi_host_pod_is_driven_by_one_client_that_feeds_every_host(no_tpu_e
     # v4-32: 16 chips on 4 VMs. One process, four input pipelines (one per host's CPU).
     assert (cluster.kind, cluster.num_hosts, cluster.num_processes) == ("tpu", 4, 1)
     assert (cluster.num_replicas, cluster.replicas_per_host, cluster.input_pipelines) == (16, 4, 4)
-    assert cluster.is_chief and cluster.mesh == {"data": 16, "fsdp": 1, "model": 1}
+    assert cluster.is_chief and cluster.mesh == {"slices": 1, "data": 16, "fsdp": 1, "model": 1}
     hosts = {d.split("/device:")[0] for d in cluster.strategy.extended.worker_devices}
     assert hosts == {f"/job:worker/replica:0/task:{t}" for t in range(4)}
     assert cluster.topology.num_tasks == 4

@@ -15,6 +15,7 @@ from tpu_keras.cluster import engine
 from tpu_keras.cluster.record import STRATEGIES
 from tpu_keras.errors import UserError, closest
 from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.parallelism.rules import refuse_across_slices, rules_from_pairs
 
 NONFINITE_POLICIES = ("stop", "restore_and_skip")
 # keras.RematScope modes. 'activations': the outputs of activation functions (an
@@ -43,7 +44,9 @@ def defaults() -> ml_collections.ConfigDict:
     # splits every weight of layout.replicate_below elements or more (fully-sharded
     # data parallelism); model splits weights by the builder's layout rules. fsdp
     # and model need the jax engine. -1: the devices the other axes leave.
-    config.mesh = dict(data=-1, fsdp=1, model=1)
+    # slices: TPU slices joined by the data-center network (multislice, jax engine): data
+    # parallel across them, data x fsdp x model inside each (README "Multislice").
+    config.mesh = dict(slices=1, data=-1, fsdp=1, model=1)
 
     # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
     # extra_rules: added to the builder's rules (or to `rules`), in the same form.
@@ -151,13 +154,14 @@ def check(config: ml_collections.ConfigDict) -> None:
     if strategy not in STRATEGIES:
         raise UserError(f"cluster.strategy={strategy!r} is not one of {STRATEGIES}"
                         f"{closest(strategy, STRATEGIES)}")
-    mesh_lib.check(config.mesh)  # against the devices: when the cluster connects
+    mesh = mesh_lib.check(config.mesh, config.engine)  # against the devices: when the cluster connects
     for key in ("rules", "extra_rules"):
         for rule in config.layout[key]:
             if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str)
                     or isinstance(rule[1], str)):
                 raise UserError(f"layout.{key} entry {rule!r} is not a (regex, axes) pair such as "
                                 "(r'dense\\d+/kernel', (None, 'model'))")
+            refuse_across_slices(rules_from_pairs([rule])[0], mesh)
     train, log = config.train, config.log
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "

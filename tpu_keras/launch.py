@@ -1,12 +1,18 @@
 """Simulates a multi-host pod on one machine by running one process per host.
 
     python -m tpu_keras.launch --hosts=2 --devices_per_host=4 -- python train.py
+    python -m tpu_keras.launch --slices=2 --hosts=2 --devices_per_host=2 -- python train.py
 
 Each host gets the environment a real pod worker would see (TF_CONFIG for
 the tf engine, a JAX coordinator address for the jax engine, and its index)
 plus TPU_KERAS_VIRTUAL_DEVICES, which makes the cluster module split the CPU
 into that many logical devices (fake JAX devices on the jax engine). So the same
-multi-worker code path can be exercised on a laptop or in CI. Output is merged
+multi-worker code path can be exercised on a laptop or in CI. With
+`--slices=S` the pod is S slices of `--hosts` hosts each (a multislice job,
+README "Multislice"): hosts are numbered across slices, slice s holding hosts
+s x hosts ... (s + 1) x hosts - 1, and each is told its slice in
+TPU_KERAS_SLICE (and the count in TPU_KERAS_NUM_SLICES), where a real
+multislice worker's TPU devices carry their `slice_index`. Output is merged
 with a "[host i] " prefix. If one host fails, the launcher names it and gives
 the others `--failure_grace` seconds to notice and exit on their own, as a
 real pod's hosts must; then, or when the timeout passes, every host left is
@@ -38,7 +44,9 @@ from tpu_keras import cli
 from tpu_keras.cluster import private_network
 from tpu_keras.errors import UserError
 
-flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes).")
+flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes) per slice.")
+flags.DEFINE_integer("slices", 1, "Number of simulated TPU slices, --hosts hosts each "
+                     "(TPU_KERAS_SLICE tells each host its slice).")
 flags.DEFINE_integer("devices_per_host", 1,
                      "Logical CPU devices per host (TPU_KERAS_VIRTUAL_DEVICES).")
 flags.DEFINE_float("timeout", 3600, "Seconds before all hosts are killed (exit 124).")
@@ -91,9 +99,14 @@ def _free_ports(count):
             sock.close()
 
 
-def _host_env(index, workers, coordinator, devices_per_host, service_address):
+def _host_env(index, workers, coordinator, devices_per_host, service_address, slices=1):
     """The environment one simulated host would see on a real pod."""
     env = dict(os.environ)
+    for name in ("TPU_KERAS_NUM_SLICES", "TPU_KERAS_SLICE"):
+        env.pop(name, None)
+    if slices > 1:
+        env.update(TPU_KERAS_NUM_SLICES=str(slices),
+                   TPU_KERAS_SLICE=str(index // (len(workers) // slices)))
     if service_address:
         env["TPU_KERAS_DATA_SERVICE"] = service_address
     env.pop("TF_CONFIG", None)  # One host: no TF_CONFIG, so single-host strategy.
@@ -159,8 +172,10 @@ def _stop(procs):
             _signal_group(proc, signal.SIGKILL)
 
 
-def _wait(procs, deadline, timeout, failure_grace):
-    """Waits for all hosts; returns 0, the first failure's code (1 for a signal), or 124."""
+def _wait(procs, deadline, timeout, failure_grace, names=None):
+    """Waits for all hosts; returns 0, the first failure's code (1 for a signal), or 124.
+    `names[i]` is how the log names host i ('host 3', or 'host 3 (slice 1)')."""
+    names = names or [f"host {i}" for i in range(len(procs))]
     first_failure = None
     while True:
         codes = [_exit_code(p) for p in procs]
@@ -170,21 +185,21 @@ def _wait(procs, deadline, timeout, failure_grace):
                 # Found together in one poll, a host killed by a signal is the cause;
                 # the others exited because they lost it (a run exits at once then).
                 first_failure = min(failed, key=lambda i: (codes[i] >= 0, i))
-                _log(f"host {first_failure} failed first, with {_how(codes[first_failure])}; the "
+                _log(f"{names[first_failure]} failed first, with {_how(codes[first_failure])}; the "
                      f"others get {failure_grace:g} s to stop on their own")
                 deadline = min(deadline, time.monotonic() + failure_grace)
                 reported = {first_failure}
         if first_failure is not None:  # those found in the same poll included
             for index, code in enumerate(codes):
                 if code is not None and index not in reported:
-                    _log(f"host {index} stopped on its own, with {_how(code)}")
+                    _log(f"{names[index]} stopped on its own, with {_how(code)}")
                     reported.add(index)
         if all(code is not None for code in codes) or time.monotonic() >= deadline:
             break
         time.sleep(_POLL_SECONDS)
     if first_failure is not None:
         code = codes[first_failure]
-        _log(f"the run failed: host {first_failure} failed first, with {_how(code)}")
+        _log(f"the run failed: {names[first_failure]} failed first, with {_how(code)}")
         return code if code > 0 else 1
     if all(code == 0 for code in codes):
         return 0
@@ -243,8 +258,9 @@ def _enter_private_network(command):
 
 
 def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
-           failure_grace=10.0, network="private"):
-    """Runs `command` once per simulated host and returns the launcher's exit code.
+           failure_grace=10.0, network="private", slices=1):
+    """Runs `command` once per simulated host (`hosts` per slice, `slices` slices) and
+    returns the launcher's exit code.
 
     0 if every host exits 0; the first failing host's code (or 1 if a
     signal killed it), once the others have stopped on their own within
@@ -260,6 +276,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
                         "python -m tpu_keras.launch --hosts=2 -- python train.py")
     if hosts < 1:
         raise UserError(f"--hosts must be >= 1, got {hosts}")
+    if slices < 1:
+        raise UserError(f"--slices must be >= 1, got {slices}")
     if devices_per_host < 1:
         raise UserError(f"--devices_per_host must be >= 1, got {devices_per_host}")
     if timeout <= 0:
@@ -271,6 +289,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
     if network == "private":
         _enter_private_network(command)
 
+    per_slice, hosts = hosts, hosts * slices  # from here on, every host of every slice
+    in_slice = [f" (slice {i // per_slice})" if slices > 1 else "" for i in range(hosts)]
     *worker_ports, coordinator_port = _free_ports(hosts + 1)
     workers = [f"127.0.0.1:{port}" for port in worker_ports]
     service, service_address = _start_data_service(min(timeout, 120)) if data_service else (None, "")
@@ -284,15 +304,17 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
             procs.append(subprocess.Popen(
                 command,
                 env=_host_env(index, workers, f"127.0.0.1:{coordinator_port}", devices_per_host,
-                              service_address),
+                              service_address, slices),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True))  # Own process group: stoppable as a unit.
             reader = threading.Thread(
                 target=_stream, args=(procs[-1].stdout, f"[host {index}] "), daemon=True)
             reader.start()
             readers.append(reader)
-        _log("hosts started: " + ", ".join(f"host {i} pid {p.pid}" for i, p in enumerate(procs)))
-        code = _wait(procs, start + timeout, timeout, failure_grace)
+        _log("hosts started: " + ", ".join(f"host {i} pid {p.pid}{in_slice[i]}"
+                                           for i, p in enumerate(procs)))
+        code = _wait(procs, start + timeout, timeout, failure_grace,
+                     [f"host {i}{where}" for i, where in enumerate(in_slice)])
     except OSError as error:  # E.g. the command does not exist.
         _log(f"cannot start {command[0]!r}: {error.strerror or error}")
         code = 127
@@ -316,7 +338,8 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
             if in_main_thread:
                 signal.signal(signal.SIGTERM, previous)
     if code == 0:
-        _log(f"all hosts succeeded (hosts={hosts}, devices_per_host={devices_per_host}) "
+        shape = f"slices={slices}, hosts={per_slice} per slice" if slices > 1 else f"hosts={hosts}"
+        _log(f"all hosts succeeded ({shape}, devices_per_host={devices_per_host}) "
              f"in {time.monotonic() - start:.1f} s")
     return code
 
@@ -324,7 +347,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
 def main(argv):
     """Everything after '--' is the command; a UserError is one `error:` line (`cli`)."""
     return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
-                  FLAGS.data_service, FLAGS.failure_grace, FLAGS.network)
+                  FLAGS.data_service, FLAGS.failure_grace, FLAGS.network, FLAGS.slices)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from tpu_keras.errors import UserError, closest
 ENGINES = {"tf": "tensorflow", "jax": "jax"}  # engine -> Keras backend
 # Set by `python -m tpu_keras.launch`: logical devices per simulated host.
 VIRTUAL_DEVICES_ENV = "TPU_KERAS_VIRTUAL_DEVICES"
+# Set by `python -m tpu_keras.launch --slices=S`: the simulated slices, and this host's.
+NUM_SLICES_ENV, SLICE_ENV = "TPU_KERAS_NUM_SLICES", "TPU_KERAS_SLICE"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 

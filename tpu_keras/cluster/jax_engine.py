@@ -2,8 +2,10 @@
 
 `connect` joins the processes of a multi-host run (the local launcher's
 coordinator, or a TPU pod's), lays every device out on the `(data, fsdp, model)`
-mesh, and makes Keras split the batch over `data` (a data-parallel
-`keras.distribution`, so user code that only connects trains data parallel).
+mesh (slices, if more than one, on the outer part of `data`:
+`parallelism.mesh.device_grid`), and makes Keras split the batch over `data`
+(a data-parallel `keras.distribution`, so user code that only connects
+trains data parallel).
 A run then replaces that with the distribution its model's layout rules
 give (`parallelism.distribution`).
 """
@@ -15,7 +17,7 @@ import jax
 import keras
 
 from tpu_keras.cluster import tpu
-from tpu_keras.cluster.engine import VIRTUAL_DEVICES_ENV
+from tpu_keras.cluster.engine import NUM_SLICES_ENV, SLICE_ENV, VIRTUAL_DEVICES_ENV
 from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import Placer, distribution
@@ -34,11 +36,13 @@ def connect(config, mesh_config) -> Cluster:
         raise UserError(f"cluster.virtual_devices={wanted} on the jax engine must be set before JAX "
                         f"starts: call tpu_keras.cluster.engine.select('jax', {wanted}) before importing "
                         f"keras, or set XLA_FLAGS=--xla_force_host_platform_device_count={wanted}")
-    devices = keras.distribution.list_devices()
+    devices = jax.devices()
     mesh = mesh_lib.resolve(mesh_config, len(devices), "jax")
-    shape = tuple(mesh[axis] for axis in mesh_lib.AXES)
-    device_mesh = keras.distribution.DeviceMesh(shape, mesh_lib.AXES, _device_grid(shape, devices))
-    local = [f"{d.platform}:{d.id}" for d in jax.local_devices()]
+    grid = mesh_lib.device_grid(devices, mesh[mesh_lib.SLICES], *(mesh[a] for a in mesh_lib.AXES))
+    _check_launcher_slices(mesh, grid)
+    device_mesh = keras.distribution.DeviceMesh(
+        grid.shape, mesh_lib.AXES, [_name(d) for d in grid.flat])
+    local = [_name(d) for d in jax.local_devices()]
     batch_splits = mesh_lib.batch_splits(mesh)
     rows = device_mesh.devices.reshape(batch_splits, mesh["model"])
     pipelines, index = mesh_lib.input_pipelines(rows.tolist(), local)
@@ -51,15 +55,27 @@ def connect(config, mesh_config) -> Cluster:
     return cluster
 
 
-def _device_grid(shape, devices):
-    """The devices in mesh order, flat (`DeviceMesh` reshapes them). On a TPU, by the
-    physical topology (`mesh_utils.create_device_mesh`: the last axes, where collectives
-    are most frequent, on neighbouring chips); elsewhere, and in Keras, as given."""
-    if jax.devices()[0].platform != "tpu":
-        return devices
-    from jax.experimental import mesh_utils
-    grid = mesh_utils.create_device_mesh(shape, devices=jax.devices())
-    return [f"{d.platform}:{d.id}" for d in grid.flat]
+def _name(device) -> str:
+    """A device as `keras.distribution` names it: 'cpu:3'."""
+    return f"{device.platform}:{device.id}"
+
+
+def _check_launcher_slices(mesh, grid) -> None:
+    """On a pod the launcher simulates, `mesh.slices` must be its slice count, and this
+    process's devices must sit in the rows of the slice it was told it is in."""
+    launched = int(os.environ.get(NUM_SLICES_ENV, 0) or 0)
+    if not launched:
+        return
+    if launched != mesh[mesh_lib.SLICES]:
+        raise UserError(f"mesh.slices={mesh[mesh_lib.SLICES]} but the launcher started {launched} "
+                        f"slice(s); set --config.mesh.slices={launched}")
+    told = int(os.environ[SLICE_ENV])
+    local = set(jax.local_devices())
+    rows = {mesh_lib.slice_of_row(r, mesh) for r, row in enumerate(grid) if local & set(row.flat)}
+    if rows != {told}:
+        raise UserError(f"this host is in slice {told} ({SLICE_ENV}) but its devices are in mesh "
+                        f"rows of slice(s) {sorted(rows)}; give every host the same "
+                        "--devices_per_host")
 
 
 def _initialize_processes(config) -> None:

@@ -5,6 +5,13 @@ local devices, or one device. Without a GPU or TPU the CPU can be split into
 logical devices (`split_cpu`), and several processes on one machine can
 form a multi-worker cluster of CPU-only hosts with several replicas each
 (`LocalDevicesMultiWorkerStrategy`): a pod simulated on a laptop.
+
+One slice at most: `TPUStrategy` is one TensorFlow client driving the hosts
+of the one TPU its resolver names, and nothing in tf.distribute knows of
+slices or of the data-center network between them (Cloud TPU Multislice is
+JAX's and PyTorch's, multi-controller). So `mesh.slices > 1`, or a pod the
+launcher simulated with `--slices`, is a one-line error that points at the
+jax engine.
 """
 
 import dataclasses
@@ -17,7 +24,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import distribute_lib
 
 from tpu_keras.cluster import tpu
-from tpu_keras.cluster.engine import VIRTUAL_DEVICES_ENV
+from tpu_keras.cluster.engine import NUM_SLICES_ENV, VIRTUAL_DEVICES_ENV
 from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
@@ -26,6 +33,8 @@ from tpu_keras.parallelism import mesh as mesh_lib
 def connect(config, mesh=None) -> Cluster:
     """The strategy `config.cluster.strategy` asks for ('auto': the first that fits)."""
     strategy = config.get("strategy", "auto")
+    _refuse_slices()
+    mesh_lib.check(mesh, "tf")  # what no strategy can run, before reaching for the hardware
     split_cpu(config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0)))
     if strategy == "tpu" or (strategy == "auto" and tpu.is_present(config.get("tpu", ""))):
         cluster = _connect_tpu(config)
@@ -36,6 +45,14 @@ def connect(config, mesh=None) -> Cluster:
     else:
         cluster = _connect_one_device()
     return dataclasses.replace(cluster, mesh=mesh_lib.resolve(mesh, cluster.num_replicas, "tf"))
+
+
+def _refuse_slices() -> None:
+    slices = int(os.environ.get(NUM_SLICES_ENV, 0) or 0)
+    if slices > 1:
+        raise UserError(f"the launcher started {slices} slices, which the tf engine cannot span "
+                        "(TPUStrategy drives one slice); run with --config.engine=jax "
+                        f"--config.mesh.slices={slices}")
 
 
 def split_cpu(num_devices: int) -> None:

@@ -33,6 +33,10 @@ import re
 from typing import Iterable, Optional, Sequence
 
 from tpu_keras.errors import UserError, closest
+from tpu_keras.parallelism.mesh import SLICES
+
+# Axes that split only the batch: a large weight on a mesh of these alone needs no rule.
+_BATCH_ONLY = (SLICES, "data", "fsdp")
 
 # Weights this large (elements) must be covered by a rule: 65,536 is a 256x256 kernel.
 REPLICATE_BELOW = 65_536
@@ -57,6 +61,19 @@ def replicated(pattern: str) -> Rule:
 def rules_from_pairs(pairs: Iterable[Sequence]) -> list[Rule]:
     """Rules from `(pattern, axes)` pairs, as a config file writes them."""
     return [Rule(str(pattern), tuple(axes or ())) for pattern, axes in pairs]
+
+
+def refuse_across_slices(rule: Rule, mesh: dict[str, int]) -> None:
+    """Weights are never split across slices: gathering them every step over the
+    data-center network would cost far more than the memory saved. `data` spans the
+    slices when there are several."""
+    slices = mesh.get(SLICES, 1)
+    for axis in rule.axes:
+        if axis == SLICES or (axis == "data" and slices > 1):
+            spans = "" if axis == SLICES else f", which spans the {slices} slices,"
+            raise UserError(f"layout rule '{rule.pattern}' splits weights over mesh axis {axis!r}"
+                            f"{spans} but weights are never split across slices (the data-center "
+                            "network is too slow to gather them each step); name 'fsdp' or 'model'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +116,12 @@ class Placer:
         self.ties = list(ties)
         # Only a model axis makes an uncovered large weight a likely mistake (fsdp splits it).
         self._splits_weights = any(size > 1 for axis, size in self.mesh.items()
-                                   if axis not in ("data", "fsdp"))
+                                   if axis not in _BATCH_ONLY)
         self._fsdp = self.mesh.get("fsdp", 1)
         self._used: set[str] = set()
         self._placed: dict[tuple[str, tuple[int, ...]], Placement] = {}
         for rule in self.rules:
+            refuse_across_slices(rule, self.mesh)
             unknown = [a for a in rule.axes if a is not None and a not in self.mesh]
             if unknown:
                 raise UserError(f"layout rule '{rule.pattern}' names mesh axis {unknown[0]!r}; "
@@ -136,7 +154,7 @@ class Placer:
     def _suggest(self, path: str, shape: tuple[int, ...]) -> str:
         """', such as layout.extra_rules=((r'PATH', (None, 'model')),)': the widest weight
         axis split over its largest dimension that divides by it."""
-        axes = [a for a in self.mesh if a not in ("data", "fsdp") and self.mesh[a] > 1]
+        axes = [a for a in self.mesh if a not in _BATCH_ONLY and self.mesh[a] > 1]
         axis = max(axes, key=lambda a: self.mesh[a])
         fits = [d for d, n in enumerate(shape) if n % self.mesh[axis] == 0]
         if not fits:

@@ -11,6 +11,7 @@ import re
 from tpu_keras.cluster import topology, tpu
 from tpu_keras.errors import UserError
 from tpu_keras.measurement import peak
+from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.training import defaults
 
 
@@ -76,7 +77,7 @@ def format_table(info: dict) -> str:
             ("hosts", f"{info['hosts']} ({info['processes']} process(es); this is host "
                       f"{info['host_index']})"),
             ("replicas", f"{info['replicas']} ({info['replicas_per_host']} per host)"),
-            ("mesh", f"data={info['mesh']['data']} x model={info['mesh']['model']}"),
+            ("mesh", mesh_lib.describe(info["mesh"])),
             ("devices", info["device_kind"] if info["device_kind"][:1].isdigit()
                         else f"{info['devices']} x {info['device_kind']}"),
             ("input pipelines", str(info["input_pipelines"]))]

@@ -49,7 +49,7 @@ def load(workdir: str, config):
         raise UserError(f"the run in {workdir} trained {config.model.name!r}, which is not a "
                         "language model; generate needs a run of gpt or a keras-hub causal LM")
     models.hub.prepare_preset(config.model, workdir, is_chief=True)  # a {workdir} preset
-    config.mesh.update(data=1, fsdp=1, model=1)
+    config.mesh.update(slices=1, data=1, fsdp=1, model=1)
     config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
                           virtual_devices=0)
     cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)

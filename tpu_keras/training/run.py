@@ -98,9 +98,13 @@ def train(config, workdir: str, started: float | None = None):
 
     # ----- fit -----------------------------------------------------------------
     # What a collective raises when a peer host is gone (connection refused or
-    # reset, or MultiWorkerMirroredStrategy's health check gave up on it).
+    # reset, or MultiWorkerMirroredStrategy's health check gave up on it); on jax,
+    # XLA's runtime error, when its message says so (`_lost_a_peer`).
     peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
                     tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+    if cluster.engine == "jax":
+        import jax
+        peer_errors += (jax.errors.JaxRuntimeError,)
     logger = callbacks.IntervalLogger(
         total_steps=train_cfg.steps, global_batch=update_batch,
         tokens_per_example=builder.tokens_per_example(model_kwargs),
@@ -125,7 +129,7 @@ def train(config, workdir: str, started: float | None = None):
         except nonfinite.NonFiniteStep as diverged:
             skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
         except peer_errors as error:
-            if cluster.num_processes == 1:
+            if cluster.num_processes == 1 or not _lost_a_peer(error):
                 raise
             raise UserError(f"lost contact with another host after step {saver.step} "
                             f"({_peer_reason(error)}); the other hosts stop too; start every "
@@ -231,6 +235,17 @@ def _skip_or_stop(diverged, skipped, train_cfg, saver, cluster):
     if cluster.is_chief:
         nonfinite.save_skipped(saver.shared_dir, skipped)
     return skipped
+
+
+# On jax: a collective whose connection to another process broke (XLA:CPU's Gloo), or
+# the runtime saying a peer is unreachable or gone quiet.
+_PEER_LOST = re.compile(r"Gloo|Connection (reset|refused)|UNAVAILABLE|DEADLINE_EXCEEDED|heartbeat")
+
+
+def _lost_a_peer(error) -> bool:
+    """Whether `error` says another host is gone: every TensorFlow peer error does; of
+    jax's runtime errors, those whose message says so (an OOM does not)."""
+    return type(error).__name__ != "JaxRuntimeError" or bool(_PEER_LOST.search(str(error)))
 
 
 def _peer_reason(error) -> str:
