@@ -22,6 +22,7 @@ _LAZY = {
     "connect": "tpu_keras.cluster",
     "Cluster": "tpu_keras.cluster",
     "distributed_steps": "tpu_keras.training",
+    "plan_model": "tpu_keras.tools.user_plan",
     "UserError": "tpu_keras.errors",
 }
 _PACKAGES = ("cluster", "config", "data", "measurement", "models", "parallelism", "tools",

@@ -69,6 +69,18 @@ class Cluster:
         """
         return self.strategy.scope() if self.strategy else contextlib.nullcontext()
 
+    def layout(self, rules=(), *, replicate_below: Optional[int] = None, ties=()):
+        """A scope whose weights are laid out by `rules` over this cluster's mesh, and
+        checked as a run checks them (`parallelism.scope.LayoutScope`):
+
+            with cluster.layout([Rule(r"block\\d+_mlp_up/kernel", (None, "model")), ...]):
+                model = make_model()
+                model.compile(...)
+        """
+        from tpu_keras.parallelism import REPLICATE_BELOW, scope
+        return scope.LayoutScope(self, rules, REPLICATE_BELOW if replicate_below is None else replicate_below,
+                                 ties)
+
     def describe(self) -> str:
         if self.engine == "jax":
             return (f"jax mesh {mesh_lib.describe(self.mesh)} over "
