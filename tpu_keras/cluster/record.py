@@ -65,7 +65,8 @@ class Cluster:
 
         On jax the distribution is global in Keras and already set (by
         `connect`, then by the run from the model's layout), so there is
-        nothing to enter.
+        nothing to enter; `layout(rules)` is the scope that lays out a model
+        of the user's own.
         """
         return self.strategy.scope() if self.strategy else contextlib.nullcontext()
 
