@@ -70,11 +70,19 @@ try:
     tpu_keras.connect({"virtual_devices": 4}, mesh=dict(fsdp=2, model=2))
 except tpu_keras.UserError as error:
     print("REFUSED", error)
+import keras
+from tpu_keras.parallelism import Rule
+cluster = tpu_keras.connect({"virtual_devices": 4})  # data parallel: mirrored over 4 CPU devices
+with cluster.layout([Rule(r"sequential/hidden/kernel", (None, "model"))]) as layout:
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="hidden")])
+print("PLACED", [p.spec for p in layout.check(model)], type(model.weights[0].value).__name__)
 """
 
 
-def test_a_model_axis_on_the_tf_engine_is_the_runs_one_line_refusal():
+def test_on_the_tf_engine_a_model_axis_is_the_runs_refusal_and_layout_is_the_strategy_scope():
     out = run([sys.executable, "-c", TF_MODEL_AXIS], env={"KERAS_BACKEND": "tensorflow"}).stdout
     refused = [line for line in out.splitlines() if line.startswith("REFUSED ")]
     assert refused and refused[0].startswith(
         "REFUSED mesh.model=2 needs the jax engine (--config.engine=jax)"), out[-2000:]
+    # Data parallel, the scope is the strategy's: weights mirrored, the rules checked against them.
+    assert "PLACED [\"P(None, 'model')\", 'P(None)'] MirroredVariable" in out, out[-2000:]
