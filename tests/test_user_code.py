@@ -47,9 +47,10 @@ def test_readme_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model
     assert removed["error"] and "\n" not in removed["error"], removed
     assert removed["error"].startswith("weight 'block0_mlp_up/kernel' [64, 256] (16,384 elements) "
                                        "is covered by no layout rule"), removed
-    assert removed["new_arrays"] == 0 and removed["restored"], removed
+    assert [64, 4, 16] in removed["initialized"], removed  # the attention kernels came first
+    assert [64, 256] not in removed["initialized"] and removed["restored"], removed
     # Another model with other rules: its own layout; the first keeps its own; no rule left set.
-    assert r["SECOND"] == {"first": "P('fsdp', 'model')", "second": "P(None, None)", "restored": True}
+    assert r["SECOND"] == {"first": "P('fsdp', 'model')", "second": "P('model', None)", "restored": True}
     # 4 micro-batches of 16 make the update of one batch of 64, with weights split over fsdp.
     accum = r["ACCUM"]
     assert "fsdp" in accum["fsdp"] and accum["moved"] > 1e-3 and accum["between"] <= 1e-6, accum

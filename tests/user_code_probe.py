@@ -7,10 +7,10 @@ in the same process, on its cluster and its functions, prints one JSON line
 per check:
 - SINGLE: the example's losses, and the same model's on one device (no
   distribution: every weight on the first device) from the same seed and data;
-- REMOVED: a rule removed: the error, and whether anything of the weight's
-  shape was allocated before it; the distribution in force before and after;
-- SECOND: a second model with other rules in the same process: how its
-  weights and the first model's are laid out;
+- REMOVED: a rule removed: the error, the shapes of the kernels initialized
+  (allocated) before it, and whether the distribution in force is back;
+- SECOND: a second model with other rules (a keras LayoutMap) in the same
+  process: how its weights and the first model's are laid out;
 - ACCUM: one update from 4 micro-batches of 16 against one from the 64 together;
 - PLAN: `plan_model` against the CLI's plan of the model registered as a builder;
 - MEASURE: `plan_model(..., measure=True)` on a 4-device slice.
@@ -26,7 +26,6 @@ code = re.search(r"<!-- user-code-mesh -->\n```python\n(.*?)```", README.read_te
 ns = {"__name__": "__main__"}
 exec(compile(code, "README.md", "exec"), ns)  # noqa: S102  (the example, as written)
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -58,22 +57,24 @@ keras.distribution.set_distribution(connected)
 removed = [rule for rule in RULES if "mlp_up" not in rule.pattern]
 
 
-def arrays_of(shape):
-    return sum(1 for a in jax.live_arrays() if a.shape == shape)
-
-
-before = arrays_of((64, 256))
+initialized = []  # the shape of every kernel Keras initializes, recorded on the way in
+glorot = keras.initializers.GlorotUniform.__call__
+keras.initializers.GlorotUniform.__call__ = lambda self, shape, *args, **kwargs: (
+    initialized.append(list(shape)) or glorot(self, shape, *args, **kwargs))
 try:
     with cluster.layout(removed, replicate_below=4096):
         transformer()
     error = None
 except tpu_keras.UserError as raised:
     error = str(raised)
-report("REMOVED", {"error": error, "new_arrays": arrays_of((64, 256)) - before,
+keras.initializers.GlorotUniform.__call__ = glorot
+report("REMOVED", {"error": error, "initialized": initialized,
                    "restored": keras.distribution.distribution() is connected})
 
 # ----- a second model, other rules ----------------------------------------------------
-with cluster.layout([], replicate_below=10**9):  # nothing needs a rule: every weight whole
+layout_map = keras.distribution.LayoutMap(cluster.device_mesh)  # rules as Keras writes them
+layout_map[r"block\d+_mlp_up/kernel"] = ("model", None)
+with cluster.layout(layout_map, replicate_below=10**9):  # no other weight needs a rule
     second = transformer()
 
 
