@@ -10,6 +10,11 @@ The packages, in the order a run meets them:
 - `measurement`: model FLOPs, the peak, activation memory, time per phase;
 - `tools`: the reports behind `python -m tpu_keras.info`, `.layout` and `.plan`.
 
+From your own code: `connect` (the cluster and its mesh), `cluster.layout(rules)`
+(your model's weights laid out and checked as a run's), `distributed_steps`
+(fit under every strategy or mesh, with accumulation) and `plan_model` (the
+memory and communication plan of your model on a TPU slice).
+
 The public surface is small and imported lazily, so that light entry points
 (`python -m tpu_keras.launch`) start without importing TensorFlow.
 """
@@ -22,6 +27,7 @@ _LAZY = {
     "connect": "tpu_keras.cluster",
     "Cluster": "tpu_keras.cluster",
     "distributed_steps": "tpu_keras.training",
+    "plan_model": "tpu_keras.tools.user_plan",
     "UserError": "tpu_keras.errors",
 }
 _PACKAGES = ("cluster", "config", "data", "measurement", "models", "parallelism", "tools",

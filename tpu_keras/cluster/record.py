@@ -66,9 +66,22 @@ class Cluster:
 
         On jax the distribution is global in Keras and already set (by
         `connect`, then by the run from the model's layout), so there is
-        nothing to enter.
+        nothing to enter; `layout(rules)` is the scope that lays out a model
+        of the user's own.
         """
         return self.strategy.scope() if self.strategy else contextlib.nullcontext()
+
+    def layout(self, rules=(), *, replicate_below: Optional[int] = None, ties=()):
+        """A scope whose weights are laid out by `rules` over this cluster's mesh, and
+        checked as a run checks them (`parallelism.scope.LayoutScope`):
+
+            with cluster.layout([Rule(r"block\\d+_mlp_up/kernel", (None, "model")), ...]):
+                model = make_model()
+                model.compile(...)
+        """
+        from tpu_keras.parallelism import REPLICATE_BELOW, scope
+        return scope.LayoutScope(self, rules, REPLICATE_BELOW if replicate_below is None else replicate_below,
+                                 ties)
 
     def describe(self) -> str:
         if self.engine == "jax":

@@ -25,10 +25,15 @@ from tpu_keras.parallelism.rules import Placer, dtype_name
 
 def set_layout(cluster, placer: Placer) -> None:
     """Sets the global Keras distribution: `cluster`'s jax mesh, `placer`'s placements."""
+    keras.distribution.set_distribution(placed(cluster, placer))
+
+
+def placed(cluster, placer: Placer) -> keras.distribution.ModelParallel:
+    """The distribution that puts weights where `placer` says, on `cluster`'s jax mesh.
+    Its `scope()` (Keras's own) sets it, then restores the one it replaced."""
     # auto_shard_dataset=False: tpu_keras.data already gives each process its own rows.
-    keras.distribution.set_distribution(_PlacedDistribution(
-        placer, layout_map=keras.distribution.LayoutMap(cluster.device_mesh),
-        batch_dim_name=BATCH_AXES[0], auto_shard_dataset=False))
+    return _PlacedDistribution(placer, layout_map=keras.distribution.LayoutMap(cluster.device_mesh),
+                               batch_dim_name=BATCH_AXES[0], auto_shard_dataset=False)
 
 
 class _Layout(keras.distribution.TensorLayout):

@@ -27,6 +27,7 @@ matching one path are an error: Keras's `LayoutMap` looks paths up the same
 way, so a keras-hub `get_layout_map` means here what it means to Keras.
 """
 
+import collections.abc
 import dataclasses
 import math
 import re
@@ -196,10 +197,10 @@ class Placer:
                                 f"'{rule.pattern}', the model size, or mesh.{axis}")
         return Placement(path, shape, dtype, rule.axes, rule.pattern)
 
-    def check(self, variables) -> list[Placement]:
-        """Places every variable of a built model; checks that every rule was used and
-        that every tie holds."""
-        placements = self.place_all(variables)
+    def check(self, variables=None) -> list[Placement]:
+        """Places every variable of a built model (None: the weights placed so far, as Keras
+        created them); checks that every rule was used and that every tie holds."""
+        placements = self.place_all(variables) if variables is not None else list(self._placed.values())
         self.check_all_rules_used()
         for tie in self.ties:
             tie.check(placements, self.mesh)
@@ -244,6 +245,13 @@ class Tie:
                             f"over {axis_a!r}, {path_b!r} dimension {dim_b} over {axis_b!r}, so "
                             "every step reshuffles activations between devices; split them over "
                             "one mesh axis in the layout rules")
+
+
+def as_rules(rules) -> list[Rule]:
+    """Rules given as `Rule`s, `(pattern, axes)` pairs or a `keras.distribution.LayoutMap`."""
+    if isinstance(rules, collections.abc.Mapping):  # a LayoutMap is one
+        return rules_from_layout_map(rules)
+    return [rule if isinstance(rule, Rule) else rules_from_pairs([rule])[0] for rule in rules]
 
 
 def rules_from_layout_map(layout_map) -> list[Rule]:
