@@ -43,7 +43,9 @@ def defaults() -> ml_collections.ConfigDict:
     # splits every weight of layout.replicate_below elements or more (fully-sharded
     # data parallelism); model splits weights by the builder's layout rules. fsdp
     # and model need the jax engine. -1: the devices the other axes leave.
-    config.mesh = dict(data=-1, fsdp=1, model=1)
+    # slices: TPU slices joined by the data-center network; data, fsdp and model are
+    # one slice's, and the slices extend data (weights never split across slices).
+    config.mesh = dict(data=-1, fsdp=1, model=1, slices=1)
 
     # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
     # extra_rules: added to the builder's rules (or to `rules`), in the same form.

@@ -21,6 +21,7 @@ _DEFAULTS = {"data": -1, "fsdp": 1, "model": 1}
 def check(mesh_config) -> dict[str, int]:
     """The mesh's axis sizes, or a one-line error for sizes that no device count fits."""
     given = dict(mesh_config or {})
+    given.pop("slices", None)  # not an axis of the device mesh: the slices extend data
     unknown = sorted(set(given) - set(AXES))
     if unknown:
         raise UserError(f"mesh axis {unknown[0]!r} is not one of {AXES}; the mesh is "
