@@ -81,7 +81,8 @@ def test_auto_on_two_v5e_256_slices_puts_data_parallelism_across_them():
 
 def test_nothing_fits_exits_1():
     result = run([sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py",
-                  "--tpu=v5e-1", "--config.model.width=16384", "--auto"], check=False)
+                  "--tpu=v5e-1", "--config.model.width=16384", "--config.model.depth=1", "--auto"],
+                 check=False)
     assert result.returncode == 1 and "nothing fits" in result.stdout, result.stdout[-2000:]
 
 
