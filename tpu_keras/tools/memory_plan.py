@@ -78,16 +78,20 @@ class Footprint:
         return 2 * one - two, two - one
 
     @functools.cached_property
-    def weight_uses(self):
+    def _traced_weights(self):
+        """(the matmuls and lookups that read each weight, the bytes per element each cast
+        weight is used in), from one trace (`communication.weight_uses`)."""
         from tpu_keras.measurement import communication
-        self._itemsizes = {}
-        return communication.weight_uses(self.model, self.builder.loss(), self._itemsizes)
+        itemsizes = {}
+        return communication.weight_uses(self.model, self.builder.loss(), itemsizes), itemsizes
+
+    @property
+    def weight_uses(self):
+        return self._traced_weights[0]
 
     @property
     def itemsizes(self) -> dict:
-        """Bytes per element each cast weight is used in (`communication.weight_uses`)."""
-        self.weight_uses  # noqa: B018 (one trace fills both)
-        return self._itemsizes
+        return self._traced_weights[1]
 
     @functools.lru_cache(maxsize=None)
     def layout(self, mesh: tuple[int, int, int]) -> dict:
@@ -131,11 +135,6 @@ class Footprint:
 
 def _key(mesh: dict) -> tuple[int, int, int]:
     return tuple(mesh[axis] for axis in mesh_lib.AXES)
-
-
-def across(mesh: dict, slices: int) -> dict:
-    """The whole job's (data, fsdp, model) mesh: one slice's with the slices outermost in data."""
-    return {**mesh, "data": mesh["data"] * slices}
 
 
 def describe(mesh: dict, slices: int = 1) -> str:
@@ -247,10 +246,11 @@ def measured_notes(sent: dict, m: dict) -> list[str]:
                      f"collectives whose groups span slices (plan / XLA = "
                      f"{planned / max(1, compiled):.2f})")
     if "cpu_sent_per_step" in m:
-        lines.append(f"  note: XLA:CPU itself sends {format_bytes(m['cpu_sent_per_step']['total'])}: "
-                     "it widens bf16 collectives to float32 (its all-reduce-promotion and "
-                     "float-normalization passes; a TPU reduces bf16 natively), so the figures above "
-                     "are the SPMD partitioner's collectives, in the dtypes a TPU sends")
+        lines.append(f"  note: XLA:CPU's own program sends {format_bytes(m['cpu_sent_per_step']['total'])} "
+                     "after its backend passes, among them all-reduce-promotion and "
+                     "float-normalization-bf16, which widen bf16 collectives to float32 (a TPU "
+                     "reduces bf16 natively); the figures above are the SPMD partitioner's "
+                     "collectives, in the dtypes a TPU sends")
     return lines
 
 
