@@ -3,26 +3,37 @@
 #
 # usage: scripts/tpu_vm.sh COMMAND NAME --zone=ZONE [options] [--dry-run]
 #
-#   create NAME --zone=Z --type=v4-32 [--engine=tf|jax] [--version=RUNTIME] [--spot]
+#   create NAME --zone=Z --type=v4-32 [--engine=tf|jax] [--version=RUNTIME]
+#          [--spot|--reserved] [--slices=N]
 #       Creates a slice. RUNTIME (the TPU software version) defaults to the one
 #       for the type's generation, its host count (more than 8 in the type's
 #       count is several hosts) and the engine, tf unless --engine=jax: see the
 #       table at the end of --help; --version=RUNTIME overrides it. --spot asks
-#       for spot capacity through a queued resource, which waits until there is some.
-#   delete NAME --zone=Z [--spot]
-#       Deletes the slice; with --spot, its queued resource and the slice.
+#       for spot capacity, --reserved for your reservation's, through a queued
+#       resource, which waits until there is some. --slices=N (multislice, v4
+#       and later, jax engine) asks for N slices of the type as one queued
+#       resource NAME, whose slices are named NAME-0 ... NAME-<N-1>.
+#   delete NAME --zone=Z [--spot|--reserved|--slices=N]
+#       Deletes the slice; with --spot, --reserved or --slices, its queued
+#       resource and every slice it made.
 #   ssh NAME --zone=Z [--worker=0]
 #       Opens a shell on one worker.
-#   copy NAME --zone=Z [--dir=tpu_keras] [--install]
+#   copy NAME --zone=Z [--dir=tpu_keras] [--install] [--slices=N]
 #       Copies this checkout (the package, configs, scripts and setup files)
 #       into DIR on every worker; --install then runs `pip install -e .` there.
-#   run NAME --zone=Z [--dir=tpu_keras] [--worker=all] [--tf-pod] [--env=K=V]... -- COMMAND...
+#       --slices=N: on every worker of every slice NAME-0 ... NAME-<N-1>.
+#   run NAME --zone=Z [--dir=tpu_keras] [--worker=all] [--tf-pod] [--env=K=V]...
+#       [--slices=N] -- COMMAND...
 #       Runs COMMAND in DIR on every worker (or on --worker=N) with
 #       TPU_NAME=local: each worker drives its own chips, which is right for
 #       the jax engine and for any single-host slice. --tf-pod is for the tf
 #       engine on a slice of several hosts, where one TensorFlow process
 #       drives every host: it runs on worker 0 only, with TPU_NAME=NAME and
 #       TPU_LOAD_LIBRARY=0. --env adds variables to COMMAND's environment.
+#       --slices=N runs COMMAND on every slice NAME-0 ... NAME-<N-1> at once
+#       (the jax engine: every host of every slice is one process of the run),
+#       and ends with the first failing slice's exit code. ssh reaches one
+#       slice of several by its own name: ssh NAME-1.
 #
 # Every command takes --project=P (else gcloud's default project) and
 # --dry-run, or TPU_VM_DRY_RUN=1 in the environment: print the gcloud
@@ -42,6 +53,11 @@
 #   scripts/tpu_vm.sh run my-tpu --zone=us-central2-b --tf-pod -- \
 #       python3 -m tpu_keras.train --config=configs/lm_stdlib.py --workdir=gs://BUCKET/lm
 #   scripts/tpu_vm.sh delete my-tpu --zone=us-central2-b
+#
+# example (two v5e-256 slices, multislice, jax engine):
+#   scripts/tpu_vm.sh create my-ms --zone=us-west4-a --type=v5litepod-256 --slices=2 --engine=jax
+#   scripts/tpu_vm.sh run my-ms --zone=us-west4-a --slices=2 -- python3 -m tpu_keras.train ...
+#   scripts/tpu_vm.sh delete my-ms --zone=us-west4-a --slices=2
 
 set -euo pipefail
 
@@ -74,7 +90,10 @@ RUNTIMES=(
 readonly RUNTIMES
 
 COMMAND="" NAME="" ZONE="" TYPE="" ENGINE="tf" VERSION="" PROJECT="" WORKER="" DIR="tpu_keras"
-SPOT=0 INSTALL=0 TF_POD=0 DRY_RUN=0 HAVE_REMOTE=0
+SPOT=0 RESERVED=0 SLICES=1 INSTALL=0 TF_POD=0 DRY_RUN=0 HAVE_REMOTE=0
+# Generations Cloud TPU offers as multislice: "v4 and later"
+# (https://cloud.google.com/tpu/docs/multislice-introduction).
+readonly MULTISLICE="v4 v5litepod v5p v6e"
 ENVS=() REMOTE=() SEEN=()
 
 usage() {  # the header above, then the runtime table
@@ -122,18 +141,34 @@ gcloud_do() {  # gcloud "$@" (plus --project), or just its line with --dry-run
   fi
 }
 
-on_workers() {  # runs the shell line $2 on workers $1 of the slice
-  gcloud_do compute tpus tpu-vm ssh "$NAME" "--zone=$ZONE" "--worker=$1" "--command=$2"
+on_workers() {  # runs the shell line $2 on workers $1 of the slice (of slice $3, default NAME)
+  gcloud_do compute tpus tpu-vm ssh "${3:-$NAME}" "--zone=$ZONE" "--worker=$1" "--command=$2"
+}
+
+nodes() {  # the slices: NAME, or the queued resource's NAME-0 ... NAME-<N-1> (its --node-prefix)
+  if (( SLICES > 1 )); then
+    local i
+    for ((i = 0; i < SLICES; i++)); do printf '%s\n' "$NAME-$i"; done
+  else
+    printf '%s\n' "$NAME"
+  fi
 }
 
 # ---- subcommands -------------------------------------------------------------
 
 cmd_create() {
-  local version="${VERSION:-$(runtime "$TYPE" "$ENGINE")}"
-  if (( SPOT )); then
-    # Spot capacity comes through a queued resource; the node gets the same name.
+  local version="${VERSION:-$(runtime "$TYPE" "$ENGINE")}" capacity=()
+  if (( SPOT )); then capacity=(--spot); fi
+  if (( RESERVED )); then capacity=(--reserved); fi
+  if (( SLICES > 1 )); then
+    # Multislice: one queued resource of N nodes (slices), named NAME-0, NAME-1, ...
+    gcloud_do compute tpus queued-resources create "$NAME" "--node-count=$SLICES" \
+      "--node-prefix=$NAME" "--zone=$ZONE" "--accelerator-type=$TYPE" \
+      "--runtime-version=$version" ${capacity[@]+"${capacity[@]}"}
+  elif (( SPOT || RESERVED )); then
+    # Spot or reserved capacity comes through a queued resource; the node gets the same name.
     gcloud_do compute tpus queued-resources create "$NAME" "--node-id=$NAME" "--zone=$ZONE" \
-      "--accelerator-type=$TYPE" "--runtime-version=$version" --spot
+      "--accelerator-type=$TYPE" "--runtime-version=$version" "${capacity[@]}"
   else
     gcloud_do compute tpus tpu-vm create "$NAME" "--zone=$ZONE" \
       "--accelerator-type=$TYPE" "--version=$version"
@@ -162,7 +197,7 @@ runtime() {  # the runtime for type $1 and engine $2: v4-32 tf -> tpu-vm-tf-2.18
 }
 
 cmd_delete() {
-  if (( SPOT )); then
+  if (( SPOT || RESERVED || SLICES > 1 )); then
     # --force deletes the node the queued resource made, in whatever state.
     gcloud_do compute tpus queued-resources delete "$NAME" "--zone=$ZONE" --force --quiet
   else
@@ -179,12 +214,15 @@ cmd_copy() {
   for item in "${CHECKOUT[@]}"; do sources+=("$REPO/$item"); done
   # scp copies into DIR only if it exists, and then merges: a second copy
   # updates the files instead of nesting a new tpu_keras/ inside the old one.
-  on_workers all "$(words mkdir -p "$DIR")"
-  gcloud_do compute tpus tpu-vm scp "${sources[@]}" "$NAME:$DIR" "--zone=$ZONE" \
-    --worker=all --recurse
-  if (( INSTALL )); then
-    on_workers all "$(words cd "$DIR") && $(words python3 -m pip install -e .)"
-  fi
+  local node
+  for node in $(nodes); do
+    on_workers all "$(words mkdir -p "$DIR")" "$node"
+    gcloud_do compute tpus tpu-vm scp "${sources[@]}" "$node:$DIR" "--zone=$ZONE" \
+      --worker=all --recurse
+    if (( INSTALL )); then
+      on_workers all "$(words cd "$DIR") && $(words python3 -m pip install -e .)" "$node"
+    fi
+  done
 }
 
 cmd_run() {
@@ -195,7 +233,21 @@ cmd_run() {
     env=("TPU_NAME=$NAME" TPU_LOAD_LIBRARY=0) worker=0
   fi
   env+=(${ENVS[@]+"${ENVS[@]}"})
-  on_workers "$worker" "$(words cd "$DIR") && $(words "${env[@]}" "${REMOTE[@]}")"
+  local line node pids=() status=0 code
+  line="$(words cd "$DIR") && $(words "${env[@]}" "${REMOTE[@]}")"
+  if (( SLICES == 1 || DRY_RUN )); then
+    for node in $(nodes); do on_workers "$worker" "$line" "$node"; done
+    return
+  fi
+  # Every slice at once: the hosts of all slices are the processes of one run.
+  for node in $(nodes); do
+    on_workers "$worker" "$line" "$node" &
+    pids+=($!)
+  done
+  for node in "${pids[@]}"; do
+    if wait "$node"; then :; else code=$?; if (( status == 0 )); then status=$code; fi; fi
+  done
+  return "$status"
 }
 
 # ---- arguments ---------------------------------------------------------------
@@ -208,11 +260,12 @@ parse() {
       --help|-h) usage; exit 0 ;;
       --dry-run) DRY_RUN=1 ;;
       --spot) SPOT=1; SEEN+=("$1") ;;
+      --reserved) RESERVED=1; SEEN+=("$1") ;;
       --install) INSTALL=1; SEEN+=("$1") ;;
       --tf-pod) TF_POD=1; SEEN+=("$1") ;;
-      --zone=*|--type=*|--engine=*|--version=*|--project=*|--worker=*|--dir=*|--env=*)
+      --zone=*|--type=*|--engine=*|--version=*|--project=*|--worker=*|--dir=*|--env=*|--slices=*)
         set_value "${1%%=*}" "${1#*=}" ;;
-      --zone|--type|--engine|--version|--project|--worker|--dir|--env)
+      --zone|--type|--engine|--version|--project|--worker|--dir|--env|--slices)
         if (( $# < 2 )) || [[ $2 == -* ]]; then fail "$1 needs a value: write $1=VALUE"; fi
         set_value "$1" "$2"; shift ;;
       -*) SEEN+=("${1%%=*}") ;;  # reported once the command, and so its options, is known
@@ -257,17 +310,20 @@ set_value() {
     --worker) WORKER=$2 ;;
     --dir) DIR=${2#\~/} ;;  # the VMs' home is where ssh and scp start anyway
     --env) ENVS+=("$2") ;;
+    --slices)
+      if ! [[ $2 =~ ^[1-9][0-9]*$ ]]; then fail "--slices=$2 is not a number of slices; write --slices=N with N of 1 or more"; fi
+      SLICES=$2 ;;
   esac
 }
 
 check() {  # the command exists, takes the options given, and has what it needs
   local takes
   case $COMMAND in
-    create) takes="--zone --type --engine --version --spot" ;;
-    delete) takes="--zone --spot" ;;
+    create) takes="--zone --type --engine --version --spot --reserved --slices" ;;
+    delete) takes="--zone --spot --reserved --slices" ;;
     ssh) takes="--zone --worker" ;;
-    copy) takes="--zone --dir --install" ;;
-    run) takes="--zone --dir --worker --tf-pod --env" ;;
+    copy) takes="--zone --dir --install --slices" ;;
+    run) takes="--zone --dir --worker --tf-pod --env --slices" ;;
     "") fail "no command; write tpu_vm.sh create|delete|ssh|copy|run NAME --zone=ZONE ... (see --help)" ;;
     *) fail "unknown command '$COMMAND'; use one of create, delete, ssh, copy, run (see --help)" ;;
   esac
@@ -301,6 +357,18 @@ check() {  # the command exists, takes the options given, and has what it needs
     if [[ $ENGINE != tf && $ENGINE != jax ]]; then
       fail "--engine=$ENGINE is not an engine; write --engine=tf or --engine=jax"
     fi
+    if (( SLICES > 1 )) && [[ " $MULTISLICE " != *" ${TYPE%-*} "* ]]; then
+      fail "--slices=$SLICES: Cloud TPU offers multislice on v4 and later (v4, v5litepod, v5p, v6e), not ${TYPE%-*}; create one slice without --slices"
+    fi
+    if (( SLICES > 1 )) && [[ $ENGINE == tf && -z $VERSION ]]; then
+      fail "--slices=$SLICES needs the jax engine (TPUStrategy drives one slice): add --engine=jax"
+    fi
+  fi
+  if (( SPOT && RESERVED )); then
+    fail "--spot and --reserved ask for different capacity; give one of them"
+  fi
+  if (( TF_POD && SLICES > 1 )); then
+    fail "--tf-pod runs one TensorFlow client on one slice; multislice runs the jax engine on every host: leave out --tf-pod"
   fi
   if [[ -n $WORKER && ! $WORKER =~ ^(all|[0-9]+)$ ]]; then
     fail "--worker=$WORKER is not a worker; write --worker=N (0 is the first) or --worker=all"

@@ -87,6 +87,24 @@ CASES = {
         ["delete", "my-tpu", f"--zone={ZONE}", "--spot", "--project=my-project"],
         ["gcloud compute tpus queued-resources delete my-tpu --zone=us-central2-b "
          "--force --quiet --project=my-project"]),
+    # Multislice: one queued resource of --node-count slices named --node-prefix-0, -1, ...
+    "create_two_slices": (
+        ["create", "my-ms", f"--zone={ZONE}", "--type=v5litepod-256", "--slices=2", "--engine=jax",
+         "--reserved"],
+        ["gcloud compute tpus queued-resources create my-ms --node-count=2 --node-prefix=my-ms "
+         "--zone=us-central2-b --accelerator-type=v5litepod-256 "
+         "--runtime-version=v2-alpha-tpuv5-lite --reserved"]),
+    "copy_to_two_slices": (
+        ["copy", "my-ms", f"--zone={ZONE}", "--slices=2"],
+        [line for node in ("my-ms-0", "my-ms-1") for line in (
+            f"gcloud compute tpus tpu-vm ssh {node} --zone=us-central2-b --worker=all "
+            "--command='mkdir -p tpu_keras'",
+            "gcloud compute tpus tpu-vm scp "
+            + _checkout("setup.py", "setup.cfg", "README.md", "tpu_keras", "configs", "scripts")
+            + f" {node}:tpu_keras --zone=us-central2-b --worker=all --recurse")]),
+    "delete_two_slices": (
+        ["delete", "my-ms", f"--zone={ZONE}", "--slices=2"],
+        ["gcloud compute tpus queued-resources delete my-ms --zone=us-central2-b --force --quiet"]),
 }
 
 
@@ -223,6 +241,18 @@ def test_stops_at_a_failing_command_with_its_exit_code(tpu_vm):
     assert result.returncode == 1 and len(calls) == 1
 
 
+def test_run_on_two_slices_reaches_every_host_of_each_at_once(tpu_vm):
+    """Each slice's workers, all of them, in one run; the first failing slice's code ends it."""
+    args = ["run", "my-ms", f"--zone={ZONE}", "--slices=2", "--", *TRAIN, "--config.mesh.slices=2"]
+    expected = [["compute", "tpus", "tpu-vm", "ssh", node, f"--zone={ZONE}", "--worker=all",
+                 "--command=cd tpu_keras && TPU_NAME=local " + " ".join(TRAIN)
+                 + " --config.mesh.slices=2"] for node in ("my-ms-0", "my-ms-1")]
+    printed, calls = tpu_vm("--dry-run", *args, dry=True)
+    assert calls == [] and [shlex.split(line)[1:] for line in printed.stdout.splitlines()] == expected
+    result, calls = tpu_vm(*args, gcloud_exit=42)
+    assert result.returncode == 42 and sorted(calls) == expected  # both started, in any order
+
+
 def test_run_passes_every_word_unchanged(tpu_vm, tmp_path):
     """The VM's shell sees COMMAND's words exactly: quotes, $, spaces, empty words."""
     words = ["it's", "$HOME", "", "a  b", "*", "x;y", "--flag='q'"]
@@ -256,6 +286,14 @@ def test_run_passes_every_word_unchanged(tpu_vm, tmp_path):
     (["create", "my-tpu", f"--zone={ZONE}", "--type=v4-8", "--engine=torch"],
      "write --engine=tf or --engine=jax"),
     (["delete", "my-tpu", f"--zone={ZONE}", "--engine=jax"], "delete does not take --engine"),
+    (["create", "my-ms", f"--zone={ZONE}", "--type=v3-32", "--slices=2", "--engine=jax"],
+     "Cloud TPU offers multislice on v4 and later"),
+    (["create", "my-ms", f"--zone={ZONE}", "--type=v4-32", "--slices=2"], "add --engine=jax"),
+    (["create", "my-ms", f"--zone={ZONE}", "--type=v4-32", "--slices=two"],
+     "--slices=two is not a number of slices"),
+    (["create", "my-tpu", f"--zone={ZONE}", "--type=v4-32", "--spot", "--reserved"],
+     "give one of them"),
+    (["run", "my-ms", f"--zone={ZONE}", "--slices=2", "--tf-pod", "--", "ls"], "leave out --tf-pod"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(tpu_vm, args, fragment):
     for extra in ([], ["--dry-run"]):

@@ -11,10 +11,16 @@ an estimate; the bytes sent per update are computed from the layout (see
 recommends a layout (`tools.layout_search`). `--measure` compiles the real
 sharded training step on as many fake CPU devices as the slice has and
 prints XLA's figures next to the plan's; on a TPU VM they are the TPU
-compiler's own.
+compiler's own. Several slices joined by the data-center network:
+`--tpu=2xv5litepod-256` (multislice, v4 and later).
+
+Exit status: 0 when the config fits (with `--auto`: when some layout
+does), 1 when nothing fits, so a script can tell; 2 for a mistake in the
+flags or config.
 """
 
 import json
+import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -23,8 +29,11 @@ from tpu_keras import cli
 from tpu_keras import config as config_lib
 from tpu_keras.errors import UserError
 
+NOTHING_FITS = 1  # the exit status when the config (or, with --auto, every layout) does not fit
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
-_TPU = flags.DEFINE_string("tpu", None, "The slice to plan for: v4-32, v5litepod-16, v5p-64, v6e-256, ...")
+_TPU = flags.DEFINE_string("tpu", None, "The slice to plan for: v4-32, v5litepod-16, v5p-64, v6e-256, "
+                          "...; several slices (multislice): 2xv5litepod-256")
 _MARGIN = flags.DEFINE_float("margin", 0.1, "Share of HBM kept free for XLA's own buffers, "
                              "padding and fragmentation.")
 _MEASURE = flags.DEFINE_bool("measure", False, "Also build the model here, compile its sharded "
@@ -33,7 +42,7 @@ _MEASURE = flags.DEFINE_bool("measure", False, "Also build the model here, compi
                              "is allocated).")
 _AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) of the slice with "
                           "each remat setting and recommend the one that fits with the least "
-                          "communication.")
+                          "estimated communication time (slices: data across them).")
 _JSON = flags.DEFINE_bool("json", False, "Print the plan as JSON.")
 
 
@@ -45,16 +54,22 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(_CONFIG.value)
     from tpu_keras.cluster import engine, topology
-    if _MEASURE.value:  # the real step, on as many fake CPU devices as the slice has
-        engine.select("jax", topology.parse_slice(_TPU.value).devices)
+    if _MEASURE.value:  # the real step, on as many fake CPU devices as the slices have
+        slices, found = topology.parse_tpu(_TPU.value)
+        engine.select("jax", slices * found.devices)
     if not _AUTO.value:
         from tpu_keras.tools import memory_plan
         result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
         print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
-        return
-    from tpu_keras.tools import layout_search
-    result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
-    print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
+        fits = result["fits"]
+    else:
+        from tpu_keras.tools import layout_search
+        result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
+        print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
+        fits = result["recommended"] is not None
+    if not fits:
+        sys.stdout.flush()
+        sys.exit(NOTHING_FITS)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ class Generation:
     name_counts: str                   # what the number in 'v4-32' counts: 'TensorCores' or 'chips'
     sizes: Tuple[int, ...] = ()        # documented slice numbers; () = any whole number of hosts
     device_kinds: Tuple[str, ...] = ()  # jax `device_kind` / TF names, lower case, without 'TPU '
+    # The networks (see NETWORKS below): published bidirectional chip-interconnect (ICI)
+    # bandwidth per chip, and data-center-network (DCN) bandwidth per chip, in Gbit/s.
+    # None: no figure, and no multislice (v2 and v3).
+    ici_gbps_per_chip: Optional[float] = None
+    dcn_gbps_per_chip: Optional[float] = None
 
     @property
     def hbm_bytes_per_device(self) -> int:
@@ -133,6 +138,35 @@ GENERATIONS = {g.name: g for g in (
 # Newer generations (e.g. Ironwood, tpu7x) are left out until their per-device figures are
 # published in the same form.
 
+# The networks, for the planner's communication time (`tools.network`). ICI: the
+# "Interchip Interconnect BW" / "Bidirectional inter-chip interconnect (ICI) bandwidth"
+# row of each generation's page, both directions of every link of one chip together.
+# DCN: what the host's network cards give each chip, from the same pages. Multislice is
+# offered on v4 and later only (https://cloud.google.com/tpu/docs/multislice-introduction:
+# "Multislice is only supported on Cloud TPU v4 and later").
+NETWORKS = {
+    # v4: ASSUMED. No v4 figures in this form were found in the pages checked: 2,400 Gbit/s
+    # ICI per chip is the figure often quoted for v4 (not verified here), and the DCN figure
+    # is v5e's 25 Gbit/s per chip.
+    "v4": (2400, 25),
+    # https://cloud.google.com/tpu/docs/v5e: "Interchip Interconnect BW 1600 Gbps";
+    # "Data center network bandwidth per Pod 6.4 Tbps" over 256 chips = 25 Gbit/s per chip
+    # (the v6e page's comparison: "Per-host NIC configuration 2 x 100 Gbps NIC" per 8 chips).
+    "v5e": (1600, 25),
+    # https://cloud.google.com/tpu/docs/v5p: "Bidirectional inter-chip interconnect (ICI)
+    # bandwidth per chip (GBps) 1200" (= 4800 Gbit/s, the older page's "Interchip
+    # Interconnect BW 4800 Gbps"); "Data center network (DCN) bandwidth per chip (Gbps) 50".
+    "v5p": (4800, 50),
+    # https://cloud.google.com/tpu/docs/v6e: "Inter-chip interconnect (ICI) bandwidth 3200 Gbps"
+    # (an earlier version of the page said 3584); "Per-host NIC configuration 4 x 200 Gbps
+    # NIC" per 8 chips and "Data center network bandwidth per Pod 25.6 Tbps" over 256 chips:
+    # 100 Gbit/s per chip.
+    "v6e": (3200, 100),
+}
+GENERATIONS = {name: dataclasses.replace(g, **dict(zip(("ici_gbps_per_chip", "dcn_gbps_per_chip"),
+                                                        NETWORKS.get(name, (None, None)))))
+               for name, g in GENERATIONS.items()}
+
 _BY_PREFIX = {p: g for g in GENERATIONS.values() for p in (g.prefix, *g.aliases)}
 _BY_DEVICE_KIND = {k: g for g in GENERATIONS.values() for k in g.device_kinds}
 
@@ -216,6 +250,28 @@ def parse_slice(name: str) -> Slice:
         raise UserError(f"TPU slice {name!r} does not exist: the number after '{match.group(1)}-' "
                         f"counts {gen.name_counts}{per_chip}; write {allowed}")
     return Slice(f"{gen.prefix}-{number}", gen, number // unit)
+
+
+def parse_tpu(name: str) -> Tuple[int, Slice]:
+    """(slices, slice) for a TPU type, with multislice written `<count>x<type>`: '2xv5litepod-256'
+    is two v5litepod-256 slices joined by the data-center network; 'v4-32' is one slice.
+
+    Raises a one-line `UserError` for a count below 1, or more than one slice of a
+    generation that Cloud TPU does not offer as multislice (v2, v3).
+    """
+    text = str(name).strip().lower()
+    match = re.fullmatch(r"(\d+)\s*x\s*(v.+)", text)
+    if not match:
+        return 1, parse_slice(name)
+    count, one = int(match.group(1)), parse_slice(match.group(2))
+    if count < 1:
+        raise UserError(f"TPU type {name!r} names {count} slices; write <count>x<type> with a "
+                        f"count of 1 or more, e.g. 2x{one.name}")
+    if count > 1 and one.generation.dcn_gbps_per_chip is None:
+        multislice = ", ".join(g.name for g in GENERATIONS.values() if g.dcn_gbps_per_chip)
+        raise UserError(f"TPU type {name!r}: Cloud TPU offers multislice on {multislice} only, "
+                        f"not on {one.generation.name}; use one slice ({one.name} or larger)")
+    return count, one
 
 
 def generation_of_device_kind(kind: str) -> Optional[Generation]:

@@ -7,11 +7,17 @@ makes XLA split the stream, then gather it before every matmul). Each
 collective's bytes come from its result's shape, its group size from its
 `replica_groups`, and the same ring arithmetic as the plan's: all-gather
 (n-1)/n of the result, reduce-scatter (n-1) x the result (a shard),
-all-reduce twice (n-1)/n. A collective inside a loop counts once.
+all-reduce twice (n-1)/n. A collective inside a loop counts once. With
+several slices, what crosses between them is counted apart
+(`network.hierarchical`), from which devices each group holds.
 """
 
 import math
 import re
+
+import numpy as np
+
+from tpu_keras.measurement import network
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(-start)?\(")
@@ -20,25 +26,38 @@ _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 1
          "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
 
 
-def sent_per_device(hlo_text: str, devices: int) -> dict:
-    """Bytes one device sends, by kind of collective, and their total (a dict, JSON-ready)."""
+def sent_per_device(hlo_text: str, devices: int, slices: int = 1) -> dict:
+    """Bytes one device sends, by kind of collective, and their total (a dict, JSON-ready).
+
+    With `slices` > 1 the program's devices (logical ids, in mesh order) are
+    `slices` contiguous blocks, slice = the outermost part of the data axis; a
+    collective whose groups span slices puts what crosses them
+    (`network.hierarchical`) under '<kind>_across_slices'.
+    """
     sent = {op.replace("-", "_"): 0.0 for op in _OPS}
+    if slices > 1:
+        sent.update({f"{op.replace('-', '_')}_across_slices": 0.0 for op in _OPS})
+    per_slice = devices // slices
     for line in hlo_text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # '/*index=5*/' inside tuple shapes
         found = _LINE.search(line)
         if not found:
             continue
         op, nbytes = found.group("op"), _bytes(found.group("shape"))
-        n = _group_size(line, devices)
-        if op == "all-reduce":
-            share = 2 * (n - 1) / n * nbytes
-        elif op == "all-gather":
-            share = (n - 1) / n * nbytes
-        elif op == "reduce-scatter":
-            share = (n - 1) * nbytes
+        if op == "collective-permute":
+            pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split(
+                "source_target_pairs=", 1)[-1])]
+            spanned = len({d // per_slice for pair in pairs for d in pair}) if pairs else 1
+            n = spanned
         else:
-            share = nbytes
-        sent[op.replace("-", "_")] += share
+            group = _groups(line, devices)[0]
+            n = len(group)
+            spanned = len({d // per_slice for d in group})
+        inside, across = network.hierarchical(op, nbytes, max(1, n // spanned), spanned)
+        key = op.replace("-", "_")
+        sent[key] += inside
+        if across:
+            sent[f"{key}_across_slices"] += across
     sent = {key: round(value) for key, value in sent.items()}
     sent["total"] = sum(sent.values())
     return sent
@@ -49,17 +68,33 @@ def _bytes(shape: str) -> int:
                * _BITS.get(m.group("dtype"), 32) // 8 for m in _ARRAY.finditer(shape))
 
 
-def _group_size(line: str, devices: int) -> int:
-    """Devices per group: {{0,1},{2,3}}, the iota form [groups,size]<=[...], or
-    mesh['axis_0'=4,'axis_1'=2] {'axis_1'}."""
-    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """An iota tile assignment: [d0,d1,...]T(p0,p1,...) = arange, reshaped, transposed."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def _groups(line: str, devices: int) -> list[list[int]]:
+    """The device groups: {{0,1},{2,3}}, the iota form [groups,size]<=[...]T(...), or
+    mesh['axis_0'=4,'axis_1'=2] (device_ids=(...)) {'axis_1'}; none given: every device."""
+    explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if explicit:
-        return len(explicit.group(1).split(","))
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+        return [[int(d) for d in g.split(",") if d]
+                for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if iota:
-        return int(iota.group(2))
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+        return _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)),
+                                                             int(iota.group(2))).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+                     r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line)
     if mesh:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)))
-    return devices  # no groups: every device
+        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2)
+               else np.arange(math.prod(sizes))).reshape(sizes)
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(4))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        size = math.prod(sizes[i] for i in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+    return [list(range(devices))]

@@ -9,8 +9,10 @@ all-gather and reduce-scatter `(n - 1) / n * B`, all-reduce twice that.
 - `fsdp`: a split weight is all-gathered before the forward pass uses it and
   again for the backward pass (ZeRO-3: the gathered copy is not kept), and
   its gradient is reduce-scattered back to the shards, then all-reduced over
-  `data`. Weights and gradients count in the variable's dtype, an upper
-  bound: XLA may cast to bf16 before the collective.
+  `data`. Weights and gradients count in the dtype the model uses them in:
+  under mixed_bfloat16 a kernel is cast to bf16 where it is read, and XLA's
+  SPMD partitioner gathers it and reduces its gradient in bf16 (the traced
+  program's casts say which weights; norms stay float32).
 - `model`: activations. A matmul that contracts a weight's split dimension
   (row-parallel: attention-out, MLP-down, a vocabulary-split lookup) leaves
   a partial sum that is all-reduced in the forward pass; one that splits a
@@ -21,13 +23,27 @@ all-gather and reduce-scatter `(n - 1) / n * B`, all-reduce twice that.
   head also reduces a few numbers per token; those are left out.
 
 With gradient accumulation every collective runs once per micro-batch.
+
+Several slices (`slices` > 1, joined by the data-center network) extend the
+`data` axis across them; weights are never split across slices, so fsdp and
+model collectives stay inside a slice. A gradient all-reduce over devices
+in several slices runs hierarchically, as XLA does it on TPU multislice
+(the compiler generates the data-center-network code): reduce-scatter
+inside each slice, all-reduce of each device's shard across the slices,
+all-gather inside the slice. Per device, of a `B`-byte gradient reduced
+over `k` devices per slice and `S` slices: `2 (k-1)/k B` inside the slice
+and `2 (S-1)/S B/k` across slices (`network.hierarchical`); the sum is
+the flat ring's `2 (n-1)/n B`. The across-slice part is its own entry,
+`gradient_all_reduce_across_slices`.
 """
 
 import dataclasses
+import math
 
 import jax
 
-from tpu_keras.measurement import memory
+from tpu_keras.measurement import memory, network
+from tpu_keras.measurement.network import ring
 from tpu_keras.measurement.jaxpr_walk import called_program, is_literal, nbytes
 
 
@@ -42,13 +58,11 @@ class WeightUse:
     input_bytes: int           # the other operand (the activation), per example
 
 
-def ring(n: int) -> float:
-    """The share of a tensor each of `n` devices sends in an all-gather or a reduce-scatter."""
-    return (n - 1) / n if n > 1 else 0.0
+def weight_uses(model, loss, itemsizes: dict | None = None) -> list[WeightUse]:
+    """Every matmul and lookup that reads a weight, traced on abstract values at batch 1.
 
-
-def weight_uses(model, loss) -> list[WeightUse]:
-    """Every matmul and lookup that reads a weight, traced on abstract values at batch 1."""
+    `itemsizes`, if given, gets each cast weight's path -> the bytes per element of
+    the narrowest dtype the program casts it to (a kernel read in bf16: 2)."""
     variables = model.trainable_variables + model.non_trainable_variables
     traced = jax.make_jaxpr(memory.loss_function(model, loss))(
         memory.abstract(model.trainable_variables), memory.abstract(model.non_trainable_variables),
@@ -57,14 +71,17 @@ def weight_uses(model, loss) -> list[WeightUse]:
     origins = {var: (v.path, tuple(range(len(v.shape))))
                for var, v in zip(traced.jaxpr.invars, variables)}
     uses: list[WeightUse] = []
-    _walk(traced.jaxpr, origins, uses)
+    _walk(traced.jaxpr, origins, uses, {} if itemsizes is None else itemsizes)
     return uses
 
 
-def _walk(jaxpr, origins, uses) -> None:
+def _walk(jaxpr, origins, uses, itemsizes) -> None:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         source = origins.get(eqn.invars[0]) if eqn.invars and not is_literal(eqn.invars[0]) else None
+        if name == "convert_element_type" and source:
+            size = eqn.outvars[0].aval.dtype.itemsize
+            itemsizes[source[0]] = min(size, itemsizes.get(source[0], size))
         if name in ("convert_element_type", "copy", "copy_p") and source:
             origins[eqn.outvars[0]] = source
         elif name == "transpose" and source:
@@ -89,32 +106,40 @@ def _walk(jaxpr, origins, uses) -> None:
             inner_origins = {inner_var: origins[outer] for inner_var, outer in zip(inner.invars, eqn.invars)
                              if not is_literal(outer) and outer in origins}
             if inner_origins:
-                _walk(inner, inner_origins, uses)
+                _walk(inner, inner_origins, uses, itemsizes)
 
 
 def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: int,
-             grad_accum_steps: int = 1) -> dict:
+             grad_accum_steps: int = 1, slices: int = 1, itemsizes: dict | None = None) -> dict:
     """Bytes one device sends in one optimizer update, by collective (a dict, JSON-ready).
 
     `placements` are the weights' (`parallelism.Placement`), `trainable` the
     paths that get gradients, `uses` the model's `weight_uses`, and
     `batch_per_replica` the examples each batch split holds per micro-batch.
+    `mesh` is one slice's (data, fsdp, model) and `slices` how many there are;
+    `itemsizes` the bytes per element each weight is used in (`weight_uses`).
     """
     data, fsdp, model = mesh["data"], mesh["fsdp"], mesh["model"]
-    gathers = scatters = reductions = 0.0
+    itemsizes = itemsizes or {}
+    gathers = scatters = reductions = across = 0.0
     for p in placements:
         shard = p.bytes_per_device(mesh)
+        if p.nbytes and p.path in itemsizes:  # as used: a kernel cast to bf16 moves in bf16
+            shard = shard * itemsizes[p.path] * max(1, math.prod(p.shape)) / p.nbytes
         if "fsdp" in p.axes:
             gathered = shard * fsdp  # what a layer all-gathers: the weight less its model split
             gathers += 2 * ring(fsdp) * gathered
             if p.path in trainable:
                 scatters += ring(fsdp) * gathered
-                reductions += 2 * ring(data) * shard
+                inside, dcn = network.hierarchical("all-reduce", shard, data, slices)
+                reductions, across = reductions + inside, across + dcn
         elif p.path in trainable:
-            reductions += 2 * ring(data * fsdp) * shard
+            inside, dcn = network.hierarchical("all-reduce", shard, data * fsdp, slices)
+            reductions, across = reductions + inside, across + dcn
     activations = model_axis_bytes(placements, uses, model) * batch_per_replica
     sent = {"fsdp_all_gather": gathers, "fsdp_reduce_scatter": scatters,
-            "gradient_all_reduce": reductions, "model_all_reduce": activations}
+            "gradient_all_reduce": reductions, "gradient_all_reduce_across_slices": across,
+            "model_all_reduce": activations}
     sent = {key: round(value * grad_accum_steps) for key, value in sent.items()}
     sent["total"] = sum(sent.values())
     return sent

@@ -10,26 +10,40 @@ written over a donated argument, and its temporaries (gradients,
 activations, XLA's workspace). Compiling the step at twice the batch too
 gives the activations alone: the temporaries that grow with the batch.
 The compiled program's collectives give the bytes each device sends
-(`measurement.collectives`), beside the plan's.
+(`measurement.collectives`), beside the plan's. With several slices, the
+fake devices are grouped into slices as a multislice run lays them out
+(contiguous blocks, the slice outermost in the data axis), and each
+collective whose groups span slices counts what crosses them apart.
 
-On CPU, compare in float32: with bf16, CPU XLA keeps float32 copies a TPU
-does not. On a TPU VM the same command gives the TPU compiler's figures.
+On CPU, XLA widens bf16 collectives to float32 (its all-reduce-promotion
+and float-normalization-bf16 passes: the CPU runtime cannot reduce bf16),
+which a TPU does not; so on CPU the bytes are read from the program right
+after SPMD partitioning (the partitioner's collectives, in the dtypes it
+chose, before any backend pass), and the CPU's own figure is kept beside
+them. On CPU, memory compares best in float32: with bf16, CPU XLA keeps
+float32 copies a TPU does not. On a TPU VM the same command gives the TPU
+compiler's figures.
 """
 
 import copy
+import glob
 import math
 import os
+import tempfile
 
 from tpu_keras.errors import UserError
 
 
-def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0) -> dict:
-    """XLA's bytes per device for one step of `config` on `mesh` at `batch_per_replica`.
+def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
+            slices: int = 1) -> dict:
+    """XLA's bytes per device for one step of `config` on `mesh` (one slice's) times
+    `slices` at `batch_per_replica`.
 
     The model is really built, so on CPU its weights and optimizer state
     (`state_bytes` in all) must fit this machine's memory.
     """
     import jax
+    mesh = {**mesh, "data": mesh["data"] * slices}  # the slices outermost in data
     devices = math.prod(mesh.values())
     if jax.device_count() != devices:
         raise UserError(f"--measure needs {devices} devices for mesh {mesh}, and JAX has "
@@ -45,10 +59,10 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0) ->
     config.mesh = dict(mesh)
     config.train.steps_per_execution = 1
     model = _built(config)
-    at_batch = _analysis(model, config, batch_per_replica)
-    at_twice = _analysis(model, config, 2 * batch_per_replica)
+    at_batch = _analysis(model, config, batch_per_replica, slices)
+    at_twice = _analysis(model, config, 2 * batch_per_replica, slices, collectives=False)
     return {**at_batch, "activations": at_twice["temporaries"] - at_batch["temporaries"],
-            "backend": jax.default_backend(), "devices": devices}
+            "backend": jax.default_backend(), "devices": devices, "slices": slices}
 
 
 def _built(config):
@@ -58,12 +72,13 @@ def _built(config):
     return run.build_model(config, cluster)
 
 
-def _analysis(model, config, batch_per_replica: int) -> dict:
+def _analysis(model, config, batch_per_replica: int, slices: int = 1,
+              collectives: bool = True) -> dict:
     """The compiled step's memory per device, by kind, and their sum at the step's peak."""
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_keras.measurement import collectives, memory
+    from tpu_keras.measurement import collectives as collectives_lib, memory
     from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
@@ -81,10 +96,26 @@ def _analysis(model, config, batch_per_replica: int) -> dict:
     # As Keras's jax trainer jits it: state donated, and laid out as it came in.
     step = jax.jit(model.train_step, donate_argnums=0,
                    out_shardings=(None, jax.tree.map(lambda a: a.sharding, state)))
-    compiled = step.lower(abstract_state, batch).compile()
+    lowered = step.lower(abstract_state, batch)
+    on_cpu = collectives and jax.default_backend() == "cpu"
+    with tempfile.TemporaryDirectory() as dump:
+        options = ({"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+                   if on_cpu else {})
+        compiled = lowered.compile(compiler_options=options)
+        partitioned = glob.glob(os.path.join(dump, "*after_spmd-partitioning*.txt"))
+        partitioned = open(partitioned[0]).read() if partitioned else None
     analysis = compiled.memory_analysis()
     held = {"arguments": analysis.argument_size_in_bytes,
             "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
             "temporaries": analysis.temp_size_in_bytes}
-    sent = collectives.sent_per_device(compiled.as_text(), jax.device_count())
-    return {**held, "total": sum(held.values()), "sent_per_step": sent}
+    result = {**held, "total": sum(held.values())}
+    if not collectives:
+        return result
+    count = lambda text: collectives_lib.sent_per_device(text, jax.device_count(), slices)
+    result["sent_per_step"] = count(compiled.as_text())
+    if partitioned:  # on CPU: the partitioner's collectives, before XLA:CPU widens bf16 ones
+        before = count(partitioned)
+        if abs(before["total"] - result["sent_per_step"]["total"]) > 0.01 * before["total"]:
+            result["cpu_sent_per_step"] = result["sent_per_step"]
+        result["sent_per_step"] = before
+    return result

@@ -1,5 +1,5 @@
 """`python -m tpu_keras.plan --auto`: the mesh, remat setting and micro-batch that fit a slice
-with the least communication.
+with the least estimated communication time.
 
 Every way to write the slice's devices as data x fsdp x model is tried with
 each remat setting. The update's batch (`train.batch_size` x
@@ -7,11 +7,16 @@ each remat setting. The update's batch (`train.batch_size` x
 fixed: a candidate takes the largest micro-batch per batch split that fits
 in memory and divides the update's share of each split, and accumulates
 the rest. Of the candidates that fit, the recommendation is the one whose
-devices send the fewest bytes per update (`measurement.communication`):
-fsdp saves memory but gathers every weight twice a micro-batch, model
-parallelism reduces activations, and accumulation repeats all of it per
-micro-batch. Ties go to no rematerialisation (no recomputation), then to
-less memory. Meshes the layout rules cannot take (a dimension that does
+communication takes the least estimated time per update
+(`measurement.communication`, `measurement.network`): fsdp saves memory
+but gathers every weight twice a micro-batch, model parallelism reduces
+activations, and accumulation repeats all of it per micro-batch. On
+several slices (`--tpu=2xv5litepod-256`) every candidate is one slice's
+mesh, with data parallelism across the slices (weights never split across
+them), and a byte across slices costs what the data-center network makes
+it cost, not what the chip interconnect does. Without published bandwidth
+(v2, v3) the least bytes decide. Ties go to no rematerialisation (no
+recomputation), then to less memory. Meshes the layout rules cannot take (a dimension that does
 not divide, a large weight no model rule covers) are listed as skipped,
 with the reason.
 """
@@ -19,24 +24,24 @@ with the reason.
 import copy
 import math
 
-from tpu_keras.cluster import topology
 from tpu_keras.config import REMAT_MODES
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.tools import memory_plan
 from tpu_keras.tools.layout_report import format_bytes
-from tpu_keras.tools.memory_plan import MARGIN_NOTE, Footprint, usable_bytes
+from tpu_keras.tools.memory_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, usable_bytes
 
 
 def search(config, slice_name: str, margin: float = 0.1, measure: bool = False) -> dict:
     """Every candidate layout of `config` on the slice, and the recommended one (a dict,
     JSON-ready); with `measure`, XLA's figures for the recommended one's compiled step."""
-    found = topology.parse_slice(slice_name)
+    slices, found = memory_plan.tpu_slices(config, slice_name)
     usable = usable_bytes(found, margin)
     footprint = Footprint(config)
     update_batch = config.train.batch_size * config.train.grad_accum_steps
     candidates, skipped = [], []
     for mesh in meshes(found.devices):
-        splits = mesh_lib.batch_splits(mesh)
+        splits = mesh_lib.batch_splits(mesh) * slices
         if update_batch % splits:
             skipped.append({"mesh": mesh, "reason": f"the batch of {update_batch} does not divide "
                                                     f"over {splits} batch splits"})
@@ -47,12 +52,13 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False) 
             skipped.append({"mesh": mesh, "reason": str(error)})
             continue
         for remat in REMAT_MODES:
-            candidates.append(_candidate(footprint, mesh, remat, update_batch // splits, usable))
+            candidates.append(_candidate(footprint, found, slices, mesh, remat,
+                                         update_batch // splits, usable))
     fitting = [c for c in candidates if c["fits"]]
     best = min(fitting, key=_preference, default=None)
     result = {
-        "model": config.model.name, "slice": found.name, "devices": found.devices,
-        "hosts": found.hosts, "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
+        "model": config.model.name, "slice": found.name, "slices": slices,
+        "devices": found.devices * slices, "hosts": found.hosts * slices, "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
         "usable_bytes_per_device": usable, "precision": footprint.precision,
         "parameters": sum(math.prod(v.shape) for v in footprint.model.weights),
         "update_batch": update_batch,
@@ -64,7 +70,8 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False) 
     if measure and best:
         from tpu_keras.tools import compiled_step
         result["measured"] = compiled_step.measure(configured(config, best), best["mesh"],
-                                                   best["batch_per_replica"], footprint.state_bytes)
+                                                   best["batch_per_replica"], footprint.state_bytes,
+                                                   slices)
     return result
 
 
@@ -77,40 +84,44 @@ def meshes(devices: int) -> list[dict]:
 
 def flags(candidate: dict) -> str:
     """The command-line flags that train with `candidate`."""
-    mesh = candidate["mesh"]
+    mesh, slices = candidate["mesh"], candidate.get("slices", 1)
     return " ".join([
-        *(["--config.engine=jax"] if mesh["fsdp"] > 1 or mesh["model"] > 1 else []),
+        *(["--config.engine=jax"] if mesh["fsdp"] > 1 or mesh["model"] > 1 or slices > 1 else []),
+        *([f"--config.mesh.slices={slices}"] if slices > 1 else []),
         *(f"--config.mesh.{axis}={mesh[axis]}" for axis in mesh_lib.AXES),
         f"--config.train.remat={candidate['remat']}",
-        f"--config.train.batch_size={candidate['batch_per_replica'] * mesh_lib.batch_splits(mesh)}",
+        f"--config.train.batch_size={candidate['batch_per_replica'] * mesh_lib.batch_splits(mesh) * slices}",
         f"--config.train.grad_accum_steps={candidate['grad_accum_steps']}"])
 
 
 def configured(config, candidate: dict):
     """A copy of `config` that trains with `candidate`."""
     config = copy.deepcopy(config)
-    mesh = candidate["mesh"]
-    if mesh["fsdp"] > 1 or mesh["model"] > 1:
+    mesh, slices = candidate["mesh"], candidate.get("slices", 1)
+    if mesh["fsdp"] > 1 or mesh["model"] > 1 or slices > 1:
         config.engine = "jax"
-    config.mesh = dict(mesh)
+    config.mesh = {**config.mesh, **mesh, "slices": slices}
     config.train.remat = candidate["remat"]
-    config.train.batch_size = candidate["batch_per_replica"] * mesh_lib.batch_splits(mesh)
+    config.train.batch_size = candidate["batch_per_replica"] * mesh_lib.batch_splits(mesh) * slices
     config.train.grad_accum_steps = candidate["grad_accum_steps"]
     return config
 
 
-def _candidate(footprint, mesh: dict, remat: str, share: int, usable: int) -> dict:
-    """`mesh` and `remat` at the largest micro-batch that fits and divides `share`,
-    each batch split's examples per update."""
+def _candidate(footprint, found, slices: int, mesh: dict, remat: str, share: int,
+               usable: int) -> dict:
+    """`mesh` (one slice's) and `remat` at the largest micro-batch that fits and
+    divides `share`, each batch split's examples per update."""
     largest = footprint.largest_batch(mesh, remat, usable)
     batch = max((b for b in range(1, min(largest, share) + 1) if share % b == 0), default=0)
-    candidate = {"mesh": mesh, "remat": remat, "fits": batch > 0,
+    candidate = {"mesh": mesh, "slices": slices, "remat": remat, "fits": batch > 0,
                  "largest_batch_per_replica": largest}
     if batch:
         steps = share // batch
+        sent = footprint.sent_per_step(mesh, batch, steps, slices)
         candidate.update(batch_per_replica=batch, grad_accum_steps=steps,
                          per_device=footprint.per_device(mesh, batch, remat),
-                         sent_per_step=footprint.sent_per_step(mesh, batch, steps))
+                         sent_per_step=sent,
+                         network=memory_plan.network_estimate(sent, found, slices))
     else:
         candidate["per_device"] = footprint.per_device(mesh, 1, remat)
     return candidate
@@ -118,37 +129,49 @@ def _candidate(footprint, mesh: dict, remat: str, share: int, usable: int) -> di
 
 def _preference(c: dict):
     if not c["fits"]:
-        return (float("inf"), 0, 0)
-    return (c["sent_per_step"]["total"], c["remat"] != "none", c["per_device"]["total"])
+        return (float("inf"), float("inf"), 0, 0)
+    seconds = c["network"]["seconds"]
+    return (c["sent_per_step"]["total"] if seconds is None else seconds, c["sent_per_step"]["total"],
+            c["remat"] != "none", c["per_device"]["total"])
 
 
 def format_search(s: dict, rows: int = 12) -> str:
     """The search as the command prints it: the best candidates, then the recommendation."""
     fitting = [c for c in s["candidates"] if c["fits"]]
-    lines = [f"{s['model']} ({s['parameters']:,} parameters) on {s['slice']}: {s['devices']} devices "
+    slices = s.get("slices", 1)
+    where = f"{slices} x {s['slice']}" if slices > 1 else s["slice"]
+    lines = [f"{s['model']} ({s['parameters']:,} parameters) on {where}: {s['devices']} devices "
              f"on {s['hosts']} host(s), {format_bytes(s['usable_bytes_per_device'])} usable HBM per "
              f"device ({format_bytes(s['hbm_bytes_per_device'])} less {s['margin']:.0%}), "
              f"{s['precision']}",
              f"batch per update: {s['update_batch']:,}; {len(s['candidates'])} candidates "
              f"(mesh x remat), {len(fitting)} fit; {len(s['skipped'])} meshes skipped", ""]
     header = ("data", "fsdp", "model", "remat", "batch", "accum", "params", "optimizer",
-              "grads", "activations", "total", "sent/update")
+              "grads", "activations", "total", "sent/update", "across slices", "time")
+    if slices == 1:
+        header = header[:-2] + header[-1:]
     table = [header]
     for c in fitting[:rows]:
-        mesh, d = c["mesh"], c["per_device"]
-        table.append((str(mesh["data"]), str(mesh["fsdp"]), str(mesh["model"]), c["remat"],
-                      str(c["batch_per_replica"]), str(c["grad_accum_steps"]),
-                      format_bytes(d["parameters"]), format_bytes(d["optimizer"]),
-                      format_bytes(d["gradients"]),
-                      format_bytes(d["activations"]) + ("*" if mesh["model"] > 1 else ""),
-                      format_bytes(d["total"]), format_bytes(c["sent_per_step"]["total"])))
+        mesh, d, n = c["mesh"], c["per_device"], c["network"]
+        row = (str(mesh["data"]), str(mesh["fsdp"]), str(mesh["model"]), c["remat"],
+               str(c["batch_per_replica"]), str(c["grad_accum_steps"]),
+               format_bytes(d["parameters"]), format_bytes(d["optimizer"]),
+               format_bytes(d["gradients"]),
+               format_bytes(d["activations"]) + ("*" if mesh["model"] > 1 else ""),
+               format_bytes(d["total"]), format_bytes(c["sent_per_step"]["total"]),
+               format_bytes(n["across_slices"]), memory_plan.format_seconds(n["seconds"]))
+        table.append(row if slices > 1 else row[:-2] + row[-1:])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w)
                         for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
     if len(fitting) > rows:
         lines.append(f"... and {len(fitting) - rows} more that fit (--json lists them all)")
-    lines += ["", "per device; batch: examples per batch split per micro-batch; accum: micro-batches "
-                  "per update; sent: bytes each device sends per update",
+    lines += ["", "per device; data, fsdp, model: one slice's mesh"
+                  + (f", data parallel across the {slices} slices" if slices > 1 else "")
+                  + "; batch: examples per batch split per micro-batch; accum: micro-batches "
+                  "per update; sent: bytes each device sends per update"
+                  + ("; across slices: the part of it that crosses the data-center network"
+                     if slices > 1 else "") + "; time: its " + NETWORK_NOTE,
               "* model > 1: activations split where tensor parallelism splits them, followed through "
               "the traced step; the estimate errs high", MARGIN_NOTE]
     for skip in s["skipped"][:3]:
@@ -161,10 +184,19 @@ def format_search(s: dict, rows: int = 12) -> str:
     sent = best["sent_per_step"]
     parts = ", ".join(f"{key.replace('_', ' ')} {format_bytes(value)}" for key, value in sent.items()
                       if key != "total" and value)
-    lines += ["", f"recommended: {mesh_lib.describe(best['mesh'])}, remat {best['remat']}, "
+    least = ("the least estimated communication time" if best["network"]["seconds"] is not None
+             else "the least communication (no published bandwidth for this generation)")
+    lines += ["", f"recommended: {memory_plan.describe(best['mesh'], slices)}, remat {best['remat']}, "
                   f"{best['batch_per_replica']} per batch split x {best['grad_accum_steps']} "
-                  f"micro-batch(es): the least communication of those that fit",
+                  f"micro-batch(es): {least} of those that fit",
               f"  {format_bytes(best['per_device']['total'])} per device; sends "
               f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
-              f"  {s['flags']}"]
+              f"  {memory_plan.format_network(best['network'])}"]
+    if "measured" in s:
+        m = s["measured"]
+        lines += [f"  XLA's compiled step on {m['devices']} {m['backend']} device(s) sends "
+                  f"{format_bytes(m['sent_per_step']['total'])} per device (plan / XLA = "
+                  f"{sent['total'] / max(1, m['sent_per_step']['total']):.2f})"]
+        lines += memory_plan.measured_notes(sent, m)
+    lines.append(f"  {s['flags']}")
     return "\n".join(lines)

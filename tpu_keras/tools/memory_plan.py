@@ -10,7 +10,13 @@ on the config's mesh:
   (`measurement.memory`). With mesh.model > 1, those tensor parallelism
   splits count once per shard (`measurement.model_split`); the rest whole.
 - communication: the bytes each device sends per update, from the layout
-  and the model's traced matmuls (`measurement.communication`).
+  and the model's traced matmuls (`measurement.communication`), split into
+  inside the slice (chip interconnect) and across slices (data-center
+  network) with an estimated time for each (`measurement.network`).
+
+Several slices (`--tpu=2xv5litepod-256`): the config's mesh is one slice's,
+and the slices extend the data axis (`mesh.slices`, the batch split over
+slices x data x fsdp; weights never split across slices).
 
 Then whether the sum fits the device's HBM less a margin (room for XLA's
 own buffers and fragmentation), and the largest global batch that would.
@@ -72,9 +78,20 @@ class Footprint:
         return 2 * one - two, two - one
 
     @functools.cached_property
-    def weight_uses(self):
+    def _traced_weights(self):
+        """(the matmuls and lookups that read each weight, the bytes per element each cast
+        weight is used in), from one trace (`communication.weight_uses`)."""
         from tpu_keras.measurement import communication
-        return communication.weight_uses(self.model, self.builder.loss())
+        itemsizes = {}
+        return communication.weight_uses(self.model, self.builder.loss(), itemsizes), itemsizes
+
+    @property
+    def weight_uses(self):
+        return self._traced_weights[0]
+
+    @property
+    def itemsizes(self) -> dict:
+        return self._traced_weights[1]
 
     @functools.lru_cache(maxsize=None)
     def layout(self, mesh: tuple[int, int, int]) -> dict:
@@ -105,17 +122,45 @@ class Footprint:
         totals = self.layout((1, 1, 1))["totals"]
         return totals["parameters"]["bytes"] + totals["optimizer"]["bytes"]
 
-    def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1) -> dict:
-        """Bytes each device sends per optimizer update (`measurement.communication`)."""
+    def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1,
+                      slices: int = 1) -> dict:
+        """Bytes each device sends per optimizer update (`measurement.communication`);
+        `mesh` is one slice's."""
         from tpu_keras.measurement import communication
         placements = layout_report.placements(self.config, mesh, self.model)
         trainable = {v.path for v in self.model.trainable_variables}
         return communication.per_step(placements, trainable, self.weight_uses, mesh,
-                                      batch_per_replica, grad_accum_steps)
+                                      batch_per_replica, grad_accum_steps, slices, self.itemsizes)
 
 
 def _key(mesh: dict) -> tuple[int, int, int]:
     return tuple(mesh[axis] for axis in mesh_lib.AXES)
+
+
+def describe(mesh: dict, slices: int = 1) -> str:
+    """'slices=2 x data=4 x model=2'."""
+    return (f"slices={slices} x " if slices > 1 else "") + mesh_lib.describe(mesh)
+
+
+def tpu_slices(config, tpu: str):
+    """(slices, one slice) of `--tpu`, checked against the config's mesh.slices."""
+    slices, found = topology.parse_tpu(tpu)
+    wanted = int(dict(config.mesh).get("slices", 1))
+    if wanted not in (1, slices):
+        raise UserError(f"mesh.slices={wanted} but --tpu={tpu} is {slices} slice(s); write "
+                        f"--tpu={wanted}x{found.name}, or set mesh.slices to {slices}")
+    return slices, found
+
+
+def one_slice_mesh(config, found) -> dict:
+    """The config's per-slice (data, fsdp, model) on one slice of `found`."""
+    mesh_config = {k: v for k, v in dict(config.mesh).items() if k != "slices"}
+    return mesh_lib.resolve(mesh_config, found.devices, config.engine)
+
+
+def network_estimate(sent: dict, found, slices: int) -> dict:
+    from tpu_keras.measurement import network
+    return network.estimate(sent, found.generation, slices)
 
 
 def usable_bytes(found, margin: float) -> int:
@@ -126,22 +171,25 @@ def usable_bytes(found, margin: float) -> int:
 
 def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) -> dict:
     """The memory plan of `config` on the slice `slice_name` (a dict, JSON-ready)."""
-    found = topology.parse_slice(slice_name)
+    slices, found = tpu_slices(config, slice_name)
     usable = usable_bytes(found, margin)
-    mesh = mesh_lib.resolve(config.mesh, found.devices, config.engine)
+    mesh = one_slice_mesh(config, found)
     global_batch = config.train.batch_size
-    splits = mesh_lib.batch_splits(mesh)
+    splits = mesh_lib.batch_splits(mesh) * slices
     if global_batch % splits:
         raise UserError(f"train.batch_size={global_batch} does not divide over the {splits} "
-                        f"batch splits (data x fsdp) of {found.name}; use a multiple of {splits}")
+                        f"batch splits ({'slices x ' if slices > 1 else ''}data x fsdp) of "
+                        f"{slice_name}; use a multiple of {splits}")
     per_replica = global_batch // splits
     footprint = Footprint(config)
     remat = config.train.remat
     per_device = footprint.per_device(mesh, per_replica, remat)
     largest = footprint.largest_batch(mesh, remat, usable)
+    sent = footprint.sent_per_step(mesh, per_replica, config.train.grad_accum_steps, slices)
     result = {
-        "model": config.model.name, "slice": found.name, "generation": found.generation.name,
-        "hosts": found.hosts, "devices": found.devices, "mesh": mesh,
+        "model": config.model.name, "slice": found.name, "slices": slices,
+        "generation": found.generation.name,
+        "hosts": found.hosts * slices, "devices": found.devices * slices, "mesh": mesh,
         "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
         "usable_bytes_per_device": usable, "precision": footprint.precision, "remat": remat,
         "global_batch": global_batch, "per_replica_batch": per_replica,
@@ -149,11 +197,13 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
         "per_device": per_device,
         "fits": per_device["total"] <= usable,
         "largest_global_batch": largest * splits,
-        "sent_per_step": footprint.sent_per_step(mesh, per_replica, config.train.grad_accum_steps),
+        "sent_per_step": sent,
+        "network": network_estimate(sent, found, slices),
     }
     if measure:
         from tpu_keras.tools import compiled_step
-        result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes)
+        result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes,
+                                                   slices)
     return result
 
 
@@ -166,6 +216,44 @@ def _sent_parts(sent: dict) -> str:
     return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts) or "nothing"
 
 
+def format_seconds(seconds) -> str:
+    if seconds is None:
+        return "no published bandwidth"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def format_network(n: dict) -> str:
+    """'inside slices 1.2 GiB (ICI, 3.4 ms), across slices 10 MiB (DCN, 5.6 ms): 9.0 ms'."""
+    inside = f"inside the slice {format_bytes(n['inside_slice'])} (ICI, {format_seconds(n['ici_seconds'])})"
+    if n["slices"] == 1:
+        return inside
+    return (f"{inside}, across the {n['slices']} slices {format_bytes(n['across_slices'])} "
+            f"(DCN, {format_seconds(n['dcn_seconds'])}): {format_seconds(n['seconds'])} in all")
+
+
+NETWORK_NOTE = ("estimated time: bytes over the published bandwidth (ICI: half the bidirectional "
+                "figure per chip; DCN: the host network's share per chip), without latency or "
+                "overlap with compute")
+
+
+def measured_notes(sent: dict, m: dict) -> list[str]:
+    """The across-slice check, and what XLA:CPU sends that a TPU would not."""
+    from tpu_keras.measurement import network
+    lines = []
+    if m.get("slices", 1) > 1:
+        planned, compiled = network.across_slices(sent), network.across_slices(m["sent_per_step"])
+        lines.append(f"  {'across slices':<16} {format_bytes(compiled):>11}  by the compiled "
+                     f"collectives whose groups span slices (plan / XLA = "
+                     f"{planned / max(1, compiled):.2f})")
+    if "cpu_sent_per_step" in m:
+        lines.append(f"  note: XLA:CPU's own program sends {format_bytes(m['cpu_sent_per_step']['total'])} "
+                     "after its backend passes, among them all-reduce-promotion and "
+                     "float-normalization-bf16, which widen bf16 collectives to float32 (a TPU "
+                     "reduces bf16 natively); the figures above are the SPMD partitioner's "
+                     "collectives, in the dtypes a TPU sends")
+    return lines
+
+
 def format_plan(p: dict) -> str:
     """The plan as the command prints it: bytes per device, whether it fits, the largest batch."""
     mesh, d = p["mesh"], p["per_device"]
@@ -176,9 +264,10 @@ def format_plan(p: dict) -> str:
                               else ", no rematerialisation")
                            + (", split as tensor parallelism splits them (errs high)"
                               if mesh["model"] > 1 else "")}
-    lines = [f"{p['model']} on {p['slice']}: {p['devices']} devices on {p['hosts']} host(s), "
+    where = f"{p['slices']} x {p['slice']}" if p.get("slices", 1) > 1 else p["slice"]
+    lines = [f"{p['model']} on {where}: {p['devices']} devices on {p['hosts']} host(s), "
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
-             f"mesh {mesh_lib.describe(mesh)}, global batch "
+             f"mesh {describe(mesh, p.get('slices', 1))}, global batch "
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}", "",
              "per device"]
     labels = {"parameters": "parameters", "optimizer": "optimizer state",
@@ -187,7 +276,8 @@ def format_plan(p: dict) -> str:
         lines.append(f"  {label:<16} {format_bytes(d[key]):>11}  {note[key]}")
     lines.append(f"  {'total':<16} {format_bytes(d['total']):>11}")
     lines += ["", f"sent per device per step: {format_bytes(p['sent_per_step']['total'])} "
-                  f"({_sent_parts(p['sent_per_step'])})"]
+                  f"({_sent_parts(p['sent_per_step'])})",
+              f"  {format_network(p['network'])}", f"  {NETWORK_NOTE}"]
     if "measured" in p:
         m = p["measured"]
         lines += ["", f"XLA's figures for the compiled step on {m['devices']} {m['backend']} "
@@ -202,6 +292,7 @@ def format_plan(p: dict) -> str:
                   f"  {'sent per step':<16} {format_bytes(m['sent_per_step']['total']):>11}  by the "
                   f"compiled collectives ({_sent_parts(m['sent_per_step'])}; plan / XLA = "
                   f"{p['sent_per_step']['total'] / max(1, m['sent_per_step']['total']):.2f})"]
+        lines += measured_notes(p["sent_per_step"], m)
     lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
                   f"({p['margin']:.0%} kept free)", MARGIN_NOTE]
     share = d["total"] / p["usable_bytes_per_device"]
@@ -214,7 +305,8 @@ def format_plan(p: dict) -> str:
                      "--auto searches the layouts")
     if p["largest_global_batch"]:
         lines.append(f"largest global batch that fits: {p['largest_global_batch']:,} "
-                     f"({p['largest_global_batch'] // mesh_lib.batch_splits(mesh):,} per replica)")
+                     f"({p['largest_global_batch'] // (mesh_lib.batch_splits(mesh) * p.get('slices', 1)):,} per "
+                     "replica)")
     else:
         lines.append("largest global batch that fits: none (the weights, optimizer state and "
                      "gradients alone fill HBM)")

@@ -1,0 +1,63 @@
+"""Which network a collective's bytes cross, and how long they take: inside a slice or across slices.
+
+Chips of one TPU slice talk over the chip interconnect (ICI); slices of a
+multislice job talk through their hosts over the data-center network (DCN),
+far slower per chip. XLA generates the cross-slice code itself
+(https://cloud.google.com/tpu/docs/multislice-introduction) and runs a
+collective over devices in several slices hierarchically: inside each
+slice over ICI, and only what is left across slices over DCN. For a
+collective over `k` devices in each of `S` slices (`n = k S`) on a result
+of `B` bytes, each device sends across slices:
+
+- all-reduce: reduce-scatter inside the slice, all-reduce of its `B/k`
+  shard across slices, all-gather inside: `2 (S-1)/S B/k`;
+- all-gather: the `B/n` pieces gathered across slices first: `(S-1)/S B/k`;
+- reduce-scatter (`B` the shard): the reverse, `(S-1) B`;
+
+and the rest of the flat ring's bytes inside the slice (the sums equal the
+flat ring's). The time is an ideal's: bytes over the published bandwidth
+(`cluster.topology.NETWORKS`), ICI at half its bidirectional figure (what
+leaves a chip), DCN at the host network's share per chip; no latency, no
+overlap with compute, and the two networks one after the other.
+"""
+
+
+def ring(n: int) -> float:
+    """The share of a tensor each of `n` devices sends in an all-gather or a reduce-scatter."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def hierarchical(op: str, nbytes: float, inside: int, slices: int) -> tuple[float, float]:
+    """(inside-slice, across-slice) bytes one device sends for `op` ('all-reduce',
+    'all-gather', 'reduce-scatter') on a `nbytes` result over `inside` devices in
+    each of `slices` slices."""
+    n = inside * slices
+    if op == "all-reduce":
+        total, across = 2 * ring(n) * nbytes, 2 * ring(slices) * nbytes / inside
+    elif op == "all-gather":
+        total, across = ring(n) * nbytes, ring(slices) * nbytes / inside
+    elif op == "reduce-scatter":
+        total, across = (n - 1) * nbytes, (slices - 1) * nbytes
+    else:  # all-to-all, collective-permute: what goes to another slice, roughly all of it
+        across = nbytes if slices > 1 else 0.0
+        return nbytes - across, across
+    return total - across, across
+
+
+def across_slices(sent: dict) -> int:
+    """The bytes of a `sent` dict (by collective) that cross between slices."""
+    return sum(value for key, value in sent.items() if key.endswith("_across_slices"))
+
+
+def estimate(sent: dict, generation, slices: int) -> dict:
+    """Bytes inside and across slices, and their estimated seconds per update (None where
+    the generation has no published figure)."""
+    across = across_slices(sent)
+    inside = sent["total"] - across
+    per_chip = generation.devices_per_chip  # devices of a chip share its links
+    ici, dcn = generation.ici_gbps_per_chip, generation.dcn_gbps_per_chip
+    ici_s = inside * per_chip / (ici / 2 * 1e9 / 8) if ici else None
+    dcn_s = (across * per_chip / (dcn * 1e9 / 8) if dcn else None) if across else 0.0
+    return {"inside_slice": inside, "across_slices": across, "slices": slices,
+            "ici_seconds": ici_s, "dcn_seconds": dcn_s,
+            "seconds": None if ici_s is None or dcn_s is None else ici_s + dcn_s}
