@@ -38,6 +38,7 @@ class Tokenizer:
     eos_id: int
     # A [batch] string tensor -> a ragged [batch, None] int32 tensor of token ids.
     tokenize: Callable[[tf.Tensor], tf.RaggedTensor] = dataclasses.field(compare=False)
+    layer: object = dataclasses.field(default=None, compare=False)  # keras-hub's; None: bytes
 
 
 def make(config) -> Tokenizer:
@@ -103,7 +104,7 @@ def _wrap(name, layer) -> Tokenizer:
 
     def tokenize(texts):
         return tf.cast(layer.tokenize(texts), tf.int32)
-    return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize)
+    return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize, layer)
 
 
 def _keras_hub(choice):
