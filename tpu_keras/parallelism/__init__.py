@@ -3,7 +3,8 @@
 `mesh` resolves `config.mesh` against the devices; `rules` holds the
 backend-neutral layout rules (weight path regex -> mesh axes) and the
 `Placer` that checks them against a model; `distribution` turns them into
-the jax engine's `keras.distribution`. Nothing here trains: this package
+the jax engine's `keras.distribution`; `host_placement` loads weights into
+it shard by shard. Nothing here trains: this package
 imports nothing from `tpu_keras.training`.
 """
 
