@@ -10,7 +10,8 @@ it sums the bytes of each device's shards of the live arrays
 (`jax.live_arrays()`) from the call of `from_preset` to its return, and
 prints one JSON line: per loader, each device's peak above what it held
 before the load and what it holds at the end (the backbone's own shards),
-and the largest replicated weight's bytes.
+the largest replicated weight's bytes, and the largest difference from the
+saved weights.
 """
 
 import gc
@@ -26,6 +27,7 @@ engine.select("jax", virtual_devices=8)
 import jax  # noqa: E402
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
 from keras.src.backend.jax import core  # noqa: E402
 
 import tpu_keras  # noqa: E402
@@ -78,6 +80,8 @@ def measured_from_preset(cls, *args, **kwargs):
     loads.append({"peak": [p - b for p, b in zip(peak, before)],
                   "end": [a - b for a, b in zip(after, before)], "largest_replicated": replicated})
     peak = None
+    loads[-1]["difference"] = max(float(np.abs(np.asarray(v.value) - saved[v.path]).max())
+                                  for v in backbone.weights)  # 0: the preset's weights
     return backbone
 
 
@@ -89,7 +93,10 @@ config.model.update(vocabulary_size=4096, hidden_dim=128, intermediate_dim=512, 
 config.mesh.update(data=1, fsdp=8, model=1)
 architecture = {k: v for k, v in config.model.items()
                 if k not in ("name", "context_length", "layout_map")}
-keras_hub.models.LlamaBackbone(**architecture).save_to_preset(preset_dir)
+backbone = keras_hub.models.LlamaBackbone(**architecture)
+backbone.save_to_preset(preset_dir)
+saved = {v.path: np.asarray(v.value) for v in backbone.weights}
+del backbone
 config.model.preset = preset_dir
 cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
 

@@ -145,6 +145,21 @@ def test_a_saved_preset_is_loaded_not_reinitialised_on_both_engines(tmp_path):
         assert abs(losses["scratch"] - losses["saved"]) > 1e-4, (engine, losses)
 
 
+def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device(tmp_path):
+    """keras-team/keras#21634, measured on 8 fake devices (tests/load_memory_probe.py)."""
+    out = run([sys.executable, "tests/load_memory_probe.py", str(tmp_path / "preset")],
+              timeout=500).stdout
+    load = json.loads(next(line for line in out.splitlines()
+                           if line.startswith("LOAD "))[len("LOAD "):])
+    toolkit, alone = load["toolkit"], load["keras_hub"]
+    assert toolkit["difference"] == alone["difference"] == 0, load  # the preset's weights
+    assert toolkit["end"] == alone["end"] and len(set(toolkit["end"])) == 1, load  # split 8 ways
+    for peak, end in zip(toolkit["peak"], toolkit["end"]):
+        assert peak <= end + toolkit["largest_replicated"], load
+    # keras-hub alone passes each whole weight through device 0 (the check can fail).
+    assert alone["peak"][0] > alone["end"][0] + 2 * alone["largest_replicated"], load
+
+
 def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir, tmp_path):
     args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
     reference = train(LLAMA_LORA, tmp_path / "reference", *args).stdout
