@@ -46,14 +46,14 @@ def main(argv):
     if _TEMPERATURE.value < 0 or _TOP_K.value < 0 or _BATCH_SIZE.value < 1:
         raise UserError("--temperature and --top_k must be 0 or more, --batch_size 1 or more")
     logging.set_verbosity(logging.WARNING)
+    from tpu_keras.cluster import engine
+    from tpu_keras.tools import sampling
+    config = sampling.read_run_config(_WORKDIR.value) if _WORKDIR.value else None
+    engine.select(config.engine if config else _ENGINE.value)  # before TensorFlow brings Keras
     records = _read_prompts(_PROMPTS_FILE.value) if _PROMPTS_FILE.value else None
     prompts = [record["prompt"] for record in records] if records else [_PROMPT.value]
     if not all(prompts):
         raise UserError("a prompt is empty; give the text to continue, such as --prompt='def '")
-    from tpu_keras.cluster import engine
-    from tpu_keras.tools import sampling
-    config = sampling.read_run_config(_WORKDIR.value) if _WORKDIR.value else None
-    engine.select(config.engine if config else _ENGINE.value)
     from tpu_keras.models import hub
     hub.import_keras_hub()  # its samplers serve every model: a one-line error without the extra
     generator = (sampling.from_run(_WORKDIR.value, config) if config
