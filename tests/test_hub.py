@@ -52,9 +52,14 @@ def test_sentencepiece_llama_trains_on_packed_text_on_both_engines(stdlib_text, 
             assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
         assert float(lines[1][2]) < float(lines[0][2])
         assert re.search(r"done at step 20: val_bits_per_byte \d", out)
-    refused = run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={tmp_path / 'tf'}"],
-                  check=False)
-    assert_one_line_error(refused, "data.tokenizer='LlamaTokenizer'", "generate reads and writes bytes")
+    # Generation reads and writes the run's own SentencePiece pieces (the jax run's, on jax).
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "import ", "id": 7}\n\n"def "\n')
+    out = generate(tmp_path / "jax", f"--prompts_file={prompts}", "--seed=1").stdout
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [(line["prompt"], line.get("id")) for line in lines] == [("import ", 7), ("def ", None)]
+    assert all(line["text"].startswith(line["prompt"]) and len(line["text"]) > len(line["prompt"])
+               for line in lines), lines
 
 
 def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):
@@ -140,6 +145,21 @@ def test_a_saved_preset_is_loaded_not_reinitialised_on_both_engines(tmp_path):
         assert abs(losses["scratch"] - losses["saved"]) > 1e-4, (engine, losses)
 
 
+def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device(tmp_path):
+    """keras-team/keras#21634, measured on 8 fake devices (tests/load_memory_probe.py)."""
+    out = run([sys.executable, "tests/load_memory_probe.py", str(tmp_path / "preset")],
+              timeout=500).stdout
+    load = json.loads(next(line for line in out.splitlines()
+                           if line.startswith("LOAD "))[len("LOAD "):])
+    toolkit, alone = load["toolkit"], load["keras_hub"]
+    assert toolkit["difference"] == alone["difference"] == 0, load  # the preset's weights
+    assert toolkit["end"] == alone["end"] and len(set(toolkit["end"])) == 1, load  # split 8 ways
+    for peak, end in zip(toolkit["peak"], toolkit["end"]):
+        assert peak <= end + toolkit["largest_replicated"], load
+    # keras-hub alone passes each whole weight through device 0 (the check can fail).
+    assert alone["peak"][0] > alone["end"][0] + 2 * alone["largest_replicated"], load
+
+
 def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir, tmp_path):
     args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
     reference = train(LLAMA_LORA, tmp_path / "reference", *args).stdout
@@ -180,8 +200,31 @@ def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(ti
     assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={digits}"],
                               check=False), "trained 'mlp', which is not a language model")
     assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}",
-                               "--max_length=500"], check=False),
-                          "--max_length=500 must be", "context length, 64")
+                               "--prompt=" + "x" * 65], check=False),
+                          "the prompt is 65 tokens, longer than the model's context of 64")
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "def "}\n{"text": "no prompt"}\n')
+    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}",
+                               f"--prompts_file={bad}"], check=False),
+                          "line 2 of --prompts_file", "an object with a \"prompt\" string")
+
+
+def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_presets(tmp_path):
+    """A Llama with a SentencePiece proto and a GPT-2 with byte-pair merges, both written by
+    tests/generate_probe.py: --temperature=0 gives keras-hub's greedy texts, byte for byte."""
+    out = run([sys.executable, "tests/generate_probe.py", str(tmp_path)]).stdout
+    greedy = json.loads(next(line for line in out.splitlines()
+                             if line.startswith("GREEDY "))[len("GREEDY "):])
+    prompts = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    for name in ("llama", "gpt2"):
+        out = run([sys.executable, "-m", "tpu_keras.generate", f"--preset={tmp_path / name}",
+                   "--temperature=0", f"--prompts_file={tmp_path / 'prompts.jsonl'}"],
+                  merge_stderr=False).stdout
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert [line["id"] for line in lines] == [prompt["id"] for prompt in prompts]
+        assert [line["text"] for line in lines] == greedy[name], (name, lines, greedy[name])
+        # Not the prompts alone: the comparison covers generated text.
+        assert all(len(text) > len(prompt["prompt"]) for text, prompt in zip(greedy[name], prompts))
 
 
 def test_readme_lora_recipe_runs(tmp_path):

@@ -48,6 +48,7 @@ class Tokenizer:
     tokenize: Callable[[tf.Tensor], tf.RaggedTensor] = dataclasses.field(compare=False)
     start_id: Optional[int] = None
     fingerprint: str = BYTES  # a hash of the vocabulary, merges and special tokens
+    layer: object = dataclasses.field(default=None, compare=False)  # keras-hub's; None: bytes
 
 
 def make(config) -> Tokenizer:
@@ -116,7 +117,7 @@ def _wrap(name, layer) -> Tokenizer:
     start = getattr(layer, "start_token_id", None)
     start = None if start is None else int(start)
     return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize, start,
-                     _fingerprint(layer, start, int(eos)))
+                     _fingerprint(layer, start, int(eos)), layer)
 
 
 def _fingerprint(layer, start, end) -> str:

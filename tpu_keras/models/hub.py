@@ -38,7 +38,7 @@ from tpu_keras.errors import UserError, closest
 from tpu_keras.models import hub_layouts
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
 from tpu_keras.models.registry import Builder, register_family
-from tpu_keras.parallelism import rules_from_layout_map
+from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
 _TOOLKIT_KEYS = {
@@ -143,7 +143,8 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
     backbone_cls = task_cls.backbone_cls
     if preset:
         try:
-            backbone = backbone_cls.from_preset(preset, dtype=dtype, **backbone_kwargs)
+            with host_placement.placed_from_host():  # no whole weight on one device
+                backbone = backbone_cls.from_preset(preset, dtype=dtype, **backbone_kwargs)
         except (OSError, ValueError, ConnectionError) as error:
             if not _is_handle(preset):
                 raise

@@ -4,7 +4,8 @@
 backend-neutral layout rules (weight path regex -> mesh axes) and the
 `Placer` that checks them against a model; `distribution` turns them into
 the jax engine's `keras.distribution`; `scope` is `cluster.layout(rules)`,
-the same for a model built in the user's own code. Nothing here trains: this package
+the same for a model built in the user's own code; `host_placement`
+loads weights into it shard by shard. Nothing here trains: this package
 imports nothing from `tpu_keras.training`.
 """
 

@@ -1,21 +1,39 @@
-"""Text from a trained language model: the latest checkpoint of a run, keras-hub's samplers.
+"""Text from a language model, a run's newest checkpoint or a keras-hub preset, with keras-hub's samplers.
 
-`load(workdir)` rebuilds a run's model from its `config.json` on this
-machine's first device and restores the newest checkpoint into it (the
-checkpoint's own engine: TensorFlow's or Orbax's format); `sample` then
-extends a prompt token by token with a keras-hub sampler. The model is
-called on the whole (padded) sequence at each step, which works for any
-model that maps token ids to logits (the `gpt` builder and keras-hub
-causal LMs alike) at the cost of recomputing the prefix: fine for the
-short texts a check of a run needs, not a serving path.
+`from_run(workdir)` rebuilds a run's model from its `config.json` on this
+machine's first device, restores the newest checkpoint into it (the
+checkpoint's own engine: TensorFlow's or Orbax's format) and pairs it
+with the run's tokenizer (`data.tokenizer`: bytes, a keras-hub tokenizer
+or the preset's); `from_preset(path)` reads any keras-hub preset folder
+with its tokenizer. Either gives a `Generator`: prompts in, texts out,
+each stopping at the tokenizer's end token.
+
+keras-hub causal LMs generate through keras-hub itself: with the family's
+own tokenizer through `CausalLM.generate` and its preprocessor (so greedy
+text equals keras-hub's on the same weights), with any other tokenizer
+through `generate` on token ids. The `gpt` builder, which has no cache,
+calls the same samplers on its logits over the whole padded sequence at
+each step: the prefix is recomputed, fine for checking a run, not a
+serving path.
 """
 
+import dataclasses
 import json
 import os
+import types
+from typing import Callable
 
 from tpu_keras.errors import UserError
 
 LM_HEADLINES = ("bits_per_byte", "bits_per_token")
+
+
+@dataclasses.dataclass
+class Generator:
+    context: int                               # the most tokens, prompt included
+    count: Callable[[str], int]                # the tokens a prompt takes
+    generate: Callable[[list, int, object], list]  # (prompts, max_length, sampler) -> texts
+    step: int = -1                             # the checkpoint's step (-1: a preset)
 
 
 def read_run_config(workdir: str):
@@ -61,37 +79,143 @@ def load(workdir: str, config):
     return model, saver.restore_latest()
 
 
-def sample(model, prompt: bytes, max_length: int, temperature: float, top_k: int, seed: int) -> bytes:
-    """`prompt` extended to `max_length` bytes (at most the model's context length)."""
-    import keras
+def from_run(workdir: str, config) -> Generator:
+    """The run's model and tokenizer (`data.tokenizer`; bytes for byte-level data)."""
     import keras_hub
-    import numpy as np
-    context, vocabulary_size = model.input_shape[1], model.output_shape[-1]
-    if not prompt:
-        raise UserError("--prompt is empty; give the text to continue, such as --prompt='def '")
-    outside = sorted({b for b in prompt if b >= vocabulary_size})
-    if outside:
-        raise UserError(f"the prompt has bytes {outside[:5]} outside the model's vocabulary of "
-                        f"{vocabulary_size} tokens; use text the model was trained on")
-    if not len(prompt) < max_length <= context:
-        raise UserError(f"--max_length={max_length} must be above the prompt's {len(prompt)} "
-                        f"bytes and at most the model's context length, {context}")
-    if temperature == 0:
-        sampler = keras_hub.samplers.GreedySampler()
-    elif top_k:
-        sampler = keras_hub.samplers.TopKSampler(k=top_k, temperature=temperature, seed=seed)
+    from tpu_keras.data import text, tokenizers
+    model, step = load(workdir, config)
+    text.resolve(config)  # data.tokenizer='preset': the preset's path, {workdir} expanded
+    config.data.vocabulary = config.data.vocabulary.replace(
+        text.DATA_DIR, os.path.expanduser(config.data.data_dir))
+    data = config.data if text.is_text(config.data) else types.SimpleNamespace(
+        tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
+    tokenizer = tokenizers.make(data)
+    context = model.input_shape[1]
+    task = next((layer for layer in model.layers
+                 if isinstance(layer, keras_hub.models.CausalLM)), None)
+    if task is None:
+        generator = _ids_generator(tokenizer, context, _whole_sequence(model, context))
     else:
-        sampler = keras_hub.samplers.RandomSampler(temperature=temperature, seed=seed)
-    tokens = np.zeros((1, max_length), "int32")
-    tokens[0, :len(prompt)] = list(prompt)
-    given = np.zeros((1, max_length), bool)
-    given[0, :len(prompt)] = True
+        preprocessor_cls = task.preprocessor_cls
+        if preprocessor_cls is not None and isinstance(tokenizer.layer,
+                                                        preprocessor_cls.tokenizer_cls):
+            task.preprocessor = preprocessor_cls(tokenizer=tokenizer.layer, sequence_length=context)
+            generator = _task_generator(task, context)
+        else:
+            generator = _ids_generator(tokenizer, context, _task_on_ids(task))
+    generator.step = step
+    return generator
 
-    def next_logits(tokens, cache, index):
-        padded = keras.ops.pad(tokens, [[0, 0], [0, context - max_length]])
-        logits = model(padded, training=False)
-        return keras.ops.take(logits, index - 1, axis=1), None, cache
 
-    out = sampler(next_logits, keras.ops.convert_to_tensor(tokens), index=len(prompt),
-                  mask=keras.ops.convert_to_tensor(given), model=model)
-    return bytes(int(t) for t in keras.ops.convert_to_numpy(out)[0])
+def from_preset(path: str) -> Generator:
+    """A keras-hub causal LM preset folder (what `save_to_preset` writes) with its tokenizer."""
+    import keras_hub
+    try:
+        task = keras_hub.models.CausalLM.from_preset(path)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        text = str(error).strip()
+        raise UserError(f"--preset={path!r} is not a keras-hub causal LM preset "
+                        f"({text.splitlines()[0][:160] if text else type(error).__name__}); "
+                        "give a folder that CausalLM.save_to_preset wrote") from None
+    if task.preprocessor is None:
+        raise UserError(f"--preset={path!r} has no tokenizer; save the task with its "
+                        "preprocessor, or its tokenizer with tokenizer.save_to_preset")
+    context = task.preprocessor.sequence_length
+    limit = getattr(task.backbone, "max_sequence_length", None)
+    return _task_generator(task, min(context, limit) if limit else context)
+
+
+def make_sampler(temperature: float, top_k: int, seed: int):
+    import keras_hub
+    if temperature == 0:
+        return keras_hub.samplers.GreedySampler()
+    if top_k:
+        return keras_hub.samplers.TopKSampler(k=top_k, temperature=temperature, seed=seed)
+    return keras_hub.samplers.RandomSampler(temperature=temperature, seed=seed)
+
+
+def _task_generator(task, context: int) -> Generator:
+    """keras-hub's own `CausalLM.generate`, its preprocessor tokenizing and detokenizing."""
+    import tensorflow as tf
+    preprocessor = task.preprocessor
+
+    def count(prompt):
+        ids = preprocessor.tokenizer.tokenize(tf.constant(prompt))
+        return int(tf.shape(ids)[0]) + int(getattr(preprocessor, "add_start_token", False))
+
+    def generate(prompts, max_length, sampler):
+        task.compile(sampler=sampler)
+        return [_string(text) for text in task.generate(prompts, max_length=max_length)]
+    return Generator(context, count, generate)
+
+
+def _ids_generator(tokenizer, context: int, extend) -> Generator:
+    """Prompts tokenized by the run's tokenizer, `extend` continuing their ids, then detokenized.
+
+    `extend(tokens, mask, index, stop_ids, sampler)` returns the sequences with every position
+    that `mask` leaves open filled, or stopped after an id of `stop_ids`."""
+    import numpy as np
+    import tensorflow as tf
+
+    def encode(prompt):
+        return [int(i) for i in tokenizer.tokenize(tf.constant([prompt]))[0].numpy()]
+
+    def decode(ids):
+        if tokenizer.layer is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return _string(tokenizer.layer.detokenize(tf.constant(ids, tf.int32)))
+
+    def generate(prompts, max_length, sampler):
+        encoded = [encode(prompt) for prompt in prompts]
+        # The open positions must not read as end tokens: keras-hub's samplers stop on any.
+        tokens = np.full((len(prompts), max_length), int(tokenizer.eos_id == 0), "int32")
+        given = np.zeros((len(prompts), max_length), bool)
+        for row, ids in enumerate(encoded):
+            tokens[row, :len(ids)], given[row, :len(ids)] = ids, True
+        out = extend(tokens, given, min(len(ids) for ids in encoded), [tokenizer.eos_id], sampler)
+        texts = []
+        for ids, row in zip(encoded, out):
+            new = [int(t) for t in row[len(ids):]]
+            if tokenizer.eos_id in new:
+                new = new[:new.index(tokenizer.eos_id)]
+            texts.append(decode(ids + new))
+        return texts
+    return Generator(context, lambda prompt: len(encode(prompt)), generate)
+
+
+def _task_on_ids(task):
+    """A keras-hub task's `generate` on token ids (its tokenizer is not the family's)."""
+    import keras
+
+    def extend(tokens, given, index, stop_ids, sampler):
+        del index  # the task finds it from the padding mask
+        task.preprocessor = None
+        task.compile(sampler=sampler)
+        out = task.generate({"token_ids": tokens, "padding_mask": given}, stop_token_ids=stop_ids)
+        return keras.ops.convert_to_numpy(out["token_ids"])
+    return extend
+
+
+def _whole_sequence(model, context: int):
+    """A keras-hub sampler on a model that maps (batch, context) token ids to logits."""
+    import keras
+
+    def extend(tokens, given, index, stop_ids, sampler):
+        max_length = tokens.shape[1]
+
+        def next_logits(tokens, cache, index):
+            padded = keras.ops.pad(tokens, [[0, 0], [0, context - max_length]])
+            logits = model(padded, training=False)
+            return keras.ops.take(logits, index - 1, axis=1), None, cache
+        out = sampler(next_logits, keras.ops.convert_to_tensor(tokens), index=index,
+                      mask=keras.ops.convert_to_tensor(given), stop_token_ids=stop_ids,
+                      model=model)
+        return keras.ops.convert_to_numpy(out)
+    return extend
+
+
+def _string(value) -> str:
+    """keras-hub's detokenized text (a str, bytes or a scalar string tensor) as a str."""
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
