@@ -154,8 +154,9 @@ def tpu_slices(config, tpu: str):
 
 def one_slice_mesh(config, found) -> dict:
     """The config's per-slice (data, fsdp, model) on one slice of `found`."""
-    mesh_config = {k: v for k, v in dict(config.mesh).items() if k != "slices"}
-    return mesh_lib.resolve(mesh_config, found.devices, config.engine)
+    mesh_config = {k: v for k, v in dict(config.mesh).items() if k != mesh_lib.SLICES}
+    resolved = mesh_lib.resolve(mesh_config, found.devices, config.engine)
+    return {axis: resolved[axis] for axis in mesh_lib.AXES}  # the slices are the plan's own
 
 
 def network_estimate(sent: dict, found, slices: int) -> dict:
