@@ -25,9 +25,11 @@ TEXT = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n",
 
 
 def write(folder, family: str, seed: int = 0) -> int:
-    """Writes the checkpoint; returns its vocabulary size (at least 256 + specials)."""
+    """Writes the checkpoint; returns its vocabulary size (a multiple of 8, so that a mesh
+    axis of 2, 4 or 8 splits the embedding)."""
     os.makedirs(folder, exist_ok=True)
-    vocabulary_size, ids = _write_tokenizer(folder, family)
+    tokens, ids = _write_tokenizer(folder, family)
+    vocabulary_size = -(-tokens // 8) * 8  # rows past the tokenizer's, as real checkpoints pad
     config = {
         "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": vocabulary_size, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,

@@ -1,16 +1,16 @@
 """Transformers checkpoints in, exports out, for Llama 3 and Qwen 2, on one engine and mesh.
 
-    python tests/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [FAMILY ...]
+    python tests/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [FAMILY:VARIANT,...]
 
 For each family: writes a small transformers-format checkpoint
 (tests/hf_checkpoints.py), builds the toolkit's model from it
 (`model.preset`) and keras-hub's own `from_preset`, and compares their
-logits before any step. With `runs` in the families' list it then trains a
-LoRA and a full fine-tune through `tpu_keras.training.run.train`, and
-reloads each of DIR/export/'s formats: keras-hub from the preset, keras-hub's
+logits before any step. The runs named last (`llama:lora`, `qwen2:full`)
+it then trains through `tpu_keras.training.run.train`, and reloads each of DIR/export/'s formats: keras-hub from the preset, keras-hub's
 transformers loader from the transformers folder, the base checkpoint plus
 lora.weights.h5, and transformers' own AutoModelForCausalLM where it is
-installed. Prints one line, `HF {json}`: the largest absolute logit
+installed. Qwen has no layout rules of the toolkit's: its mesh folds
+`model` into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
 differences, by family and check.
 """
 
@@ -19,9 +19,7 @@ import os
 import sys
 
 engine_name, out, data_dir, mesh = sys.argv[1:5]
-families = sys.argv[5:] or ["llama", "qwen2"]
-runs = "runs" in families
-families = [f for f in families if f != "runs"]
+runs = sys.argv[5].split(",") if len(sys.argv) > 5 else []  # 'llama:lora', 'qwen2:full', ...
 
 from tpu_keras.cluster import engine  # noqa: E402
 
@@ -39,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import hf_checkpoints  # noqa: E402
 
 TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM"}
-tokens = np.random.default_rng(0).integers(0, 256, (2, 64)).astype("int32")
+tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
 def logits(task):
@@ -59,6 +57,8 @@ def config_for(family, checkpoint, lora_rank=0):
     if lora_rank:
         config.model.lora_rank = lora_rank
     data, fsdp, model = (int(n) for n in mesh.split(","))
+    if family == "qwen2":
+        fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model)
     config.layout.replicate_below = 256
     config.export.formats = ("keras_hub", "transformers") + (("lora",) if lora_rank else ())
@@ -70,7 +70,7 @@ def config_for(family, checkpoint, lora_rank=0):
 
 
 result = {}
-for family in families:
+for family in TASKS:
     checkpoint = os.path.join(out, family, "checkpoint")
     hf_checkpoints.write(checkpoint, family)
     config = config_for(family, checkpoint)
@@ -82,9 +82,9 @@ for family in families:
              if engine_name == "jax" and not w.value.sharding.is_fully_replicated]
     result[family] = {"first_step": gap(keras.ops.convert_to_numpy(toolkit(tokens)), logits(reference)),
                       "split_weights": len(split)}
-    if not runs:
-        continue
     for variant, rank in (("lora", 4), ("full", 0)):
+        if f"{family}:{variant}" not in runs:
+            continue
         workdir = os.path.join(out, family, variant)
         trained = run.train(config_for(family, checkpoint, rank), workdir).model
         expected = keras.ops.convert_to_numpy(trained(tokens))

@@ -105,19 +105,24 @@ def host_copy(task, preset: str = ""):
     and the preset's preprocessor when it has a tokenizer."""
     import keras
     backbone = task.backbone
-    with _on_host():
+    # Made without running initialisers (jax would compile a random initialiser for each
+    # shape, most of an export's time): each variable is assigned the run's value.
+    with _on_host(), keras.StatelessScope(initialize_variables=False):
         host_backbone = type(backbone).from_config(backbone.get_config())
         rank = getattr(backbone, "_lora_rank", 0)
         if getattr(backbone, "_lora_enabled_layers", None):
             host_backbone.enable_lora(rank)
-        task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None}
+        task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
+                       "compile": False}
         host = type(task).from_config(task_config)
         if len(host.weights) != len(task.weights):
             raise RuntimeError(f"the host copy of {type(task).__name__} has {len(host.weights)} "
                                f"weights, the run's {len(task.weights)}")
+    with _on_host():
         for source, target in zip(task.weights, host.weights):
             target.assign(keras.ops.convert_to_numpy(source.value))  # shard by shard to host
-        host.preprocessor = _preprocessor(type(task), preset)
+        _initialize_the_rest()
+    host.preprocessor = _preprocessor(type(task), preset)
     return host
 
 
@@ -132,6 +137,17 @@ def _preprocessor(task_cls, preset: str):
                         "reads (%s)", preset, task_cls.preprocessor_cls.__name__,
                         str(error).splitlines()[0][:120] if str(error) else type(error).__name__)
         return None
+
+
+def _initialize_the_rest():
+    """Variables made in `StatelessScope(initialize_variables=False)` wait for a value: those
+    the copy did not assign (a seed generator's state) get their initialiser's now."""
+    from keras.src.backend.common import global_state
+    waiting = global_state.get_global_attribute("uninitialized_variables") or []
+    global_state.set_global_attribute("uninitialized_variables", [])
+    for variable in waiting:
+        if variable._value is None:
+            variable._deferred_initialize()
 
 
 @contextlib.contextmanager
