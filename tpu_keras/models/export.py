@@ -120,7 +120,12 @@ def host_copy(task, preset: str = ""):
                                f"weights, the run's {len(task.weights)}")
     with _on_host():
         for source, target in zip(task.weights, host.weights):
-            target.assign(keras.ops.convert_to_numpy(source.value))  # shard by shard to host
+            value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
+            if target._value is None:  # made without its initialiser: the run's value is its first
+                target._initialize_with_initializer(lambda shape, dtype, value=value: value)
+                target._initializer = None
+            else:
+                target.assign(value)
         _initialize_the_rest()
     host.preprocessor = _preprocessor(type(task), preset)
     return host

@@ -54,7 +54,7 @@ def _loader(preset: str):
     try:
         return get_preset_loader(preset)
     except ValueError as error:
-        first = " ".join(str(error).split(". Create")[0].split())[:200]
+        first = " ".join(str(error).split(". Create")[0].split())[:200].rstrip(".")
         raise UserError(f"model.preset={preset!r}: {first}; use a checkpoint of a family "
                         "keras-hub converts (llama, gemma, mistral, qwen2, qwen3, gpt2, ...), or "
                         "save the model with keras-hub's save_to_preset") from None
