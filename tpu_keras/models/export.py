@@ -31,6 +31,7 @@ from absl import logging
 
 from tpu_keras.config import EXPORT_FORMATS as FORMATS  # noqa: F401  # the names, checked there
 LORA_FILE = "lora.weights.h5"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def formats(config, task=None) -> tuple[str, ...]:
@@ -79,6 +80,7 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
             host.save_to_preset(os.path.join(local, "keras_hub"))
         if "transformers" in hub_formats:
             host.export_to_transformers(os.path.join(local, "transformers"))
+            _complete_config(os.path.join(local, "transformers"), config.model.get("preset", ""))
         if "lora" in hub_formats and lora:
             host.backbone.save_lora_weights(os.path.join(local, "adapter.lora.h5"))
             os.rename(os.path.join(local, "adapter.lora.h5"), os.path.join(local, LORA_FILE))
@@ -86,6 +88,34 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
             copy(os.path.join(local, name), os.path.join(export_dir, name))
             logging.info("exported %s to %s", name, os.path.join(export_dir, name))
     return problems
+
+
+def _complete_config(folder: str, preset: str) -> None:
+    """keras-hub 0.32's exporters leave out what its own loader (and vLLM) read: Qwen's
+    `architectures`, sliding-window keys and tokenizer.json, Gemma's and GPT-2's
+    `architectures`. Where the run started from a transformers checkpoint of the same
+    model_type, the config keys the exporter did not write are kept from that checkpoint's
+    config.json, and its tokenizer files (fine-tuning leaves the tokenizer as it was)."""
+    import json
+    if not preset or "{workdir}" in preset:
+        return
+    from tpu_keras.models import hub, hub_presets
+    if hub._is_handle(preset) or not hub_presets.is_transformers(preset):
+        return
+    path = os.path.join(folder, "config.json")
+    with open(path) as file:
+        written = json.load(file)
+    source = hub_presets.source_config(preset)
+    if source.get("model_type") != written.get("model_type"):
+        return
+    missing = {key: value for key, value in source.items() if key not in written}
+    if missing:
+        with open(path, "w") as file:
+            json.dump({**written, **missing}, file, indent=2)
+    import tensorflow as tf  # the checkpoint may be on gs://
+    for name in _TOKENIZER_FILES:  # Qwen's exporter writes vocab.json, its loader reads these
+        if not os.path.exists(os.path.join(folder, name)) and tf.io.gfile.exists(os.path.join(preset, name)):
+            tf.io.gfile.copy(os.path.join(preset, name), os.path.join(folder, name))
 
 
 def find_task(model):

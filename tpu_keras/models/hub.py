@@ -25,7 +25,8 @@ its gaps show). `layout.extra_rules` adds to either.
 
 LoRA: `model.lora_rank=r` calls the backbone's `enable_lora(r)` once its
 weights are loaded, under the run's distribution: every other weight is
-frozen, and the optimizer holds state for the LoRA factors alone.
+frozen (the LoRA layers' biases too, which Keras would train), and the
+optimizer holds state for the LoRA factors alone.
 """
 
 import functools
@@ -144,6 +145,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
         backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
     if lora_rank:
         backbone.enable_lora(lora_rank)
+        _freeze_lora_biases(backbone)
     name = task_cls.__name__.lower()
     if kind == "causal_lm":
         task = task_cls(backbone=backbone, preprocessor=None, compile=False)
@@ -156,6 +158,15 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
                     compile=False)
     images = keras.Input(backbone.input_shape[1:], name="images")
     return keras.Model(images, keras.ops.cast(task(images), "float32"), name=name)
+
+
+def _freeze_lora_biases(backbone):
+    """Keras leaves a LoRA layer's bias trainable (Qwen's query and value have one), and
+    keras-hub's LoRA file holds the factors alone: frozen, as PEFT's default leaves them,
+    the base weights plus that file are the whole fine-tuned model."""
+    for layer in backbone._flatten_layers(include_self=False):
+        if getattr(layer, "lora_enabled", False) and getattr(layer, "bias", None) is not None:
+            layer.bias.trainable = False
 
 
 def _check_runs(task, backbone_kwargs):

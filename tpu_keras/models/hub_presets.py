@@ -44,6 +44,11 @@ def is_transformers(preset: str) -> bool:
     return getattr(_loader(preset), "converter", None) is not None
 
 
+def source_config(preset: str) -> dict:
+    """The preset's own config.json, as keras-hub's loader read it."""
+    return dict(_loader(preset).config)
+
+
 @functools.lru_cache(maxsize=None)
 def _loader(preset: str):
     from keras_hub.src.utils.preset_utils import CONFIG_FILE, check_file_exists, get_preset_loader
