@@ -170,12 +170,15 @@ def _freeze_lora_biases(backbone):
 
 
 def _check_runs(task, backbone_kwargs):
-    """Calls the task once on two tokens: keras-hub builds backbones from arguments that do
-    not fit together (3 query heads over 2 key/value heads) and fails only when called."""
-    import numpy as np
-    tokens = np.zeros((1, 2), "int32")
+    """Traces the task on two tokens: keras-hub builds backbones from arguments that do not
+    fit together (3 query heads over 2 key/value heads) and fails only when called with a
+    known sequence length. Shapes only: nothing is computed or allocated (`plan` builds
+    an 8B model this way)."""
+    tokens = keras.KerasTensor((1, 2), "int32")
     try:
-        task({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+        # The layers' own calls, traced (a functional model's compute_output_spec reuses
+        # the shapes it was built with, where the sequence length is unknown).
+        keras.src.backend.compute_output_spec(task, {"token_ids": tokens, "padding_mask": tokens})
     except Exception as error:  # pylint: disable=broad-except  # tf's OpError, jax's TypeError...
         given = ", ".join(f"model.{k}={v!r}" for k, v in sorted(backbone_kwargs.items()))
         reason = next((line for line in (_plain(l) for l in str(error).splitlines())
