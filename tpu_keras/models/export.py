@@ -227,7 +227,8 @@ def copy(local: str, destination: str) -> None:
         tf.io.gfile.copy(local, destination, overwrite=True)
         return
     for folder, _, files in os.walk(local):
-        target = os.path.join(destination, os.path.relpath(folder, local))
+        relative = os.path.relpath(folder, local)
+        target = destination if relative == "." else os.path.join(destination, relative)
         tf.io.gfile.makedirs(target)
         for name in files:
             tf.io.gfile.copy(os.path.join(folder, name), os.path.join(target, name), overwrite=True)
