@@ -13,7 +13,8 @@ library's error message:
   key);
 - each `--config.KEY=VALUE` is checked against the loaded config before
   ml_collections applies it: the key must exist (else the closest one is
-  named) and the value must parse as the key's type.
+  named) and the value must parse as the key's type; a `model.*` key the file
+  does not set is added (any builder argument; the builder checks the name).
 """
 
 import ast
@@ -77,11 +78,21 @@ def _main_or_fail(main, argv):
 
 def _parse_or_fail(argv):
     try:
+        new_model_keys = {}
         if "config" in flags.FLAGS:
             spec = _config_spec(argv[1:])
             if spec:
-                _check_overrides(load_config(spec), argv[1:])
-        return flags.FLAGS(argv)
+                config = load_config(spec)
+                _check_overrides(config, argv[1:])
+                argv, new_model_keys = _split_new_model_keys(config, argv)
+        if new_model_keys:  # ml_collections finds override flags in sys.argv itself
+            sys.argv = [arg for arg in sys.argv if arg in argv]
+        rest = flags.FLAGS(argv)
+        if new_model_keys:
+            config = flags.FLAGS["config"].value
+            with config.unlocked():
+                config.model.update(new_model_keys)
+        return rest
     except UserError as error:
         fail(error)
     except flags.Error as error:  # absl refused a flag itself; its first line says which
@@ -143,6 +154,8 @@ def _check_overrides(config, args) -> None:
         if not arg.startswith("--config.") or "=" not in arg:
             continue  # `--config.KEY VALUE` is left to absl
         key, value = arg[len("--config."):].split("=", 1)
+        if _is_new_model_key(config, key):
+            continue  # a builder argument the file does not set: the builder checks it
         current = config
         for part in key.split("."):
             if not isinstance(current, ml_collections.ConfigDict) or part not in current:
@@ -152,6 +165,30 @@ def _check_overrides(config, args) -> None:
                     "model.* are the model builder's arguments)"))
             current = current[part]
         _check_value(key, value, current)
+
+
+def _is_new_model_key(config, key: str) -> bool:
+    """`model.NAME` that the config file does not set: any builder argument may be given."""
+    parts = key.split(".")
+    return (len(parts) == 2 and parts[0] == "model" and "model" in config
+            and parts[1] not in config.model)
+
+
+def _split_new_model_keys(config, argv):
+    """(argv without the `--config.model.NAME=VALUE` the file does not set, {NAME: value}):
+    ml_collections only overrides keys that exist, so these are set after parsing. A value
+    is a Python literal where it parses as one (4, 0.1, True), else the string itself."""
+    kept, new = [], {}
+    for arg in argv:
+        key, _, value = arg[len("--config."):].partition("=")
+        if arg.startswith("--config.") and "=" in arg and _is_new_model_key(config, key):
+            try:
+                new[key.split(".")[1]] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                new[key.split(".")[1]] = value
+        else:
+            kept.append(arg)
+    return kept, new
 
 
 def _check_value(key: str, value: str, current) -> None:

@@ -23,6 +23,8 @@ NONFINITE_POLICIES = ("stop", "restore_and_skip")
 # of kept. Keras 3.15's 'full' mode fails on both engines for layers called with
 # keyword arguments (docs/design.md), so it is not offered.
 REMAT_MODES = ("none", "activations")
+# DIR/export/: the SavedModel, a keras-hub preset, a transformers folder, LoRA factors.
+EXPORT_FORMATS = ("saved_model", "keras_hub", "transformers", "lora")
 # 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.defaults).
 PRECISIONS = ("auto", "float32", "mixed_bfloat16")
 
@@ -135,6 +137,10 @@ def defaults() -> ml_collections.ConfigDict:
         keep=3,
     )
 
+    # What the run leaves in DIR/export/ (tpu_keras.models.export): any of EXPORT_FORMATS;
+    # () is every one that applies (a keras-hub task: all of them; any other model: saved_model).
+    config.export = dict(formats=())
+
     config.log = dict(
         every_steps=50,       # one log line, and TensorBoard scalars, per interval
         # (first, last): a TensorBoard profile of these steps (1-based, whole host
@@ -162,6 +168,10 @@ def check(config: ml_collections.ConfigDict) -> None:
                 raise UserError(f"layout.{key} entry {rule!r} is not a (regex, axes) pair such as "
                                 "(r'dense\\d+/kernel', (None, 'model'))")
             refuse_across_slices(rules_from_pairs([rule])[0], mesh)
+    for name in config.export.formats:
+        if name not in EXPORT_FORMATS:
+            raise UserError(f"export.formats has {name!r}, which is not one of {EXPORT_FORMATS}"
+                            f"{closest(str(name), EXPORT_FORMATS)}")
     train, log = config.train, config.log
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "

@@ -1,8 +1,9 @@
 """keras-hub tasks as toolkit models: `model.name = "keras_hub:LlamaCausalLM"`.
 
 The task's backbone comes from a preset (`model.preset`: a folder that
-`save_to_preset` wrote, or a handle such as `kaggle://...`, which needs the
-network) or, to train from scratch, from the backbone's constructor
+`save_to_preset` wrote, a transformers-format folder (config.json with
+`model_type`, model.safetensors, tokenizer.json), local or on gs://, or a
+handle such as `kaggle://...` or `hf://...`, which needs the network) or, to train from scratch, from the backbone's constructor
 arguments given as `model.*` keys; with a preset those keys override its
 config (`dropout=0.1`). The task is then wrapped to read what the toolkit's
 pipelines give and to return float32 logits:
@@ -24,18 +25,18 @@ its gaps show). `layout.extra_rules` adds to either.
 
 LoRA: `model.lora_rank=r` calls the backbone's `enable_lora(r)` once its
 weights are loaded, under the run's distribution: every other weight is
-frozen, and the optimizer holds state for the LoRA factors alone.
+frozen (the LoRA layers' biases too, which Keras would train), and the
+optimizer holds state for the LoRA factors alone.
 """
 
 import functools
 import inspect
-import json
 import os
 
 import keras
 
 from tpu_keras.errors import UserError, closest
-from tpu_keras.models import hub_layouts
+from tpu_keras.models import hub_layouts, hub_presets
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
 from tpu_keras.models.registry import Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
@@ -84,34 +85,24 @@ def import_keras_hub():
 
 
 def backbone_config(backbone_cls, kwargs: dict) -> dict:
-    """The backbone's constructor arguments: a local preset's config with `kwargs` over it."""
+    """The backbone's constructor arguments: a local preset's (any format) with `kwargs` over it."""
     own = _backbone_kwargs(kwargs)
     preset = kwargs.get("preset", "")
     if not preset or _is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
         # A handle's config is known once it is downloaded, when the model is built; a
         # preset the run writes (`prepare_preset`) is made from these arguments.
         return own
-    saved = _saved_config(preset)
-    if saved.get("class_name") and saved["class_name"] != backbone_cls.__name__:
-        raise UserError(f"model.preset={preset!r} holds a {saved['class_name']}, not the "
-                        f"{backbone_cls.__name__} that model.name needs; pick the matching task")
-    return {**saved.get("config", {}), **own}
+    saved_cls, saved = hub_presets.describe(preset)
+    if not issubclass(saved_cls, backbone_cls):
+        task = saved_cls.__name__.replace("Backbone", "CausalLM")
+        raise UserError(f"model.preset={preset!r} holds a {saved_cls.__name__}, not the "
+                        f"{backbone_cls.__name__} that model.name needs; pick the matching task, "
+                        f"such as model.name='{KERAS_HUB}{task}'")
+    return {**saved, **own}
 
 
 def _backbone_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in _ANY_TOOLKIT_KEY and k != "name"}
-
-
-@functools.lru_cache(maxsize=None)
-def _saved_config(preset: str) -> dict:
-    """A preset folder's config.json, read once per process (the registry asks often)."""
-    config_file = os.path.join(preset, "config.json")
-    import tensorflow as tf  # tf.io.gfile: a preset folder may be on gs://
-    if not tf.io.gfile.exists(config_file):
-        raise UserError(f"model.preset={preset!r} has no config.json; point it at a folder that "
-                        "save_to_preset wrote, or at a keras-hub handle such as 'kaggle://...'")
-    with tf.io.gfile.GFile(config_file) as file:
-        return json.load(file)
 
 
 def _task_class(keras_hub, task_name):
@@ -155,9 +146,12 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
         backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
     if lora_rank:
         backbone.enable_lora(lora_rank)
+        _freeze_lora_biases(backbone)
     name = task_cls.__name__.lower()
     if kind == "causal_lm":
         task = task_cls(backbone=backbone, preprocessor=None, compile=False)
+        if backbone_kwargs:
+            _check_runs(task, backbone_kwargs)
         tokens = keras.Input((context_length,), dtype="int32", name="tokens")
         logits = task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
         return keras.Model(tokens, keras.ops.cast(logits, "float32"), name=name)
@@ -165,6 +159,40 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
                     compile=False)
     images = keras.Input(backbone.input_shape[1:], name="images")
     return keras.Model(images, keras.ops.cast(task(images), "float32"), name=name)
+
+
+def _freeze_lora_biases(backbone):
+    """Keras leaves a LoRA layer's bias trainable (Qwen's query and value have one), and
+    keras-hub's LoRA file holds the factors alone: frozen, as PEFT's default leaves them,
+    the base weights plus that file are the whole fine-tuned model."""
+    for layer in backbone._flatten_layers(include_self=False):
+        if getattr(layer, "lora_enabled", False) and getattr(layer, "bias", None) is not None:
+            layer.bias.trainable = False
+
+
+def _check_runs(task, backbone_kwargs):
+    """Traces the task on two tokens: keras-hub builds backbones from arguments that do not
+    fit together (3 query heads over 2 key/value heads) and fails only when called with a
+    known sequence length. Shapes only: nothing is computed or allocated (`plan` builds
+    an 8B model this way)."""
+    tokens = keras.KerasTensor((1, 2), "int32")
+    try:
+        # The layers' own calls, traced (a functional model's compute_output_spec reuses
+        # the shapes it was built with, where the sequence length is unknown).
+        keras.src.backend.compute_output_spec(task, {"token_ids": tokens, "padding_mask": tokens})
+    except Exception as error:  # pylint: disable=broad-except  # tf's OpError, jax's TypeError...
+        given = ", ".join(f"model.{k}={v!r}" for k, v in sorted(backbone_kwargs.items()))
+        reason = next((line for line in (_plain(l) for l in str(error).splitlines())
+                       if line and not line.startswith("Exception encountered")),
+                      type(error).__name__)
+        raise UserError(f"keras-hub's {type(task.backbone).__name__} does not run with {given} "
+                        f"({reason[:200]}); change those model.* values") from None
+
+
+def _plain(line: str) -> str:
+    """A line of an error message without Keras's terminal colour codes."""
+    import re
+    return re.sub(r"\x1b\[[0-9;]*m|\{\{[^}]*\}\}", "", line).strip()
 
 
 def _layout(backbone_cls, kwargs):

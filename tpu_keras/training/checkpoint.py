@@ -87,6 +87,15 @@ class TFCheckpointer:
                             "away to start afresh")
         return self.step
 
+    def restore(self, step: int) -> int:
+        """Restores the committed checkpoint of `step` (python -m tpu_keras.export --step)."""
+        paths = {int(p.rsplit("-", 1)[-1]): p for p in self.committed()}
+        if step not in paths:
+            raise UserError(f"--step={step} is not a checkpoint in {self.shared_dir}; "
+                            f"its checkpoints are at steps {sorted(paths)}")
+        self._checkpoint.restore(paths[step]).assert_existing_objects_matched()
+        return self.step
+
     def save(self) -> None:
         """Writes the checkpoint of the current step (every host), then commits it (chief)."""
         step = self.step
@@ -131,9 +140,16 @@ class OrbaxCheckpointer:
     def _variables(self):
         return {"model": self._model.variables, "optimizer": self._model.optimizer.variables}
 
-    def restore_latest(self) -> int:
+    def restore(self, step: int) -> int:
+        """Restores the checkpoint of `step` (python -m tpu_keras.export --step)."""
+        if step not in self._manager.all_steps():
+            raise UserError(f"--step={step} is not a checkpoint in {self.shared_dir}; "
+                            f"its checkpoints are at steps {sorted(self._manager.all_steps())}")
+        return self.restore_latest(step)
+
+    def restore_latest(self, step=None) -> int:
         import jax
-        latest = self._manager.latest_step()
+        latest = self._manager.latest_step() if step is None else step
         if latest is not None:
             variables = self._variables()
             target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding),

@@ -144,14 +144,28 @@ def train(config, workdir: str, started: float | None = None):
     logging.info("weights fingerprint: %.12e", _fingerprint(model))
 
     # ----- export --------------------------------------------------------------
-    if cluster.is_chief:
-        export_dir = os.path.join(workdir, "export")
-        with run_timings.phase("export"):
-            model.export(export_dir, verbose=False)
-        logging.info("exported SavedModel to %s", export_dir)
+    with run_timings.phase("export"):
+        _export(model, config, workdir, cluster)
     logger.close()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
     return history
+
+
+def _export(model, config, workdir, cluster):
+    """DIR/export/ (tpu_keras.models.export), on the chief. A format the model's family has
+    no exporter for is a warning: the run itself succeeded, and the others are written."""
+    from tpu_keras.models import export
+    chosen = export.formats(config, export.find_task(model))
+    if cluster.engine == "jax" and cluster.num_processes > 1 and set(chosen) - {"saved_model"}:
+        # Another host's shards are out of the chief's reach; the export command reads
+        # them from the final checkpoint instead, into one host's memory.
+        logging.warning("export: %s from a run on %d hosts: run python -m tpu_keras.export "
+                        "--workdir=%s on one host", ", ".join(chosen), cluster.num_processes, workdir)
+        chosen = tuple(name for name in chosen if name == "saved_model")
+    if not cluster.is_chief or not chosen:
+        return
+    for problem in export.write(model, config, os.path.join(workdir, "export"), chosen):
+        logging.warning("export: %s", problem)
 
 
 def with_text_metrics(builder, tokens_per_byte: float):

@@ -1,0 +1,74 @@
+"""Export a run's checkpoint: `python -m tpu_keras.export --workdir=DIR [--step=N]`.
+
+Writes what a run writes at its end (DIR/export/: a keras-hub preset, a
+transformers folder, a LoRA run's factors, the SavedModel; see
+`tpu_keras.models.export`) from any committed checkpoint: the newest, or
+that of --step. The model is rebuilt from DIR/config.json in this host's
+memory (the CPU device, not the accelerators) and the checkpoint restored
+into it, so it serves runs of any mesh and any number of hosts (a run on
+several jax hosts leaves its keras-hub exports to this command). A format
+the model's family has no exporter for is one `error:` line and exit 2,
+after the other formats are written.
+"""
+
+import os
+
+from absl import flags, logging
+
+from tpu_keras import cli
+from tpu_keras.errors import UserError
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
+_STEP = flags.DEFINE_integer("step", None, "The checkpoint to export; default: the newest.")
+_FORMATS = flags.DEFINE_list("formats", None, "Formats to write (saved_model, keras_hub, "
+                             "transformers, lora); default: the run's export.formats.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments {argv[1:]}")
+    if not _WORKDIR.value:
+        raise UserError("give --workdir=DIR, the folder of a run of python -m tpu_keras.train")
+    logging.set_verbosity(logging.WARNING)
+    from tpu_keras import config as config_lib
+    from tpu_keras.cluster import engine
+    from tpu_keras.tools import sampling
+    config = sampling.read_run_config(_WORKDIR.value)
+    if _FORMATS.value is not None:
+        config.export.formats = tuple(_FORMATS.value)
+    config_lib.check(config)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host memory: never the accelerators
+    engine.select(config.engine)
+    from tpu_keras.models import export
+    model, step = load(_WORKDIR.value, config, _STEP.value)
+    export_dir = os.path.join(_WORKDIR.value, "export")
+    problems = export.write(model, config, export_dir)
+    print(f"exported step {step} of {config.model.name} to {export_dir}")
+    if problems:
+        raise UserError("; ".join(problems))
+    cli.exit_at_once(0)
+
+
+def load(workdir: str, config, step=None):
+    """(model, step): the run's model on this host's first device, the checkpoint of `step`
+    (default: the newest) restored."""
+    from tpu_keras import cluster as cluster_lib
+    from tpu_keras import models
+    from tpu_keras.training import checkpoint, defaults
+    from tpu_keras.training.run import build_model
+
+    models.hub.prepare_preset(config.model, workdir, is_chief=True)  # a {workdir} preset
+    config.mesh.update(data=1, fsdp=1, model=1)
+    config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
+                          virtual_devices=0)
+    cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    defaults.resolve(config, cluster)  # the dtype policy the run trained in
+    model = build_model(config, cluster)
+    saver = checkpoint.open_checkpointer(workdir, model, cluster)
+    if saver.latest_saved_step() is None:
+        raise UserError(f"{workdir} has no checkpoint yet; export once the run has saved one")
+    return model, saver.restore_latest() if step is None else saver.restore(step)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,234 @@
+"""Models out: what a run leaves in DIR/export/ for other tools to load.
+
+`export.formats` picks them (empty: every one that applies to the model):
+
+- `saved_model`: the wrapped model as a TensorFlow SavedModel (DIR/export/);
+- `keras_hub`: a keras-hub preset of the fine-tuned task with its tokenizer
+  (DIR/export/keras_hub/; `keras_hub.models.<Task>.from_preset` loads it);
+- `transformers`: keras-hub's transformers exporter (DIR/export/transformers/,
+  for the families it knows: Llama 3, Gemma, Mistral, Qwen, GPT-2), tokenizer
+  included;
+- `lora`: a LoRA run's factors alone, in keras-hub's `save_lora_weights`
+  format (DIR/export/lora.weights.h5); the two folders above hold the
+  factors merged into the weights (keras's own merge when a LoRA layer saves).
+
+The keras-hub formats are written from a host copy of the task: a fresh
+task of the same config built in host memory (no distribution, the CPU
+device), into which the run's weights are copied one variable at a time.
+A sharded weight goes from its devices to host memory shard by shard
+(`numpy.asarray` of a jax array assembles the shards on the host), so no
+device holds more than it did in training. keras-hub's savers write local
+files; they are written into a temporary folder and copied with
+`tf.io.gfile`, so DIR may be on gs://.
+"""
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from absl import logging
+
+from tpu_keras.config import EXPORT_FORMATS as FORMATS  # noqa: F401  # the names, checked there
+LORA_FILE = "lora.weights.h5"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def formats(config, task=None) -> tuple[str, ...]:
+    """The formats to write: `export.formats`, or every one that applies."""
+    from tpu_keras.models.hub import KERAS_HUB
+    chosen = tuple(config.export.formats)
+    if chosen:
+        return chosen
+    if not config.model.name.startswith(KERAS_HUB):
+        return ("saved_model",)
+    applies = ["saved_model", "keras_hub"]
+    if task is None or _has_transformers_exporter(task):
+        applies.append("transformers")
+    if config.model.get("lora_rank"):
+        applies.append("lora")
+    return tuple(applies)
+
+
+def write(model, config, export_dir: str, chosen=None) -> list[str]:
+    """Writes the `chosen` formats (default: `formats(config)`) of the run's `model`
+    into `export_dir`; returns a line for each format that could not be written
+    for this model (the family the transformers exporter lacks), after writing the others."""
+    task = find_task(model)
+    chosen = formats(config, task) if chosen is None else chosen
+    problems = []
+    if "saved_model" in chosen:
+        model.export(export_dir, verbose=False)
+        logging.info("exported SavedModel to %s", export_dir)
+    hub_formats = [name for name in chosen if name != "saved_model"]
+    if not hub_formats:
+        return problems
+    if task is None:
+        return [f"export.formats {hub_formats} are keras-hub formats, and {config.model.name!r} "
+                "is not a keras-hub task; export it as 'saved_model'"]
+    lora = bool(getattr(task.backbone, "_lora_enabled_layers", None))
+    if "lora" in hub_formats and not lora:
+        problems.append(f"export format 'lora' needs a LoRA run (model.lora_rank), and "
+                        f"{config.model.name!r} trained every weight; drop 'lora' from export.formats")
+    if "transformers" in hub_formats and not _has_transformers_exporter(task):
+        problems.append(f"keras-hub has no transformers exporter for {type(task.backbone).__name__} "
+                        f"({config.model.name}); the other formats were written")
+        hub_formats.remove("transformers")
+    host = host_copy(task, config.model.get("preset", ""))
+    with tempfile.TemporaryDirectory() as local:
+        if "keras_hub" in hub_formats:
+            host.save_to_preset(os.path.join(local, "keras_hub"))
+        if "transformers" in hub_formats:
+            host.export_to_transformers(os.path.join(local, "transformers"))
+            _complete_config(os.path.join(local, "transformers"), config.model.get("preset", ""))
+        if "lora" in hub_formats and lora:
+            host.backbone.save_lora_weights(os.path.join(local, "adapter.lora.h5"))
+            os.rename(os.path.join(local, "adapter.lora.h5"), os.path.join(local, LORA_FILE))
+        for name in sorted(os.listdir(local)):
+            copy(os.path.join(local, name), os.path.join(export_dir, name))
+            logging.info("exported %s to %s", name, os.path.join(export_dir, name))
+    return problems
+
+
+def _complete_config(folder: str, preset: str) -> None:
+    """keras-hub 0.32's exporters leave out what its own loader (and vLLM) read: Qwen's
+    `architectures`, sliding-window keys and tokenizer.json, Gemma's and GPT-2's
+    `architectures`. Where the run started from a transformers checkpoint of the same
+    model_type, the config keys the exporter did not write are kept from that checkpoint's
+    config.json, and its tokenizer files (fine-tuning leaves the tokenizer as it was)."""
+    import json
+    if not preset or "{workdir}" in preset:
+        return
+    from tpu_keras.models import hub, hub_presets
+    if hub._is_handle(preset) or not hub_presets.is_transformers(preset):
+        return
+    path = os.path.join(folder, "config.json")
+    with open(path) as file:
+        written = json.load(file)
+    source = hub_presets.source_config(preset)
+    if source.get("model_type") != written.get("model_type"):
+        return
+    missing = {key: value for key, value in source.items() if key not in written}
+    if missing:
+        with open(path, "w") as file:
+            json.dump({**written, **missing}, file, indent=2)
+    import tensorflow as tf  # the checkpoint may be on gs://
+    for name in _TOKENIZER_FILES:  # Qwen's exporter writes vocab.json, its loader reads these
+        if not os.path.exists(os.path.join(folder, name)) and tf.io.gfile.exists(os.path.join(preset, name)):
+            tf.io.gfile.copy(os.path.join(preset, name), os.path.join(folder, name))
+
+
+def find_task(model):
+    """The keras-hub task inside the toolkit's wrapped model, or None for any other model."""
+    try:
+        import keras_hub
+    except ImportError:
+        return None
+    if isinstance(model, keras_hub.models.Task):
+        return model
+    return next((layer for layer in model._flatten_layers(include_self=False)
+                 if isinstance(layer, keras_hub.models.Task)), None)
+
+
+def host_copy(task, preset: str = ""):
+    """The same task in host memory with `task`'s weights (LoRA factors kept, not merged),
+    and the preset's preprocessor when it has a tokenizer."""
+    import keras
+    backbone = task.backbone
+    # Made without running initialisers (jax would compile a random initialiser for each
+    # shape, most of an export's time): each variable is assigned the run's value.
+    with _on_host(), keras.StatelessScope(initialize_variables=False):
+        host_backbone = type(backbone).from_config(backbone.get_config())
+        rank = getattr(backbone, "_lora_rank", 0)
+        if getattr(backbone, "_lora_enabled_layers", None):
+            host_backbone.enable_lora(rank)
+        task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
+                       "compile": False}
+        host = type(task).from_config(task_config)
+        if len(host.weights) != len(task.weights):
+            raise RuntimeError(f"the host copy of {type(task).__name__} has {len(host.weights)} "
+                               f"weights, the run's {len(task.weights)}")
+    with _on_host():
+        for source, target in zip(task.weights, host.weights):
+            value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
+            if target._value is None:  # made without its initialiser: the run's value is its first
+                target._initialize_with_initializer(lambda shape, dtype, value=value: value)
+                target._initializer = None
+            else:
+                target.assign(value)
+        _initialize_the_rest()
+    host.preprocessor = _preprocessor(type(task), preset)
+    return host
+
+
+def _preprocessor(task_cls, preset: str):
+    """The preset's preprocessor (its tokenizer), or None where it has none."""
+    if not preset or not getattr(task_cls, "preprocessor_cls", None):
+        return None
+    try:
+        return task_cls.preprocessor_cls.from_preset(preset)
+    except (ValueError, FileNotFoundError, OSError, KeyError) as error:
+        logging.warning("the exports carry no tokenizer: model.preset=%s has none that %s "
+                        "reads (%s)", preset, task_cls.preprocessor_cls.__name__,
+                        str(error).splitlines()[0][:120] if str(error) else type(error).__name__)
+        return None
+
+
+def _initialize_the_rest():
+    """Variables made in `StatelessScope(initialize_variables=False)` wait for a value: those
+    the copy did not assign (a seed generator's state) get their initialiser's now."""
+    from keras.src.backend.common import global_state
+    waiting = global_state.get_global_attribute("uninitialized_variables") or []
+    global_state.set_global_attribute("uninitialized_variables", [])
+    for variable in waiting:
+        if variable._value is None:
+            variable._deferred_initialize()
+
+
+@contextlib.contextmanager
+def _on_host():
+    """Builds variables in host memory: no distribution, the CPU device."""
+    import keras
+    if keras.backend.backend() == "jax":
+        import jax
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            with jax.default_device(jax.devices("cpu")[0]):
+                yield
+        finally:
+            keras.distribution.set_distribution(previous)
+    else:
+        import tensorflow as tf
+        with tf.device("/cpu:0"):
+            yield
+
+
+def _has_transformers_exporter(task) -> bool:
+    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
+    import keras_hub
+    return (isinstance(task, keras_hub.models.CausalLM)
+            and type(task.backbone).__name__ in MODEL_EXPORTERS)
+
+
+def copy(local: str, destination: str) -> None:
+    """Copies a local file or folder to `destination` (local or gs://), replacing it."""
+    import tensorflow as tf
+    if tf.io.gfile.exists(destination):
+        if tf.io.gfile.isdir(destination):
+            tf.io.gfile.rmtree(destination)
+        else:
+            tf.io.gfile.remove(destination)
+    if "://" not in destination:
+        os.makedirs(os.path.dirname(destination) or ".", exist_ok=True)
+        (shutil.copytree if os.path.isdir(local) else shutil.copy)(local, destination)
+        return
+    if not os.path.isdir(local):
+        tf.io.gfile.copy(local, destination, overwrite=True)
+        return
+    for folder, _, files in os.walk(local):
+        relative = os.path.relpath(folder, local)
+        target = destination if relative == "." else os.path.join(destination, relative)
+        tf.io.gfile.makedirs(target)
+        for name in files:
+            tf.io.gfile.copy(os.path.join(folder, name), os.path.join(target, name), overwrite=True)
