@@ -71,9 +71,9 @@ class FitTimer(keras.callbacks.Callback):
     """Times host calls (the first of each fit apart), validations and fit's return
     into a `timings.RunTimings`. Put it first: its batch end then times the call alone."""
 
-    def __init__(self, timings):
+    def __init__(self, timings, cache_watch=None):
         super().__init__()
-        self._timings = timings
+        self._timings, self._cache = timings, cache_watch  # a compile_cache.Watch
         self._first = True
         self._call_start = self._test_start = self._train_end = None
 
@@ -81,6 +81,8 @@ class FitTimer(keras.callbacks.Callback):
         self._first = True
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._first and self._cache:
+            self._cache.begin()
         self._call_start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -88,6 +90,9 @@ class FitTimer(keras.callbacks.Callback):
         # run's are) logs it has already turned into Python numbers, so the call is done.
         calls = self._timings.first_host_calls if self._first else self._timings.host_calls
         calls.append(time.perf_counter() - self._call_start)
+        if self._first and self._cache:
+            self._cache.end()
+            self._timings.compile_cache = self._cache.report()
         self._first = False
 
     def on_test_begin(self, logs=None):
