@@ -13,7 +13,7 @@ import tensorflow as tf
 
 
 class IntervalLogger(keras.callbacks.Callback):
-    """Logs step, metrics, throughput and MFU at the end of every interval.
+    """Logs step, metrics, learning rate, throughput and MFU at the end of every interval.
 
     Throughput is timed from the end of the interval's first host call to the
     end of its last, so tracing, XLA compilation and validation never count
@@ -43,6 +43,8 @@ class IntervalLogger(keras.callbacks.Callback):
         # From the optimizer, not the epoch: a resumed run may start mid-interval.
         step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         scalars = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
+        # The schedule's rate for the next update, as other trainers log it.
+        scalars["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         (start, start_steps), (end, end_steps) = self._clock, self._last
         if end_steps > start_steps:
             scalars["examples_per_second"] = (end_steps - start_steps) * self._batch / (end - start)

@@ -50,9 +50,12 @@ def folder(setting: str, workdir: str) -> str:
     return os.path.join(os.path.dirname(peak.cache_file()), FOLDER)
 
 
-def enable(setting: str, workdir: str, engine: str) -> "Watch":
+def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
     """Turns the cache on for this process (before its steps compile); returns its `Watch`."""
+    engine = cluster.engine
     path = folder(setting, workdir)
+    if engine == "tf" and (not jit_compile or cluster.kind == "tpu"):
+        path = ""  # no XLA program, or one TensorFlow's cache never sees
     if path and not _writable(path):
         path = ""
     if path and engine == "jax":

@@ -55,7 +55,8 @@ def train(config, workdir: str, started: float | None = None):
     with run_timings.phase("cluster"):
         cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
     defaults.resolve(config, cluster)
-    cache_watch = compile_cache.enable(config.train.compile_cache, workdir, config.engine)
+    cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
+                                       config.train.jit_compile)
     if cluster.is_chief:
         workdir_lib.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
     keras.utils.set_random_seed(config.seed)
