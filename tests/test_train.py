@@ -7,6 +7,8 @@ import re
 import sys
 
 from conftest import run, train
+from resume import assert_same_weights, killed_after_checkpoint_then_resumed
+from test_evaluate import assert_same_validation
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 
@@ -107,9 +109,12 @@ def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path
     assert accuracy >= 0.95
 
 
-def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, data_dir):
+def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, tmp_path_factory, data_dir):
     args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}")
+    # Its own compile cache, so that `first` compiles and the runs after it load.
+    args += (f"--config.train.compile_cache={tmp_path_factory.mktemp('compile_cache')}",)
     first = train("configs/digits.py:tiny", tmp_path, *args, "--config.log.profile_steps=(11, 12)")
+    assert re.search(r"\| compile [\d.]+ \(compiled: not in the cache\)", first.stdout), first.stdout[-2000:]
     assert "jax mesh data=1 x model=1 over 1 process(es)" in first.stdout
     assert logged_steps(first.stdout) == [10, 20]
     assert re.search(r"step 20/20 .*grad_norm \d[\d.e+-]* ", first.stdout), first.stdout[-2000:]
@@ -118,6 +123,21 @@ def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, data_dir
     assert_profiled(tmp_path, first.stdout)
     assert re.search(r"done at step 20: val_accuracy [\d.]+", first.stdout), first.stdout[-2000:]
     assert (tmp_path / "checkpoints" / "20").is_dir() and (tmp_path / "export" / "saved_model.pb").exists()
+    # Evaluation as its own job, on another mesh: the run's own validation at step 10.
+    run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={tmp_path}", "--step=10",
+         "--config.cluster.virtual_devices=2", "--config.mesh.model=2"])
+    assert_same_validation(tmp_path, [10])
+    # Killed after a checkpoint, rerun: the steps load from the compile cache, and the
+    # weights end where the uninterrupted run's did.
+    killed = tmp_path_factory.mktemp("killed")
+    resumed = killed_after_checkpoint_then_resumed(
+        [sys.executable, "-m", "tpu_keras.train", "--config=configs/digits.py:tiny",
+         f"--workdir={killed}", *args], step=10)
+    assert re.search(r"resumed from \S+ at step 10", resumed), resumed[-2000:]
+    assert re.search(r"\| compile [\d.]+ \(from the cache\)", resumed), resumed[-2000:]
+    cache = json.loads((killed / "timings.json").read_text())["compile_cache"]
+    assert cache["programs"] >= 1 and cache["from_cache"] == cache["programs"], cache
+    assert_same_weights(killed, tmp_path, step=20)
     again = train("configs/digits.py:tiny", tmp_path, *args, "--config.train.steps=30")
     assert re.search(r"resumed from \S+ at step 20", again.stdout), again.stdout[-2000:]
     assert logged_steps(again.stdout) == [30]

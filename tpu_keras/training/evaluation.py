@@ -53,15 +53,16 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     saver = checkpoint.open_checkpointer(workdir, model, cluster)
     eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
                                        training=False, max_eval_steps=config.train.eval_steps)
-    writer = (tf.summary.create_file_writer(os.path.join(workdir, "tensorboard", "eval"))
-              if cluster.is_chief else None)
+    writers = []  # the TensorBoard writer, made at the first result (chief only)
 
     def one(at: int) -> dict:
         saver.restore(at)
         metrics = model.evaluate(eval_data, steps=eval_steps, return_dict=True, verbose=0)
         metrics = {f"val_{name}": float(value) for name, value in metrics.items()}
         print(f"step {at} | " + " | ".join(f"{k} {v:.7g}" for k, v in metrics.items()), flush=True)
-        if writer:
+        if cluster.is_chief and not writers:
+            writers.append(tf.summary.create_file_writer(os.path.join(workdir, "tensorboard", "eval")))
+        for writer in writers:
             with writer.as_default(step=at):
                 for name, value in metrics.items():
                     tf.summary.scalar(name, value)
@@ -93,7 +94,7 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
             if last < final:
                 time.sleep(poll_seconds)
                 saved = _agreed(saver.saved_steps(), cluster)
-    if writer:
+    for writer in writers:
         writer.close()
     return results
 
