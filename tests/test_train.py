@@ -138,6 +138,13 @@ def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, tmp_path
     cache = json.loads((killed / "timings.json").read_text())["compile_cache"]
     assert cache["programs"] >= 1 and cache["from_cache"] == cache["programs"], cache
     assert_same_weights(killed, tmp_path, step=20)
-    again = train("configs/digits.py:tiny", tmp_path, *args, "--config.train.steps=30")
+    # A compile cache that cannot be written: one warning, and the run goes on without it.
+    blocker = tmp_path_factory.mktemp("blocked") / "a_file"
+    blocker.write_text("")
+    again = train("configs/digits.py:tiny", tmp_path, *args[:-1], "--config.train.steps=30",
+                  f"--config.train.compile_cache={blocker / 'cache'}")
+    warnings = [line for line in again.stdout.splitlines() if "cannot be written" in line]
+    assert len(warnings) == 1 and "running without it" in warnings[0], again.stdout[-2000:]
+    assert re.search(r"\| compile [\d.]+ \(no cache\)", again.stdout), again.stdout[-2000:]
     assert re.search(r"resumed from \S+ at step 20", again.stdout), again.stdout[-2000:]
     assert logged_steps(again.stdout) == [30]
