@@ -108,7 +108,7 @@ def describe_cache(report: dict) -> str:
         return "(no cache)"
     programs, hits = report["programs"], report["from_cache"]
     if not programs:
-        return "(no XLA program: nothing to cache)"
+        return "(nothing compiled)"
     if hits == programs:
         return "(from the cache)"
     if hits:

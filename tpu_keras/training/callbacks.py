@@ -94,7 +94,6 @@ class FitTimer(keras.callbacks.Callback):
         calls.append(time.perf_counter() - self._call_start)
         if self._first and self._cache:
             self._cache.end()
-            self._timings.compile_cache = self._cache.report()
         self._first = False
 
     def on_test_begin(self, logs=None):

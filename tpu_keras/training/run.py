@@ -148,6 +148,7 @@ def train(config, workdir: str, started: float | None = None):
             model.export(export_dir, verbose=False)
         logging.info("exported SavedModel to %s", export_dir)
     logger.close()
+    run_timings.compile_cache = cache_watch.report()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
     return history
 
