@@ -113,7 +113,7 @@ class TFCheckpointer:
                 tf.io.gfile.rmtree(self._own_dir)
             return
         previous = [p for p in self.committed() if p != path]
-        kept = previous[len(previous) - self._keep + 1:] if self._keep > 1 else []
+        kept = previous[max(0, len(previous) - self._keep + 1):] if self._keep > 1 else []
         # The commit: one atomic rewrite of the state file `tf.train.get_checkpoint_state`
         # reads (a text proto), with names relative to the folder, as CheckpointManager
         # writes it, so the folder can be moved (to gs:// and back).
