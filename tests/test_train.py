@@ -31,6 +31,10 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     assert b"mfu" in open(events[0], "rb").read()
     # The global gradient norm, which the NaN guard watches too.
     assert re.search(r"grad_norm \d[\d.e+-]* ", output) and b"grad_norm" in open(events[0], "rb").read()
+    # The learning rate, as every trainer logs it: the schedule's, after warmup and decay.
+    rates = [float(r) for r in re.findall(r"step \d+/20 \| .*learning_rate ([\d.e-]+) \|", output)]
+    assert len(rates) == 2 and rates[1] < rates[0], rates
+    assert b"learning_rate" in open(events[0], "rb").read()
     assert (workdir / "checkpoints" / "ckpt-20.index").exists()
     assert (workdir / "export" / "saved_model.pb").exists()
 
