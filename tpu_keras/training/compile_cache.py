@@ -25,7 +25,6 @@ one warning, and it goes on compiling.
 """
 
 import os
-import uuid
 
 from absl import logging
 
@@ -75,20 +74,12 @@ def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
 
 def _writable(path: str) -> bool:
     """Whether this process can create and write in `path`; else one warning line."""
-    import tensorflow as tf
-    probe = os.path.join(path, f".write_check_{uuid.uuid4().hex}")
-    try:
-        tf.io.gfile.makedirs(path)
-        with tf.io.gfile.GFile(probe, "w") as f:
-            f.write("")
-        tf.io.gfile.remove(probe)
-        return True
-    except (tf.errors.OpError, OSError) as error:
-        reason = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
+    from tpu_keras import workdir
+    reason = workdir.unwritable(path)
+    if reason:
         logging.warning("compile cache %s cannot be written (%s); running without it (set "
-                        "train.compile_cache to a folder you can write, or 'off')",
-                        path, reason.strip().splitlines()[0])
-        return False
+                        "train.compile_cache to a folder you can write, or 'off')", path, reason)
+    return not reason
 
 
 class Watch:
