@@ -2,14 +2,16 @@
 
     python scripts/benchmark.py --data
     python scripts/benchmark.py --fit [--modes=one_device,mirrored4]
-    python scripts/benchmark.py --run [--run_config=lm_stdlib]
+    python scripts/benchmark.py --run [--run_config=lm_stdlib] [--repeat=2 --run_engine=jax]
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
 went (the run's own DIR/timings.json, plus the process's exit, which only
 the outside sees). `outside_steps_fraction` is the share of the wall time
 not spent in training steps: start-up, compiling, validation, checkpoints,
-export, exit and anything else the toolkit does around the work.
+export, exit and anything else the toolkit does around the work. With
+--repeat=2 it runs twice, on fresh workdirs sharing one fresh compile cache,
+and shows both compile figures and their ratio.
 
 --fit: the toolkit's `fit` next to plain Keras `fit` on the same model, the
 same initial weights and the same batch (one real batch repeated from
@@ -54,6 +56,9 @@ _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate."
 _RUN = flags.DEFINE_bool("run", False, "A whole training run, timed, and where its time goes.")
 _RUN_CONFIG = flags.DEFINE_string("run_config", "lm_stdlib", "--run: a config module under "
                                   "configs/, optionally with :VARIANT.")
+_REPEAT = flags.DEFINE_integer("repeat", 1, "--run: runs on fresh workdirs that share one fresh "
+                                "compile cache (2: the second loads what the first compiled).")
+_RUN_ENGINE = flags.DEFINE_string("run_engine", "tf", "--run with --repeat above 1: tf or jax.")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -271,7 +276,7 @@ def _training_rate(model, dataset, batch, seconds):
     return steps_per_execution * batch / statistics.median(call_times(executions))
 
 
-def run_benchmark(name):
+def run_benchmark(name, extra_args=()):
     """One `python -m tpu_keras.train` run in a fresh process: its wall time and breakdown."""
     import subprocess
     import tempfile
@@ -285,7 +290,7 @@ def run_benchmark(name):
     with tempfile.TemporaryDirectory() as workdir:
         start = time.time()
         result = subprocess.run([sys.executable, "-m", "tpu_keras.train", f"--config={config_arg}",
-                                 f"--workdir={workdir}"], cwd=REPO, text=True,
+                                 f"--workdir={workdir}", *extra_args], cwd=REPO, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         wall = time.time() - start
         if result.returncode:
@@ -297,7 +302,23 @@ def run_benchmark(name):
     return {"config": config_arg, "steps": config.train.steps, "wall_seconds": round(wall, 1),
             "seconds": {name: round(value, 2) for name, value in seconds.items()},
             "examples_per_second_in_steps": round(examples / seconds["steps"], 1),
-            "outside_steps_fraction": round(1 - seconds["steps"] / wall, 3)}
+            "outside_steps_fraction": round(1 - seconds["steps"] / wall, 3),
+            "compile_cache": inside.get("compile_cache", {}).get("note", "")}
+
+
+def repeated_runs(name, repeat, engine):
+    """`repeat` runs of `name` on fresh workdirs sharing one fresh compile cache: what the
+    persistent compilation cache saves a rerun, a resume or an evaluation job."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as cache:
+        results = [run_benchmark(name, (f"--config.engine={engine}",
+                                        f"--config.train.compile_cache={cache}"))
+                   for _ in range(repeat)]
+    first = results[0]["seconds"]["compile"]
+    return {"engine": engine, "runs": results,
+            "compile_seconds": [r["seconds"]["compile"] for r in results],
+            "later_compile_over_first": [round(r["seconds"]["compile"] / first, 3) if first else None
+                                         for r in results[1:]]}
 
 
 def _run_modes(modes):
@@ -328,6 +349,9 @@ def main(argv):
         else:
             results = _run_modes(_MODES.value)
         print(json.dumps({"benchmark": "fit", "results": results}, indent=2))
+    elif _RUN.value and _REPEAT.value > 1:
+        print(json.dumps({"benchmark": "run", "repeated": repeated_runs(
+            _RUN_CONFIG.value, _REPEAT.value, _RUN_ENGINE.value)}, indent=2))
     elif _RUN.value:
         print(json.dumps({"benchmark": "run", "results": [run_benchmark(_RUN_CONFIG.value)]}, indent=2))
     elif _DATA.value:

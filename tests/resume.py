@@ -79,7 +79,7 @@ def killed_after_checkpoint_then_resumed(args, step: int, timeout=300) -> str:
     has saved checkpoint `step`, runs the same command to the end; returns that output."""
     process = start(args)
     try:
-        read_until(process, rf"saved checkpoint .*ckpt-{step}\b")
+        read_until(process, rf"saved checkpoint \S*(ckpt-|/){step}\b")  # tf, Orbax
     finally:
         process.kill()
         process.wait()
@@ -92,14 +92,21 @@ def committed_steps(workdir):
 
 
 def weights(workdir, step=STEPS):
+    """{name: array} of the checkpoint of `step`: TensorFlow's format, or Orbax's (jax engine)."""
+    orbax_dir = workdir / "checkpoints" / str(step) / "default"
+    if orbax_dir.is_dir():
+        import orbax.checkpoint as ocp
+        tree = ocp.StandardCheckpointer().restore(str(orbax_dir))
+        return {f"{group}/{i}": np.asarray(value) for group, values in tree.items()
+                for i, value in enumerate(values)}
     import tensorflow as tf
     reader = tf.train.load_checkpoint(str(workdir / "checkpoints" / f"ckpt-{step}"))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
             if name != "_CHECKPOINTABLE_OBJECT_GRAPH"}
 
 
-def assert_same_weights(workdir, reference):
-    ours, theirs = weights(workdir), weights(reference)
+def assert_same_weights(workdir, reference, step=STEPS):
+    ours, theirs = weights(workdir, step), weights(reference, step)
     assert ours.keys() == theirs.keys()
     worst = max(float(np.max(np.abs(ours[k].astype(np.float64) - theirs[k]))) for k in ours)
     assert worst <= 1e-6, worst

@@ -17,6 +17,7 @@ import time
 from conftest import NO_PRIVATE_NETWORK, reachable, run, skip_without_private_network
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish,
                     read_until, resumed_step, running, seen_over_the_run)
+from test_evaluate import assert_same_validation
 
 
 def launch_args(workdir, data_dir, *launcher_flags):
@@ -50,13 +51,24 @@ def host_pids(lines):
 def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         tmp_path_factory, data_dir):
     reference = tmp_path_factory.mktemp("two_hosts_reference")
-    with running(launch_args(reference, data_dir)) as launcher:
+    # An evaluation job follows the reference run (all of whose checkpoints are kept).
+    with running(launch_args(reference, data_dir) + ["--config.checkpoint.keep=5"]) as launcher:
         started = "".join(read_until(launcher, r"hosts started: "))
-        read_until(launcher, rf"\[host 0\].*step 10/{STEPS}")
-        listening = {pid: listening_ports(pid) for pid in host_pids(started)}
-        in_reach = {port: reachable(port) for ports in listening.values() for port in ports}
-        output = finish(launcher, timeout=300)
+        deadline = time.monotonic() + 200
+        while not (reference / "config.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        with running([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={reference}",
+                      "--watch", "--poll_seconds=0.5"]) as watcher:
+            read_until(launcher, rf"\[host 0\].*step 10/{STEPS}")
+            listening = {pid: listening_ports(pid) for pid in host_pids(started)}
+            in_reach = {port: reachable(port) for ports in listening.values() for port in ports}
+            output = finish(launcher, timeout=300)
+            evaluated = finish(watcher, timeout=200)
     assert launcher.returncode == 0, output[-3000:]
+    assert watcher.returncode == 0, evaluated[-3000:]
+    assert re.findall(r"^step (\d+) \|", evaluated, re.M) == ["10", "20", "30", "40"], evaluated[-3000:]
+    assert_same_validation(reference, [10, 20, 30, 40])
     assert len(listening) == 2 and all(listening.values()), listening  # each its TF worker server
     private = NO_PRIVATE_NETWORK not in started
     if private:

@@ -6,7 +6,11 @@ import os
 import re
 import sys
 
+import pytest
+
 from conftest import run, train
+from resume import assert_same_weights, killed_after_checkpoint_then_resumed
+from test_evaluate import assert_same_validation
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 
@@ -27,6 +31,10 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
     assert b"mfu" in open(events[0], "rb").read()
     # The global gradient norm, which the NaN guard watches too.
     assert re.search(r"grad_norm \d[\d.e+-]* ", output) and b"grad_norm" in open(events[0], "rb").read()
+    # The learning rate, as every trainer logs it: the schedule's, after warmup and decay.
+    rates = [float(r) for r in re.findall(r"step \d+/20 \| .*learning_rate ([\d.e-]+) \|", output)]
+    assert len(rates) == 2 and rates[1] < rates[0], rates
+    assert b"learning_rate" in open(events[0], "rb").read()
     assert (workdir / "checkpoints" / "ckpt-20.index").exists()
     assert (workdir / "export" / "saved_model.pb").exists()
 
@@ -107,17 +115,54 @@ def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path
     assert accuracy >= 0.95
 
 
-def test_the_same_config_trains_and_resumes_on_the_jax_engine(tmp_path, data_dir):
-    args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}")
-    first = train("configs/digits.py:tiny", tmp_path, *args, "--config.log.profile_steps=(11, 12)")
-    assert "jax mesh data=1 x model=1 over 1 process(es)" in first.stdout
-    assert logged_steps(first.stdout) == [10, 20]
-    assert re.search(r"step 20/20 .*grad_norm \d[\d.e+-]* ", first.stdout), first.stdout[-2000:]
-    events = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+@pytest.fixture(scope="module")
+def jax_run(tmp_path_factory, data_dir):
+    """The digits on the jax engine, 20 steps, with a compile cache of its own (so that it
+    compiles, and the runs after it load): (workdir, output, the flags of its runs)."""
+    workdir = tmp_path_factory.mktemp("jax_run")
+    args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}",
+            f"--config.train.compile_cache={tmp_path_factory.mktemp('compile_cache')}")
+    first = train("configs/digits.py:tiny", workdir, *args, "--config.log.profile_steps=(11, 12)")
+    return workdir, first.stdout, args
+
+
+def test_the_same_config_trains_and_resumes_on_the_jax_engine(jax_run, tmp_path_factory):
+    workdir, output, args = jax_run
+    assert re.search(r"\| compile [\d.]+ \(compiled: not in the cache\)", output), output[-2000:]
+    assert "jax mesh data=1 x model=1 over 1 process(es)" in output
+    assert logged_steps(output) == [10, 20]
+    assert re.search(r"step 20/20 .*grad_norm \d[\d.e+-]* ", output), output[-2000:]
+    events = glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
     assert events and b"grad_norm" in open(events[0], "rb").read()
-    assert_profiled(tmp_path, first.stdout)
-    assert re.search(r"done at step 20: val_accuracy [\d.]+", first.stdout), first.stdout[-2000:]
-    assert (tmp_path / "checkpoints" / "20").is_dir() and (tmp_path / "export" / "saved_model.pb").exists()
-    again = train("configs/digits.py:tiny", tmp_path, *args, "--config.train.steps=30")
+    assert_profiled(workdir, output)
+    assert re.search(r"done at step 20: val_accuracy [\d.]+", output), output[-2000:]
+    assert (workdir / "checkpoints" / "20").is_dir() and (workdir / "export" / "saved_model.pb").exists()
+    # A compile cache that cannot be written: one warning, and the run goes on without it.
+    blocker = tmp_path_factory.mktemp("blocked") / "a_file"
+    blocker.write_text("")
+    again = train("configs/digits.py:tiny", workdir, *args[:-1], "--config.train.steps=30",
+                  f"--config.train.compile_cache={blocker / 'cache'}")
+    warnings = [line for line in again.stdout.splitlines() if "cannot be written" in line]
+    assert len(warnings) == 1 and "running without it" in warnings[0], again.stdout[-2000:]
+    assert re.search(r"\| compile [\d.]+ \(no cache\)", again.stdout), again.stdout[-2000:]
     assert re.search(r"resumed from \S+ at step 20", again.stdout), again.stdout[-2000:]
     assert logged_steps(again.stdout) == [30]
+
+
+def test_a_jax_run_evaluates_on_another_mesh_and_resumes_from_the_compile_cache(jax_run, tmp_path_factory):
+    workdir, _, args = jax_run
+    # Evaluation as its own job, on another mesh: the run's own validation at step 10.
+    run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}", "--step=10",
+         "--config.cluster.virtual_devices=2", "--config.mesh.model=2"])
+    assert_same_validation(workdir, [10])
+    # Killed after a checkpoint, rerun: the steps load from the compile cache, and the
+    # weights end where the uninterrupted run's did.
+    killed = tmp_path_factory.mktemp("killed")
+    resumed = killed_after_checkpoint_then_resumed(
+        [sys.executable, "-m", "tpu_keras.train", "--config=configs/digits.py:tiny",
+         f"--workdir={killed}", *args], step=10)
+    assert re.search(r"resumed from \S+ at step 10", resumed), resumed[-2000:]
+    assert re.search(r"\| compile [\d.]+ \(from the cache\)", resumed), resumed[-2000:]
+    cache = json.loads((killed / "timings.json").read_text())["compile_cache"]
+    assert cache["programs"] >= 1 and cache["from_cache"] == cache["programs"], cache
+    assert_same_weights(killed, workdir, step=20)

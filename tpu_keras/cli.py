@@ -69,6 +69,14 @@ def exit_at_once(code: int):
     os._exit(code)
 
 
+def own_info_only() -> None:
+    """Keeps the log readable: INFO lines from tpu_keras, warnings from everyone."""
+    import logging as std_logging
+    from absl import logging
+    logging.get_absl_handler().python_handler.addFilter(
+        lambda record: record.levelno >= std_logging.WARNING or "tpu_keras" in record.pathname)
+
+
 def _main_or_fail(main, argv):
     try:
         return main(argv)

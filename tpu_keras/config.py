@@ -130,6 +130,10 @@ def defaults() -> ml_collections.ConfigDict:
         # (reload it and leave out the batch that diverged, at most max_nonfinite_skips times).
         on_nonfinite="stop",
         max_nonfinite_skips=3,
+        # Compiled steps reused across processes (tpu_keras.training.compile_cache): 'auto'
+        # is ~/.cache/tpu_keras/compile_cache, or WORKDIR/compile_cache on gs://; a folder;
+        # '' or 'off'.
+        compile_cache="auto",
     )
 
     config.checkpoint = dict(

@@ -67,7 +67,13 @@ def load(workdir: str, config, step=None):
     saver = checkpoint.open_checkpointer(workdir, model, cluster)
     if saver.latest_saved_step() is None:
         raise UserError(f"{workdir} has no checkpoint yet; export once the run has saved one")
-    return model, saver.restore_latest() if step is None else saver.restore(step)
+    if step is None:
+        return model, saver.restore_latest()
+    if step not in saver.saved_steps():
+        raise UserError(f"--step={step} is not a checkpoint in {workdir}; its checkpoints are "
+                        f"at steps {saver.saved_steps()}")
+    saver.restore(step)
+    return model, step
 
 
 if __name__ == "__main__":

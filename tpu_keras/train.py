@@ -6,7 +6,6 @@ this module is its command line. A mistake ends as one `error: ...` line
 and exit code 2 (`cli`); a preempted run exits 42 after saving.
 """
 
-import logging as std_logging
 import os
 import sys
 import warnings
@@ -29,7 +28,7 @@ def main(argv):
     if _CONFIG.value is None or not _WORKDIR.value:
         raise UserError("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     logging.set_verbosity(logging.INFO)
-    logging.get_absl_handler().python_handler.addFilter(_own_info_only)
+    cli.own_info_only()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
     from tpu_keras.training import run
@@ -41,11 +40,6 @@ def main(argv):
         print(f"preempted: {preempted}", file=sys.stderr)
         cli.exit_at_once(Preempted.EXIT_CODE)
     cli.exit_at_once(0)
-
-
-def _own_info_only(record) -> bool:
-    """Keeps the log readable: INFO lines from tpu_keras, warnings from everyone."""
-    return record.levelno >= std_logging.WARNING or "tpu_keras" in record.pathname
 
 
 if __name__ == "__main__":

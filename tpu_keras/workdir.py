@@ -26,16 +26,24 @@ def absolute(path: str) -> str:
 
 def prepare(workdir: str) -> None:
     """Creates the workdir (or finds it) and checks that this process can write there."""
-    probe = os.path.join(workdir, f".write_check_{uuid.uuid4().hex}")
+    reason = unwritable(workdir)
+    if reason:
+        raise UserError(f"cannot write to --workdir={workdir} ({reason}); "
+                        "choose a directory you can create and write to")
+
+
+def unwritable(folder: str) -> str:
+    """Creates `folder` (or finds it) and writes a file there: '' if that works, else why not."""
+    probe = os.path.join(folder, f".write_check_{uuid.uuid4().hex}")
     try:
-        tf.io.gfile.makedirs(workdir)
+        tf.io.gfile.makedirs(folder)
         with tf.io.gfile.GFile(probe, "w") as f:
             f.write("")
         tf.io.gfile.remove(probe)
+        return ""
     except (tf.errors.OpError, OSError) as error:
         reason = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
-        raise UserError(f"cannot write to --workdir={workdir} ({reason.splitlines()[0]}); "
-                        "choose a directory you can create and write to") from None
+        return reason.strip().splitlines()[0] if reason.strip() else type(error).__name__
 
 
 def write_text(path: str, text: str) -> None:

@@ -54,6 +54,8 @@ class RunTimings:
         self.seconds = collections.defaultdict(float)
         self.seconds["startup"] = time.time() - self._started  # until the run's code begins
         self.host_calls, self.first_host_calls = [], []  # seconds; the first of each fit apart
+        # What the persistent compilation cache did for the compile: `compile_cache.Watch.report()`.
+        self.compile_cache = {}
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -81,16 +83,34 @@ class RunTimings:
         seconds["other"] = max(0.0, wall - sum(seconds.values()))
         return {"wall_seconds": round(wall, 3),
                 "seconds": {name: round(value, 3) for name, value in seconds.items()},
-                "outside_steps_fraction": round(1 - seconds["steps"] / wall, 4) if wall else 0.0}
+                "outside_steps_fraction": round(1 - seconds["steps"] / wall, 4) if wall else 0.0,
+                "compile_cache": {**self.compile_cache, "note": describe_cache(self.compile_cache)}}
 
     def finish(self, path: str | None) -> dict:
         """Logs the breakdown in one line and writes it to `path` (when given); returns it."""
         report = self.report()
         logging.info("time: %.1f s in all, %.0f%% outside training steps | %s",
                      report["wall_seconds"], 100 * report["outside_steps_fraction"],
-                     " | ".join(f"{name} {value:.1f}" for name, value in report["seconds"].items()
-                                if value >= 0.05))
+                     " | ".join(f"{name} {value:.1f}" + (f" {report['compile_cache']['note']}"
+                                                                 if name == "compile" else "")
+                                for name, value in report["seconds"].items()
+                                if value >= 0.05 or name == "compile"))
         if path:
             from tpu_keras import workdir  # TensorFlow's filesystems; this module stays light
             workdir.write_text(path, json.dumps(report, indent=2))
         return report
+
+
+def describe_cache(report: dict) -> str:
+    """The compile figure's note in the time line: whether the persistent compilation
+    cache served the compile ('(from the cache)') or XLA compiled it."""
+    if not report or not report.get("dir"):
+        return "(no cache)"
+    programs, hits = report["programs"], report["from_cache"]
+    if not programs:
+        return "(nothing compiled)"
+    if hits == programs:
+        return "(from the cache)"
+    if hits:
+        return f"({hits} of {programs} programs from the cache)"
+    return "(compiled: not in the cache)"

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 
 class IntervalLogger(keras.callbacks.Callback):
-    """Logs step, metrics, throughput and MFU at the end of every interval.
+    """Logs step, metrics, learning rate, throughput and MFU at the end of every interval.
 
     Throughput is timed from the end of the interval's first host call to the
     end of its last, so tracing, XLA compilation and validation never count
@@ -43,6 +43,8 @@ class IntervalLogger(keras.callbacks.Callback):
         # From the optimizer, not the epoch: a resumed run may start mid-interval.
         step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         scalars = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
+        # The schedule's rate for the next update, as other trainers log it.
+        scalars["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         (start, start_steps), (end, end_steps) = self._clock, self._last
         if end_steps > start_steps:
             scalars["examples_per_second"] = (end_steps - start_steps) * self._batch / (end - start)
@@ -71,9 +73,9 @@ class FitTimer(keras.callbacks.Callback):
     """Times host calls (the first of each fit apart), validations and fit's return
     into a `timings.RunTimings`. Put it first: its batch end then times the call alone."""
 
-    def __init__(self, timings):
+    def __init__(self, timings, cache_watch=None):
         super().__init__()
-        self._timings = timings
+        self._timings, self._cache = timings, cache_watch  # a compile_cache.Watch
         self._first = True
         self._call_start = self._test_start = self._train_end = None
 
@@ -81,6 +83,8 @@ class FitTimer(keras.callbacks.Callback):
         self._first = True
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._first and self._cache:
+            self._cache.begin()
         self._call_start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -88,6 +92,8 @@ class FitTimer(keras.callbacks.Callback):
         # run's are) logs it has already turned into Python numbers, so the call is done.
         calls = self._timings.first_host_calls if self._first else self._timings.host_calls
         calls.append(time.perf_counter() - self._call_start)
+        if self._first and self._cache:
+            self._cache.end()
         self._first = False
 
     def on_test_begin(self, logs=None):

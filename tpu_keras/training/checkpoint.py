@@ -35,6 +35,10 @@ _UNREADABLE = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOf
                IndexError)
 
 
+class Unreadable(Exception):
+    """A checkpoint that is gone (deleted by `checkpoint.keep` meanwhile) or damaged."""
+
+
 def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
     """The checkpointer for the engine Keras runs on (both have step/restore_latest/save)."""
     if keras.backend.backend() == "jax":
@@ -67,33 +71,37 @@ class TFCheckpointer:
         state = tf.train.get_checkpoint_state(self.shared_dir)
         return list(state.all_model_checkpoint_paths) if state else []
 
+    def saved_steps(self) -> list[int]:
+        """The steps of the committed checkpoints, oldest first."""
+        return [int(path.rsplit("-", 1)[-1]) for path in self.committed()]
+
+    def restore(self, step: int) -> None:
+        """Restores the committed checkpoint of `step`; raises `Unreadable` if it is gone or damaged."""
+        self._restore(os.path.join(self.shared_dir, f"ckpt-{step}"))
+
+    def _restore(self, path: str) -> None:
+        try:
+            self._checkpoint.restore(path).assert_existing_objects_matched()
+        except _UNREADABLE as error:
+            raise Unreadable(f"checkpoint {path} is unreadable ({_first_line(error)})") from None
+        except (AssertionError, ValueError, tf.errors.OpError) as error:
+            raise UserError(f"the checkpoint {path} does not fit this model ({_first_line(error)}); "
+                            "use a new --workdir for a different model") from None
+
     def restore_latest(self) -> int:
         """Restores the newest readable checkpoint in the shared folder, if any; returns the step."""
         candidates = self.committed()
         for path in reversed(candidates):
             try:
-                self._checkpoint.restore(path).assert_existing_objects_matched()
-            except _UNREADABLE as error:
-                logging.warning("checkpoint %s is unreadable (%s); trying the one before it",
-                                path, _first_line(error))
+                self._restore(path)
+            except Unreadable as error:
+                logging.warning("%s; trying the one before it", error)
                 continue
-            except (AssertionError, ValueError, tf.errors.OpError) as error:
-                raise UserError(f"the checkpoint {path} does not fit this model ({_first_line(error)}); "
-                                "use a new --workdir for a different model") from None
             logging.info("resumed from %s at step %d", path, self.step)
             return self.step
         if candidates:
             raise UserError(f"no checkpoint in {self.shared_dir} is readable; move the folder "
                             "away to start afresh")
-        return self.step
-
-    def restore(self, step: int) -> int:
-        """Restores the committed checkpoint of `step` (python -m tpu_keras.export --step)."""
-        paths = {int(p.rsplit("-", 1)[-1]): p for p in self.committed()}
-        if step not in paths:
-            raise UserError(f"--step={step} is not a checkpoint in {self.shared_dir}; "
-                            f"its checkpoints are at steps {sorted(paths)}")
-        self._checkpoint.restore(paths[step]).assert_existing_objects_matched()
         return self.step
 
     def save(self) -> None:
@@ -105,7 +113,7 @@ class TFCheckpointer:
                 tf.io.gfile.rmtree(self._own_dir)
             return
         previous = [p for p in self.committed() if p != path]
-        kept = previous[len(previous) - self._keep + 1:] if self._keep > 1 else []
+        kept = previous[max(0, len(previous) - self._keep + 1):] if self._keep > 1 else []
         # The commit: one atomic rewrite of the state file `tf.train.get_checkpoint_state`
         # reads (a text proto), with names relative to the folder, as CheckpointManager
         # writes it, so the folder can be moved (to gs:// and back).
@@ -140,29 +148,36 @@ class OrbaxCheckpointer:
     def _variables(self):
         return {"model": self._model.variables, "optimizer": self._model.optimizer.variables}
 
-    def restore(self, step: int) -> int:
-        """Restores the checkpoint of `step` (python -m tpu_keras.export --step)."""
-        if step not in self._manager.all_steps():
-            raise UserError(f"--step={step} is not a checkpoint in {self.shared_dir}; "
-                            f"its checkpoints are at steps {sorted(self._manager.all_steps())}")
-        return self.restore_latest(step)
+    def saved_steps(self) -> list[int]:
+        """The steps of the committed checkpoints, oldest first (read afresh: another
+        process may be saving them)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
 
-    def restore_latest(self, step=None) -> int:
+    def restore(self, step: int) -> None:
+        """Restores the checkpoint of `step`, resharded onto this model's layout (which may
+        differ from the one it was saved from); raises `Unreadable` if it is gone."""
         import jax
-        latest = self._manager.latest_step() if step is None else step
+        variables = self._variables()
+        target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding),
+                              variables, is_leaf=lambda v: isinstance(v, keras.Variable))
+        try:
+            values = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
+        except (FileNotFoundError, OSError) as error:
+            raise Unreadable(f"checkpoint {step} in {self.shared_dir} is unreadable "
+                             f"({_first_line(error)})") from None
+        except (ValueError, KeyError, TypeError) as error:
+            raise UserError(f"the checkpoint at step {step} in {self.shared_dir} does not fit "
+                            f"this model ({_first_line(error)}); use a new --workdir for a "
+                            "different model") from None
+        for group, group_values in values.items():
+            for variable, value in zip(variables[group], group_values):
+                variable.assign(value)
+
+    def restore_latest(self) -> int:
+        latest = self._manager.latest_step()
         if latest is not None:
-            variables = self._variables()
-            target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding),
-                                  variables, is_leaf=lambda v: isinstance(v, keras.Variable))
-            try:
-                values = self._manager.restore(latest, args=self._ocp.args.StandardRestore(target))
-            except (ValueError, KeyError, TypeError) as error:
-                reason = str(error).strip().splitlines()[0][:200]
-                raise UserError(f"the checkpoint at step {latest} in {self.shared_dir} does not fit "
-                                f"this model ({reason}); use a new --workdir for a different model") from None
-            for group, group_values in values.items():
-                for variable, value in zip(variables[group], group_values):
-                    variable.assign(value)
+            self.restore(latest)
             logging.info("resumed from %s at step %d", self.shared_dir, self.step)
         return self.step
 

@@ -43,7 +43,8 @@ def train(config, workdir: str, started: float | None = None):
     from tpu_keras import cluster as cluster_lib
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.measurement import flops, peak
-    from tpu_keras.training import callbacks, checkpoint, defaults, nonfinite, preemption, profiler
+    from tpu_keras.training import (callbacks, checkpoint, compile_cache, defaults, nonfinite,
+                                    preemption, profiler)
     run_timings = timings.RunTimings(started)
     builder, model_kwargs = models.registry.get(config.model)
     workdir_lib.prepare(workdir)
@@ -54,6 +55,8 @@ def train(config, workdir: str, started: float | None = None):
     with run_timings.phase("cluster"):
         cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
     defaults.resolve(config, cluster)
+    cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
+                                       config.train.jit_compile)
     if cluster.is_chief:
         workdir_lib.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
     keras.utils.set_random_seed(config.seed)
@@ -111,7 +114,7 @@ def train(config, workdir: str, started: float | None = None):
         flops_per_example=flops.training_flops_per_example(model),
         peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
-    fit_timer = callbacks.FitTimer(run_timings)  # first: its batch end times the call alone
+    fit_timer = callbacks.FitTimer(run_timings, cache_watch)  # first: its batch end times the call alone
     run_callbacks = [fit_timer, logger, nonfinite.StopOnNonFinite(saver, train_cfg.steps),
                      preemption.SaveOnPreemption(saver, cluster),
                      checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)]
@@ -147,6 +150,7 @@ def train(config, workdir: str, started: float | None = None):
     with run_timings.phase("export"):
         _export(model, config, workdir, cluster)
     logger.close()
+    run_timings.compile_cache = cache_watch.report()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
     return history
 

@@ -1,0 +1,74 @@
+"""Evaluation as its own job: `python -m tpu_keras.evaluate` gives the run's own validation
+metrics, on another cluster too, survives checkpoints deleted under it, and refuses bad input.
+
+(The jax engine on another mesh is in test_train.py, `--watch` over a 2-host run in
+test_host_failure.py: both reuse runs those tests make anyway.)
+"""
+
+import glob
+import os
+import re
+import shutil
+import sys
+
+from conftest import assert_one_line_error, run
+
+
+def evaluate(workdir, *flags, check=True):
+    return run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}", *flags],
+               check=check)
+
+
+def scalars(folder):
+    """{(step, tag): value} of the TensorBoard events in `folder` (not its subfolders)."""
+    import tensorflow as tf
+    found = {}
+    for path in glob.glob(os.path.join(folder, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                found[event.step, value.tag] = float(tf.make_ndarray(value.tensor))
+    return found
+
+
+def assert_same_validation(workdir, steps):
+    """The evaluation job wrote metrics at `steps`, and where the run validated too, the
+    same ones within 1e-5."""
+    ran, evaluated = scalars(workdir / "tensorboard"), scalars(workdir / "tensorboard" / "eval")
+    assert sorted({step for step, _ in evaluated}) == sorted(steps), evaluated
+    both = [key for key in evaluated if key in ran]
+    assert both and all(tag.startswith("val_") for _, tag in evaluated), (evaluated, ran)
+    for key in both:
+        assert abs(evaluated[key] - ran[key]) <= 1e-5, (key, evaluated[key], ran[key])
+
+
+def copy_run(source, target):
+    """The parts of a finished run evaluate reads (the session's run stays as it is)."""
+    target.mkdir()
+    shutil.copy(source / "config.json", target)
+    for folder in ("checkpoints", "tensorboard"):
+        shutil.copytree(source / folder, target / folder, ignore=shutil.ignore_patterns("plugins"))
+    return target
+
+
+def test_evaluate_step_on_two_replicas_equals_the_runs_validation_on_one(tiny_run, tmp_path):
+    workdir = copy_run(tiny_run[0], tmp_path / "run")
+    out = evaluate(workdir, "--step=10", "--config.cluster.virtual_devices=2").stdout
+    assert "mirrored strategy: 2 replica(s)" in out, out[-2000:]
+    assert re.search(r"^step 10 \| val_bits_per_byte \d", out, re.M), out[-2000:]
+    assert_same_validation(workdir, [10])
+
+
+def test_watch_skips_a_checkpoint_deleted_under_it_and_stops_at_the_last_step(tiny_run, tmp_path):
+    workdir = copy_run(tiny_run[0], tmp_path / "run")
+    for file in glob.glob(str(workdir / "checkpoints" / "ckpt-10.*")):
+        os.remove(file)  # as checkpoint.keep deletes it, after the watcher listed it
+    out = evaluate(workdir, "--watch", "--poll_seconds=0.1").stdout
+    assert re.search(r"skipped step 10: .*ckpt-10 is unreadable", out), out[-2000:]
+    assert re.findall(r"^step (\d+) \|", out, re.M) == ["20"], out[-2000:]
+    assert_same_validation(workdir, [20])
+
+
+def test_evaluate_refuses_a_folder_without_a_run_and_a_step_not_saved(tiny_run, tmp_path):
+    assert_one_line_error(evaluate(tmp_path, check=False), "holds no training run")
+    assert_one_line_error(evaluate(tiny_run[0], "--step=15", check=False),
+                          "step 15 is not saved", "the saved steps are 10, 20")
