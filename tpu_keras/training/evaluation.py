@@ -46,9 +46,10 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     builder, _ = models.registry.get(config.model)
     models.hub.prepare_preset(config.model, workdir, cluster.is_chief)
     if data.text.is_text(config.data):
-        data.text.resolve(config)
-        builder = with_text_metrics(builder, data.text.open_source(config.data, training=False)
-                                    .tokens_per_byte)
+        data.text.resolve(config, workdir)  # the run's shared token counts: nothing recounted
+        hosts = (cluster.host_index, cluster.num_processes)
+        builder = with_text_metrics(builder, data.text.open_source(config.data, training=False,
+                                                                   hosts=hosts).tokens_per_byte)
     model = build_model(config, cluster, builder)
     saver = checkpoint.open_checkpointer(workdir, model, cluster)
     eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
