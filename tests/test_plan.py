@@ -165,7 +165,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not():
     (["--tpu=v4-8", "--config.mesh.model=2"], ["needs the jax engine"]),
     (["--tpu=v4-8", "--margin=1.5"], ["--margin=1.5"]),
     (["--tpu=2xv3-32"], ["Cloud TPU offers multislice on v4, v5e, v5p, v6e only, not on v3"]),
-    (["--tpu=v4-32", "--config.mesh.slices=2"], ["mesh.slices=2 but --tpu=v4-32 is 1 slice(s)",
+    (["--tpu=v4-32", "--config.engine=jax", "--config.mesh.slices=2"], ["mesh.slices=2 but --tpu=v4-32 is 1 slice(s)",
                                                  "--tpu=2xv4-32"]),
 ], ids=["unknown-slice", "indivisible-batch", "tf-model-axis", "margin", "multislice-v3",
         "slices-mismatch"])
