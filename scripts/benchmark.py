@@ -3,6 +3,7 @@
     python scripts/benchmark.py --data
     python scripts/benchmark.py --fit [--modes=one_device,mirrored4]
     python scripts/benchmark.py --run [--run_config=lm_stdlib] [--repeat=2 --run_engine=jax]
+    python scripts/benchmark.py --accelerator [--configs=lm_stdlib,lm_stdlib:1b]
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -33,6 +34,10 @@ device (one batch repeated from memory, so the step alone is timed). The
 ratio says how far the pipeline is from being the bottleneck. The rate
 through the strategy's distributed iterator is shown too: that transport is
 TensorFlow's, and training pays it as well.
+
+--accelerator: the jax engine next to plain Keras on JAX on this machine's
+GPU or TPU, examples/s and MFU against the published peak; one line and
+exit 0 where there is none (see accelerator_benchmark.py).
 """
 
 import json
@@ -59,6 +64,10 @@ _RUN_CONFIG = flags.DEFINE_string("run_config", "lm_stdlib", "--run: a config mo
 _REPEAT = flags.DEFINE_integer("repeat", 1, "--run: runs on fresh workdirs that share one fresh "
                                 "compile cache (2: the second loads what the first compiled).")
 _RUN_ENGINE = flags.DEFINE_string("run_engine", "tf", "--run with --repeat above 1: tf or jax.")
+_ACCELERATOR = flags.DEFINE_bool("accelerator", False, "The jax engine vs plain Keras on JAX on "
+                                  "this machine's GPU or TPU (--configs: lm_stdlib,lm_stdlib:1b).")
+_ON_CPU = flags.DEFINE_bool("accelerator_on_cpu", False, "--accelerator: run on a CPU too, to "
+                            "check the code path (its figures mean nothing).")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -354,11 +363,17 @@ def main(argv):
             _RUN_CONFIG.value, _REPEAT.value, _RUN_ENGINE.value)}, indent=2))
     elif _RUN.value:
         print(json.dumps({"benchmark": "run", "results": [run_benchmark(_RUN_CONFIG.value)]}, indent=2))
+    elif _ACCELERATOR.value:
+        import accelerator_benchmark
+        configs = _CONFIGS.value if _CONFIGS.present else accelerator_benchmark.DEFAULT_CONFIGS
+        result = accelerator_benchmark.run(configs, _SECONDS.value, _ROUNDS.value,
+                                           sys.modules[__name__], allow_cpu=_ON_CPU.value)
+        print(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         print(json.dumps({"benchmark": "data", "results": results}, indent=2))
     else:
-        raise app.UsageError("choose a benchmark: --data, --fit or --run")
+        raise app.UsageError("choose a benchmark: --data, --fit, --run or --accelerator")
 
 
 if __name__ == "__main__":

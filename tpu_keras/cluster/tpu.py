@@ -11,8 +11,6 @@ import threading
 import urllib.request
 from typing import Any, Callable
 
-import tensorflow as tf
-
 from tpu_keras.errors import UserError
 
 # On a TPU VM the chips are local character devices; v4 and older expose
@@ -38,6 +36,23 @@ def _metadata_accelerator_type(timeout_s: float = 2.0) -> str:
         return ""
 
 
+# TensorFlow's TPU calls, imported when called: the jax engine only asks `is_present`,
+# and a GPU machine's JAX image may have no TensorFlow.
+def _resolver(*args, **kwargs):
+    import tensorflow as tf
+    return tf.distribute.cluster_resolver.TPUClusterResolver(*args, **kwargs)
+
+
+def _connect_to_cluster(resolver):
+    import tensorflow as tf
+    return tf.config.experimental_connect_to_cluster(resolver)
+
+
+def _initialize_tpu_system(resolver):
+    import tensorflow as tf
+    return tf.tpu.experimental.initialize_tpu_system(resolver)
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """The calls that need a real TPU, gathered so tests can swap in fakes shaped like them.
@@ -45,9 +60,9 @@ class Runtime:
     Everything else - `tf.distribute.TPUStrategy` included - is the real thing.
     """
 
-    resolver_cls: Callable[..., Any] = tf.distribute.cluster_resolver.TPUClusterResolver
-    connect_to_cluster: Callable[[Any], Any] = tf.config.experimental_connect_to_cluster
-    initialize_tpu_system: Callable[[Any], Any] = tf.tpu.experimental.initialize_tpu_system
+    resolver_cls: Callable[..., Any] = _resolver
+    connect_to_cluster: Callable[[Any], Any] = _connect_to_cluster
+    initialize_tpu_system: Callable[[Any], Any] = _initialize_tpu_system
     metadata_accelerator_type: Callable[[], str] = _metadata_accelerator_type
 
 
@@ -70,6 +85,7 @@ def initialize(name: str = "", zone: str = "", project: str = "", runtime: Runti
     Any failure becomes one `UserError` that says what to check, because a
     stack trace from the TPU runtime rarely does.
     """
+    import tensorflow as tf
     runtime = runtime or RUNTIME
     name = name or os.environ.get("TPU_NAME", "") or "local"
     try:

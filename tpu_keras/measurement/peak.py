@@ -21,6 +21,37 @@ from tpu_keras.cluster import topology
 PEAK_ENV = "TPU_KERAS_PEAK_FLOPS"
 CACHE_DIR_ENV = "TPU_KERAS_CACHE_DIR"
 
+# Published dense bf16 Tensor Core peaks per GPU, by a piece of JAX's `device_kind`
+# (lower case; the first match counts, so the longer names come first). NVIDIA's
+# datasheets give bf16 "with sparsity"; the dense peak is half of it.
+GPU_BF16_PEAKS = (
+    # https://www.nvidia.com/en-us/data-center/h200/ : H200 NVL 1,671 TFLOPS sparse;
+    # H200 SXM 1,979 TFLOPS sparse (device_kind "NVIDIA H200").
+    ("h200 nvl", 835.5e12),
+    ("h200", 989.5e12),
+    # https://www.nvidia.com/en-us/data-center/h100/ : H100 PCIe 1,513, H100 NVL 1,671,
+    # H100 SXM 1,979 TFLOPS sparse (device_kind "NVIDIA H100 80GB HBM3" for SXM).
+    ("h100 pcie", 756.5e12),
+    ("h100 nvl", 835.5e12),
+    ("h100", 989.5e12),
+    # https://www.nvidia.com/en-us/data-center/a100/ : BF16 Tensor Core 312 TFLOPS dense
+    # (624 sparse), SXM and PCIe, 40 and 80 GB alike.
+    ("a100", 312e12),
+)
+
+
+def published_bf16_peak(device_kind: str) -> float:
+    """The published dense bf16 FLOP/s of one device of `device_kind` (0.0 when unknown).
+
+    TPUs: `tpu_keras.cluster.topology` (each generation's figure, with its
+    source); GPUs: `GPU_BF16_PEAKS`.
+    """
+    tpu = topology.generation_of_device_kind(device_kind)
+    if tpu is not None:
+        return tpu.peak_flops_per_device
+    kind = device_kind.lower()
+    return next((peak for name, peak in GPU_BF16_PEAKS if name in kind), 0.0)
+
 
 def peak_flops(cluster, dtype: str = "float32") -> float:
     """FLOP/s all of the run's devices can do at best (0.0 when unknown, e.g. an unknown TPU)."""

@@ -26,9 +26,7 @@ import math
 import os
 
 import keras
-import tensorflow as tf
 
-from tpu_keras import workdir
 from tpu_keras.errors import UserError
 
 GRAD_NORM = "grad_norm"  # the log key of the global gradient norm, which the guard watches
@@ -91,6 +89,7 @@ def weights_are_finite(model) -> bool:
 
 def load_skipped(checkpoint_dir: str) -> list[int]:
     """Batch positions that earlier attempts of this run left out."""
+    import tensorflow as tf  # here: the jax step imports this module, and needs no TensorFlow
     path = os.path.join(checkpoint_dir, SKIPPED_FILE)
     if not tf.io.gfile.exists(path):
         return []
@@ -100,5 +99,7 @@ def load_skipped(checkpoint_dir: str) -> list[int]:
 
 def save_skipped(checkpoint_dir: str, positions: list[int]) -> None:
     """Writes the positions with a rename, so a reader never sees half a file."""
+    import tensorflow as tf
+    from tpu_keras import workdir
     tf.io.gfile.makedirs(checkpoint_dir)
     workdir.write_text(os.path.join(checkpoint_dir, SKIPPED_FILE), json.dumps(sorted(positions)))
