@@ -123,7 +123,8 @@ def test_plan_bytes_match_sharded_variables(probe):
                "--config.mesh.model=2", "--json"]
     plan = json.loads(run(command, merge_stderr=False).stdout)
     sharded = probe(4, 2)
-    assert plan["devices"] == 8 and plan["mesh"] == sharded["mesh"]
+    assert plan["devices"] == 8 and plan["slices"] == sharded["mesh"]["slices"] == 1
+    assert plan["mesh"] == {axis: sharded["mesh"][axis] for axis in ("data", "fsdp", "model")}
     assert plan["per_device"]["parameters"] == sharded["param_bytes_device0"]
     assert plan["per_device"]["optimizer"] == sharded["optimizer_bytes_device0"]
     assert plan["per_device"]["gradients"] == sharded["param_bytes_device0"]  # all trainable
