@@ -40,40 +40,14 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host memory: never the accelerators
     engine.select(config.engine)
     from tpu_keras.models import export
-    model, step = load(_WORKDIR.value, config, _STEP.value)
+    from tpu_keras.training import restored
+    model, step = restored.load(_WORKDIR.value, config, _STEP.value, purpose="export")
     export_dir = os.path.join(_WORKDIR.value, "export")
     problems = export.write(model, config, export_dir)
     print(f"exported step {step} of {config.model.name} to {export_dir}")
     if problems:
         raise UserError("; ".join(problems))
     cli.exit_at_once(0)
-
-
-def load(workdir: str, config, step=None):
-    """(model, step): the run's model on this host's first device, the checkpoint of `step`
-    (default: the newest) restored."""
-    from tpu_keras import cluster as cluster_lib
-    from tpu_keras import models
-    from tpu_keras.training import checkpoint, defaults
-    from tpu_keras.training.run import build_model
-
-    models.hub.prepare_preset(config.model, workdir, is_chief=True)  # a {workdir} preset
-    config.mesh.update(data=1, fsdp=1, model=1)
-    config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
-                          virtual_devices=0)
-    cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-    defaults.resolve(config, cluster)  # the dtype policy the run trained in
-    model = build_model(config, cluster)
-    saver = checkpoint.open_checkpointer(workdir, model, cluster)
-    if saver.latest_saved_step() is None:
-        raise UserError(f"{workdir} has no checkpoint yet; export once the run has saved one")
-    if step is None:
-        return model, saver.restore_latest()
-    if step not in saver.saved_steps():
-        raise UserError(f"--step={step} is not a checkpoint in {workdir}; its checkpoints are "
-                        f"at steps {saver.saved_steps()}")
-    saver.restore(step)
-    return model, step
 
 
 if __name__ == "__main__":

@@ -57,26 +57,14 @@ def read_run_config(workdir: str):
 
 def load(workdir: str, config):
     """(model, step): the run's model on one device, its newest checkpoint restored."""
-    from tpu_keras import cluster as cluster_lib
     from tpu_keras import models
-    from tpu_keras.training import checkpoint, defaults
-    from tpu_keras.training.run import build_model
+    from tpu_keras.training import restored
 
     builder, _ = models.registry.get(config.model)
     if builder.headline not in LM_HEADLINES:
         raise UserError(f"the run in {workdir} trained {config.model.name!r}, which is not a "
                         "language model; generate needs a run of gpt or a keras-hub causal LM")
-    models.hub.prepare_preset(config.model, workdir, is_chief=True)  # a {workdir} preset
-    config.mesh.update(slices=1, data=1, fsdp=1, model=1)
-    config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
-                          virtual_devices=0)
-    cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-    defaults.resolve(config, cluster)  # the dtype policy the run trained in
-    model = build_model(config, cluster)
-    saver = checkpoint.open_checkpointer(workdir, model, cluster)
-    if saver.latest_saved_step() is None:
-        raise UserError(f"{workdir} has no checkpoint yet; generate once the run has saved one")
-    return model, saver.restore_latest()
+    return restored.load(workdir, config, purpose="generate")
 
 
 def from_run(workdir: str, config) -> Generator:
