@@ -30,10 +30,9 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, "configs")
 import digits  # noqa: E402
+from probe_run import built_from_shared_init  # noqa: E402
 
-import tpu_keras  # noqa: E402
 from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
-from tpu_keras.training.run import build_model  # noqa: E402
 
 STEPS, GLOBAL_BATCH = 5, 32
 init_path = sys.argv[1]
@@ -41,17 +40,10 @@ launched = int(os.environ.get("TPU_KERAS_NUM_SLICES", 0) or 0)
 
 config = digits.get_config("tiny")
 config.engine = "jax"
-config.train.steps_per_execution = 1
 config.layout.replicate_below = 1024  # the hidden kernels (64x256, 256x256) split over fsdp
 if launched:
     config.mesh.update(slices=launched, fsdp=2)
-cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
-keras.utils.set_random_seed(0)
-model = build_model(config, cluster)
-if os.path.exists(init_path):
-    model.set_weights(list(np.load(init_path).values()))
-else:
-    np.savez(init_path, *model.get_weights())
+model, cluster = built_from_shared_init(config, "jax", init_path)
 
 rng = np.random.default_rng(0)
 images = rng.random((STEPS, GLOBAL_BATCH, 8, 8, 1), dtype=np.float32)

@@ -18,7 +18,6 @@ per check:
 
 import json
 import re
-import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -22,7 +22,6 @@ Evaluation keeps the last partial sequence, padded, with weight 0.
 import dataclasses
 import functools
 import glob as globlib
-import json
 import math
 import os
 

@@ -29,7 +29,6 @@ import tempfile
 
 from absl import logging
 
-from tpu_keras.config import EXPORT_FORMATS as FORMATS  # noqa: F401  # the names, checked there
 LORA_FILE = "lora.weights.h5"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

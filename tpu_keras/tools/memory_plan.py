@@ -25,7 +25,6 @@ against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 """
 
 import functools
-import math
 
 from tpu_keras.cluster import engine, topology
 from tpu_keras.errors import UserError
