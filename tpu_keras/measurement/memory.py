@@ -39,25 +39,28 @@ def abstract(variables):
     return [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in variables]
 
 
-def activation_bytes(model, loss, batch: int, model_split: dict | None = None,
-                     model_size: int = 1) -> int:
-    """Bytes of the residuals a training step on `batch` examples keeps, weights excluded.
-
-    The residuals are what `jax.vjp` closes over for the backward pass: the
-    outputs of the traced function that returns the vjp. Those that are an
-    input passed straight through (the weights and state) are not counted.
-    With a `model` axis of `model_size` devices, `model_split` maps a weight's
-    path to the dimension split over it; a residual that tensor parallelism
-    splits (`measurement.model_split`) then counts once per shard.
-    """
+def backward_trace(model, loss, batch: int):
+    """The jaxpr of a training step's forward pass on `batch` examples that returns the vjp:
+    its outputs are the residuals autodiff keeps. Traced once, counted for any model axis."""
     loss_of = loss_function(model, loss)
 
     def backward_function(weights, state, x, y):
         return jax.vjp(lambda w: loss_of(w, state, x, y), weights)[1]
 
-    traced = jax.make_jaxpr(backward_function)(abstract(model.trainable_variables),
-                                               abstract(model.non_trainable_variables),
-                                               *abstract_inputs(model, batch))
+    return jax.make_jaxpr(backward_function)(abstract(model.trainable_variables),
+                                             abstract(model.non_trainable_variables),
+                                             *abstract_inputs(model, batch))
+
+
+def residual_bytes(traced, model, model_split: dict | None = None, model_size: int = 1) -> int:
+    """Bytes of the residuals in `traced` (`backward_trace` of `model`), weights excluded.
+
+    Those that are an input passed straight through (the weights and state)
+    are not counted. With a `model` axis of `model_size` devices,
+    `model_split` maps a weight's path to the dimension split over it; a
+    residual that tensor parallelism splits (`measurement.model_split`) then
+    counts once per shard.
+    """
     split = {}
     if model_size > 1 and model_split:
         from tpu_keras.measurement import model_split as model_split_lib
@@ -72,6 +75,13 @@ def activation_bytes(model, loss, batch: int, model_split: dict | None = None,
         is_split = not is_literal(v) and split.get(v) is not None
         total += nbytes(v) / model_size if is_split else nbytes(v)
     return round(total)
+
+
+def activation_bytes(model, loss, batch: int, model_split: dict | None = None,
+                     model_size: int = 1) -> int:
+    """Bytes of the residuals a training step on `batch` examples keeps, weights excluded:
+    what `jax.vjp` closes over for the backward pass (`backward_trace`, `residual_bytes`)."""
+    return residual_bytes(backward_trace(model, loss, batch), model, model_split, model_size)
 
 
 def step_temp_bytes(model, loss, batch: int) -> int:

@@ -25,6 +25,7 @@ files; they are written into a temporary folder and copied with
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 
 from absl import logging
@@ -119,9 +120,8 @@ def _complete_config(folder: str, preset: str) -> None:
 
 def find_task(model):
     """The keras-hub task inside the toolkit's wrapped model, or None for any other model."""
-    try:
-        import keras_hub
-    except ImportError:
+    keras_hub = sys.modules.get("keras_hub")
+    if keras_hub is None:  # never imported, so no task was built: spare the 1-2 s import
         return None
     if isinstance(model, keras_hub.models.Task):
         return model

@@ -60,21 +60,28 @@ class Footprint:
         """(constant, per example): the activation bytes per device at batch b are
         constant + b x per example. `mesh` (data, fsdp, model) matters through its
         model axis, which splits what tensor parallelism splits."""
-        import keras
-        from tpu_keras import models
         from tpu_keras.measurement import memory
         model_size = mesh[2]
         if mesh != (1, 1, model_size):
-            return self.activation_line(remat, (1, 1, model_size))  # one trace per model size
+            return self.activation_line(remat, (1, 1, model_size))
         split = {}
         if model_size > 1:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
             split = {p.path: p.axes.index("model") for p in placements if "model" in p.axes}
+        one, two = (memory.residual_bytes(traced, model, split, model_size)
+                    for model, traced in (self._backward(remat, b) for b in (1, 2)))
+        return 2 * one - two, two - one
+
+    @functools.lru_cache(maxsize=None)
+    def _backward(self, remat: str, batch: int):
+        """(the model built with `remat`, its `memory.backward_trace` at `batch`): one trace
+        per remat setting and batch, whatever the mesh (a trace of a 1B model takes seconds)."""
+        import keras
+        from tpu_keras import models
+        from tpu_keras.measurement import memory
         with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
             model = self.builder.make(**self.kwargs)  # Keras fixes remat when a layer is made
-            one, two = (memory.activation_bytes(model, self.builder.loss(), b, split, model_size)
-                        for b in (1, 2))
-        return 2 * one - two, two - one
+            return model, memory.backward_trace(model, self.builder.loss(), batch)
 
     @functools.cached_property
     def _traced_weights(self):
