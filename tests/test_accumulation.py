@@ -1,19 +1,19 @@
 """Gradient accumulation: k micro-batches make one update equal to one update on their union,
-on both engines, and a run with accumulation resumes exactly after a kill."""
+and a run with accumulation resumes exactly after a kill.
+
+The tf engine is checked here under Mirrored (two replicas: the summed micro-batch
+gradients also cross replicas); the jax engine's accumulation, on an fsdp mesh, is
+test_user_code.py's (the same step functions, reached from the user's own model)."""
 
 import json
 import sys
-
-import pytest
 
 from conftest import run
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step, train_args
 
 
-@pytest.mark.parametrize("engine,replicas", [("tf", 0), ("tf", 2), ("jax", 0)],
-                         ids=["tf", "tf_mirrored_x2", "jax"])
-def test_four_micro_batches_make_the_update_of_their_union(data_dir, engine, replicas):
-    out = run([sys.executable, "tests/accum_probe.py", engine, data_dir, str(replicas)]).stdout
+def test_four_micro_batches_make_the_update_of_their_union_under_mirrored(data_dir):
+    out = run([sys.executable, "tests/accum_probe.py", "tf", data_dir, "2"]).stdout
     result = json.loads(next(l for l in out.splitlines() if l.startswith("ACCUM "))[6:])
     assert result["moved"] > 1e-3, result  # the update is real
     assert result["between"] <= 1e-5, result

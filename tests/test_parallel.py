@@ -21,7 +21,7 @@ LM_TINY = "configs/lm_stdlib.py:tiny"
 # The gpt has 4 heads, so the widest model axis is 4 (2x4), not 8. Meshes are
 # (data, model), or (data, fsdp, model) for the fully-sharded ones.
 MESHES = [(8, 1), (2, 4), (4, 2)]
-FSDP_MESHES = [(1, 8, 1), (2, 2, 2), (2, 4, 1)]
+FSDP_MESHES = [(1, 8, 1), (2, 2, 2)]  # fsdp alone; and with data and model axes
 
 
 def _mesh_key(mesh) -> tuple[int, int, int]:
@@ -71,7 +71,7 @@ def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis
     assert_same_losses(result, reference)
 
 
-@pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2", "fsdp_2x4x1"])
+@pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2"])
 def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, mesh):
     reference, result = probe(1, 1), probe(*mesh)
     assert result["mesh"] == {"slices": 1, **dict(zip(("data", "fsdp", "model"), mesh))}
