@@ -147,6 +147,7 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     results = []
     for name in names:
         config = _config(name)
+        data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
         batch = config.train.batch_size
         host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
         # The host pipeline yields one replica's share at a time: regroup a global batch.
