@@ -22,7 +22,7 @@ def probe(engine, out, data_dir, mesh, runs, env=None):
 @pytest.fixture(scope="module")
 def tf_runs(tmp_path_factory, data_dir):
     """A full fine-tune of Llama and a LoRA one of Qwen on the tf engine, their exports
-    reloaded (the jax test below adds a LoRA Llama on a mesh)."""
+    reloaded (the jax test below adds the other two, on a mesh)."""
     return probe("tf", tmp_path_factory.mktemp("hf_tf"), data_dir, "1,1,1", ",".join(TF_RUNS))
 
 
@@ -48,15 +48,17 @@ def test_transformers_itself_reads_the_transformers_export(tf_runs):
 
 
 def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,2,2", "llama:lora",
+    # With the tf runs, a LoRA and a full fine-tune of each family.
+    result = probe("jax", tmp_path, data_dir, "1,2,2", "llama:lora,qwen2:full",
                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     for family in ("llama", "qwen2"):  # Llama: fsdp 2 x model 2; Qwen: fsdp 4
         assert result[family]["split_weights"] >= 10, result
         assert result[family]["first_step"] <= TOLERANCE, result
-    checks = result["llama"]["lora"]
-    assert checks["moved"] > 1e-3, checks
-    for reload in ("keras_hub", "transformers", "base_plus_lora"):
-        assert checks[reload] <= TOLERANCE, (reload, checks)
+    for family, variant in (("llama", "lora"), ("qwen2", "full")):
+        checks = result[family][variant]
+        assert checks["moved"] > 1e-3, checks
+        for reload in ("keras_hub", "transformers") + (("base_plus_lora",) if variant == "lora" else ()):
+            assert checks[reload] <= TOLERANCE, (family, variant, reload, checks)
 
 
 def one_line_error(args, *fragments):
