@@ -68,20 +68,28 @@ class Footprint:
         if model_size > 1:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
             split = {p.path: p.axes.index("model") for p in placements if "model" in p.axes}
-        one, two = (memory.residual_bytes(traced, model, split, model_size)
-                    for model, traced in (self._backward(remat, b) for b in (1, 2)))
+        model = self._model_with(remat)
+        one, two = (memory.residual_bytes(self._backward(remat, b), model, split, model_size)
+                    for b in (1, 2))
         return 2 * one - two, two - one
 
     @functools.lru_cache(maxsize=None)
+    def _model_with(self, remat: str):
+        """The model built under `remat` (Keras fixes remat when a layer is made), no memory behind it."""
+        import keras
+        from tpu_keras import models
+        with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
+            return self.builder.make(**self.kwargs)
+
+    @functools.lru_cache(maxsize=None)
     def _backward(self, remat: str, batch: int):
-        """(the model built with `remat`, its `memory.backward_trace` at `batch`): one trace
-        per remat setting and batch, whatever the mesh (a trace of a 1B model takes seconds)."""
+        """`memory.backward_trace` of the `remat` model at `batch`: one trace per remat setting
+        and batch, whatever the mesh (a trace of a 1B model takes seconds)."""
         import keras
         from tpu_keras import models
         from tpu_keras.measurement import memory
         with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
-            model = self.builder.make(**self.kwargs)  # Keras fixes remat when a layer is made
-            return model, memory.backward_trace(model, self.builder.loss(), batch)
+            return memory.backward_trace(self._model_with(remat), self.builder.loss(), batch)
 
     @functools.cached_property
     def _traced_weights(self):
