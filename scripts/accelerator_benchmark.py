@@ -20,8 +20,9 @@ sequences of 2,048 tokens per device: the run's 512 is a pod's batch).
 
 import datetime
 import gc
-import statistics
 import sys
+
+import benchmark_timing as timing
 
 DEFAULT_CONFIGS = ("lm_stdlib", "lm_stdlib:1b")
 BATCH_PER_DEVICE = {"lm_stdlib:1b": 8}  # where the config's own batch is a pod's
@@ -34,13 +35,8 @@ def accelerator_platform(allow_cpu: bool = False) -> str | None:
     return platform if platform in ("gpu", "tpu") or allow_cpu else None
 
 
-def run(configs, seconds: float, rounds: int, bench, allow_cpu=False):
-    """The JSON-ready result, or None when there is no accelerator.
-
-    `bench` is benchmark.py's module, whose helpers this shares: `_config`
-    (a config by name), `_training_rate` (examples/s of `fit`'s host calls)
-    and `_first_reason` (an error in one line).
-    """
+def run(configs, seconds: float, rounds: int, allow_cpu=False):
+    """The JSON-ready result, or None when there is no accelerator."""
     from tpu_keras.cluster import engine
     engine.select("jax")  # before Keras is imported
     platform = accelerator_platform(allow_cpu)
@@ -56,10 +52,9 @@ def run(configs, seconds: float, rounds: int, bench, allow_cpu=False):
     results = []
     for name in configs:
         try:
-            results.append(_measure(name, cluster, seconds, rounds, per_device * len(jax.devices()),
-                                    bench))
+            results.append(_measure(name, cluster, seconds, rounds, per_device * len(jax.devices())))
         except Exception as error:  # noqa: BLE001 - one config's failure leaves the others' figures
-            results.append({"config": name, "error": bench._first_reason(error)})
+            results.append({"config": name, "error": timing.first_reason(error)})
     return {"benchmark": "accelerator", "platform": platform, "device_kind": kind,
             "devices": len(jax.devices()), "date": datetime.date.today().isoformat(),
             "published_bf16_peak_flops_per_device": per_device or None,
@@ -67,14 +62,14 @@ def run(configs, seconds: float, rounds: int, bench, allow_cpu=False):
             "results": results}
 
 
-def _measure(name, cluster, seconds, rounds, peak_flops, bench):
+def _measure(name, cluster, seconds, rounds, peak_flops):
     """One config: the toolkit and plain Keras on JAX, in turns; examples/s and MFU."""
     import keras
     from tpu_keras.measurement import flops
     from tpu_keras.training import defaults
     from tpu_keras.training.run import build_model
 
-    config = bench._config(name)
+    config = timing.config_by_name(name)
     config.engine = "jax"
     config.train.precision = "mixed_bfloat16"
     defaults.resolve(config, cluster)  # the platform's steps per call; sets the dtype policy
@@ -84,7 +79,7 @@ def _measure(name, cluster, seconds, rounds, peak_flops, bench):
         models = {"toolkit": toolkit, "keras": plain}
         per_example = flops.training_flops_per_example(toolkit)
         batch = BATCH_PER_DEVICE.get(name, 0) * cluster.num_replicas or config.train.batch_size
-        rates, batch = _race(models, config, batch, seconds, rounds, bench, cluster.num_replicas)
+        rates, batch = _race(models, config, batch, seconds, rounds, cluster.num_replicas)
     finally:
         keras.config.set_dtype_policy("float32")
     result = {"config": name, "parameters": toolkit.count_params(),
@@ -123,29 +118,19 @@ def _plain_keras(config, cluster, toolkit):
     return model
 
 
-def _race(models, config, batch, seconds, rounds, bench, replicas):
-    """Median examples/s of each model over `rounds` turns (an error's text instead, if it
-    fails); halves `batch` while the devices run out of memory. Returns (rates, batch)."""
+def _race(models, config, batch, seconds, rounds, replicas):
+    """`timing.race` of the models, at the largest batch from `batch` down (halved while the
+    devices run out of memory) that the toolkit's model fits. Returns (rates, batch)."""
     while True:
         data = _synthetic_batches(config, batch)
         try:
-            bench._training_rate(models["toolkit"], data, batch, seconds / 4)  # compiles, finds the batch
+            timing.training_rate(models["toolkit"], data, batch, seconds / 4)  # compiles, finds the batch
             break
         except Exception as error:  # noqa: BLE001 - XLA's out-of-memory error has no public type
             if "RESOURCE_EXHAUSTED" not in str(error) or batch // 2 < replicas:
                 raise
             batch //= 2
-    rates, errors = {variant: [] for variant in models}, {}
-    for _ in range(rounds):
-        for variant, model in models.items():
-            if variant in errors:
-                continue
-            try:
-                rates[variant].append(bench._training_rate(model, data, batch, seconds))
-            except Exception as error:  # noqa: BLE001 - reported in the JSON, as --fit does
-                errors[variant] = bench._first_reason(error)
-    return {variant: errors.get(variant) or statistics.median(rates[variant])
-            for variant in models}, batch
+    return timing.race(models, data, batch, seconds, rounds), batch
 
 
 def _synthetic_batches(config, batch):

@@ -50,6 +50,8 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 
+import benchmark_timing as timing  # noqa: E402  (beside this script)
+
 _DATA = flags.DEFINE_bool("data", False, "Input pipeline rate vs training consumption.")
 _FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaults and hand-tuned.")
 _MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device layouts to run.")
@@ -83,13 +85,6 @@ def _rate(run_once, examples_per_call, seconds):
     return calls * examples_per_call / (time.perf_counter() - start)
 
 
-def _config(name):
-    """The config of `module` or `module:variant` under configs/ (as --config=path:variant)."""
-    import importlib
-    module, _, variant = name.partition(":")
-    return importlib.import_module(module).get_config(variant or None)
-
-
 def data_benchmark(name, seconds):
     """One config's pipeline rate and training rate on one device, in examples/s."""
     import tensorflow as tf
@@ -97,7 +92,7 @@ def data_benchmark(name, seconds):
     from tpu_keras import data
     from tpu_keras.training.run import build_model
 
-    config = _config(name)
+    config = timing.config_by_name(name)
     data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
     cluster = tpu_keras.connect({"strategy": "one_device"})
     batch = config.train.batch_size
@@ -121,7 +116,7 @@ def data_benchmark(name, seconds):
     del pipeline_batches, distributed_batches
     model = build_model(config, cluster)
     steps = model.steps_per_execution
-    training = _training_rate(model, cached, batch, seconds)
+    training = timing.training_rate(model, cached, batch, seconds)
     return {"config": name, "global_batch": batch, "steps_per_execution": steps,
             "pipeline_examples_per_second": round(pipeline, 1),
             "through_strategy_examples_per_second": round(distributed, 1),
@@ -135,7 +130,6 @@ KERAS_VARIANTS = {"keras_defaults": {}, "keras_tuned": {"steps_per_execution": 1
 
 def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     """One device layout: every config's variants, in turns; returns result dicts."""
-    import statistics
     import tensorflow as tf
     import tpu_keras
     from tpu_keras import data
@@ -146,7 +140,7 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     ceilings = {dtype: peak.measure_matmul(dtype, "tf") for dtype in ("float32", "bfloat16")}
     results = []
     for name in names:
-        config = _config(name)
+        config = timing.config_by_name(name)
         data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
         batch = config.train.batch_size
         host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
@@ -157,25 +151,16 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
         initial = variants["toolkit"].get_weights()
         for model in variants.values():
             model.set_weights(initial)
-        rates = {variant: [] for variant in variants}
-        errors = {}
-        for _ in range(rounds):
-            for variant, model in variants.items():
-                if variant in errors:
-                    continue
-                try:
-                    rates[variant].append(_training_rate(model, cached, batch, seconds))
-                except Exception as error:  # plain Keras fails under some strategies: report it
-                    errors[variant] = _first_reason(error)
+        rates = timing.race(variants, cached, batch, seconds, rounds)
         per_example = flops.training_flops_per_example(variants["toolkit"])
         result = {"mode": mode, "config": name, "global_batch": batch,
                   "flops_per_example": per_example,
                   "ceilings_flops_per_second": {k: float(f"{v:.4g}") for k, v in ceilings.items()}}
         for variant, model in variants.items():
-            if variant in errors:
-                result[variant] = {"error": errors[variant]}
+            rate = rates[variant]
+            if isinstance(rate, str):
+                result[variant] = {"error": rate}
                 continue
-            rate = statistics.median(rates[variant])
             result[variant] = {"examples_per_second": round(rate, 1),
                                "steps_per_execution": model.steps_per_execution,
                                "xla": bool(model.jit_compile),
@@ -248,51 +233,13 @@ def _precision_quality(config, cluster, initial, steps):
             "relative_change": round(change, 4)}
 
 
-def _first_reason(error) -> str:
-    """The error's type and its message's first 300 characters, in one line (not parsed)."""
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
-
-
-def _training_rate(model, dataset, batch, seconds):
-    """examples/s of `model.fit`'s training loop: the median host call, after one fit that compiles.
-
-    Each call to the train function is timed from a callback, so what `fit`
-    does before the first step and after the last is left out. That matters:
-    TensorFlow's input iterators can take seconds to delete when `fit`
-    returns (the tf.data autotuner's thread of each per-device iterator is
-    waited for), a cost per `fit` call rather than per step that would
-    otherwise fall on whichever variant happened to pay it.
-    """
-    import keras
-    import statistics
-
-    class CallTimes(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = CallTimes()
-    steps_per_execution = model.steps_per_execution
-
-    def call_times(executions):
-        timer.times = []
-        model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0,
-                  callbacks=[timer])
-        return timer.times
-    one_call = call_times(2)[-1]  # the first call traces and compiles; the second is one call
-    executions = max(3, round(seconds / one_call))  # timed calls that last about `seconds`
-    return steps_per_execution * batch / statistics.median(call_times(executions))
-
-
 def run_benchmark(name, extra_args=()):
     """One `python -m tpu_keras.train` run in a fresh process: its wall time and breakdown."""
     import subprocess
     import tempfile
     from tpu_keras.data import builders
 
-    config = _config(name)
+    config = timing.config_by_name(name)
     module, _, variant = name.partition(":")
     config_arg = f"configs/{module}.py" + (f":{variant}" if variant else "")
     if config.data.name:  # prepared first: the benchmark times training, not data preparation
@@ -368,7 +315,7 @@ def main(argv):
         import accelerator_benchmark
         configs = _CONFIGS.value if _CONFIGS.present else accelerator_benchmark.DEFAULT_CONFIGS
         result = accelerator_benchmark.run(configs, _SECONDS.value, _ROUNDS.value,
-                                           sys.modules[__name__], allow_cpu=_ON_CPU.value)
+                                           allow_cpu=_ON_CPU.value)
         print(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]

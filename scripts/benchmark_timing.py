@@ -1,0 +1,70 @@
+"""What benchmark.py and accelerator_benchmark.py share: configs by name, the rate of
+`fit`'s host calls, and the race of several models in turns.
+
+No flags here: both scripts import it (benchmark.py defines the flags).
+"""
+
+import statistics
+import time
+
+
+def config_by_name(name):
+    """The config of `module` or `module:variant` under configs/ (as --config=path:variant)."""
+    import importlib
+    module, _, variant = name.partition(":")
+    return importlib.import_module(module).get_config(variant or None)
+
+
+def first_reason(error) -> str:
+    """The error's type and its message's first 300 characters, in one line (not parsed)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def training_rate(model, dataset, batch, seconds):
+    """examples/s of `model.fit`'s training loop: the median host call, after one fit that compiles.
+
+    Each call to the train function is timed from a callback, so what `fit`
+    does before the first step and after the last is left out. That matters:
+    TensorFlow's input iterators can take seconds to delete when `fit`
+    returns (the tf.data autotuner's thread of each per-device iterator is
+    waited for), a cost per `fit` call rather than per step that would
+    otherwise fall on whichever variant happened to pay it.
+    """
+    import keras
+
+    class CallTimes(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = CallTimes()
+    steps_per_execution = model.steps_per_execution
+
+    def call_times(executions):
+        timer.times = []
+        model.fit(dataset, epochs=1, steps_per_epoch=executions * steps_per_execution, verbose=0,
+                  callbacks=[timer])
+        return timer.times
+    one_call = call_times(2)[-1]  # the first call traces and compiles; the second is one call
+    executions = max(3, round(seconds / one_call))  # timed calls that last about `seconds`
+    return steps_per_execution * batch / statistics.median(call_times(executions))
+
+
+
+def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict:
+    """{name: median examples/s over `rounds` turns, or the error's one line if it fails}.
+
+    The models take turns, so a machine's drift falls on all of them alike.
+    """
+    rates, errors = {name: [] for name in models}, {}
+    for _ in range(rounds):
+        for name, model in models.items():
+            if name in errors:
+                continue
+            try:
+                rates[name].append(training_rate(model, dataset, batch, seconds))
+            except Exception as error:  # noqa: BLE001 - plain Keras fails under some strategies
+                errors[name] = first_reason(error)
+    return {name: errors.get(name) or statistics.median(rates[name]) for name in models}
