@@ -174,6 +174,8 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
         if quality_steps and mode == "one_device":
             result["bf16_validation"] = _precision_quality(config, cluster, initial, quality_steps)
         results.append(result)
+        # Each config's result as soon as it is in: a long run that is cut short keeps them.
+        print(f"done: {json.dumps(result)}", file=sys.stderr, flush=True)
     return results
 
 

@@ -8,6 +8,10 @@ the same 4 x 16 examples: once as one batch, once as 4 micro-batches of 16
 between the two models' weights, and between each and the initial ones.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import sys
 

@@ -8,6 +8,10 @@ One PROBE line per glob and seed: several file sets, or several builds of
 one pipeline, share one start of every host.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import sys
 

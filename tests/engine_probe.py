@@ -9,6 +9,10 @@ loads them, so both start equal and read the same batches. Prints one JSON
 line: the per-step losses and gradient norms.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import sys
 

@@ -10,6 +10,10 @@ preset, `CausalLM.generate(prompts)` with a greedy sampler on the weights
 read back from the preset, the whole batch at once.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import io
 import json
 import os

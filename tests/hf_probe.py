@@ -14,6 +14,10 @@ installed. Qwen has no layout rules of the toolkit's: its mesh folds
 differences, by family and check.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import os
 import sys

@@ -8,6 +8,10 @@ the weights were really loaded), and of the same model built from scratch
 (different: a check that can fail).
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import sys
 

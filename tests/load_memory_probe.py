@@ -14,6 +14,10 @@ the largest replicated weight's bytes, and the largest difference from the
 saved weights.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import gc
 import json
 import sys

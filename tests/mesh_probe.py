@@ -12,6 +12,10 @@ compare across meshes. Prints one JSON line per mesh: per-step losses, each
 variable's sharding and shard shape, and the bytes device 0 holds.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import sys
 

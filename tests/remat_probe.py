@@ -7,6 +7,10 @@ one JSON line per setting: its losses, and XLA's temporary bytes for the
 compiled gradient of one batch.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import sys
 

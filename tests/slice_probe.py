@@ -15,6 +15,10 @@ line per process: losses, this host's slice, the slice each row of the device
 grid belongs to and the processes whose devices it holds, each weight's spec.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json
 import os
 import sys

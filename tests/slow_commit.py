@@ -5,6 +5,10 @@ So a test can kill a run in the middle of a save, between the two steps that
 make it atomic, with no test hook in the toolkit itself.
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import os
 import runpy
 import time

@@ -5,6 +5,10 @@ response-only loss and metrics against numpy, in one process.
     python tests/text_eval.py DATA_DIR FOLDER SPM_PROTO
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import json, os, sys, numpy as np, keras, sentencepiece, tensorflow_datasets as tfds
 import keras_hub
 import tpu_keras

@@ -14,6 +14,10 @@ build and on the restart. A glob under 'bad' holds a line without its
 response: each host prints the error it stops on (PROBE_ERROR).
 """
 
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
 import dataclasses
 import json
 import sys

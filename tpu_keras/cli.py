@@ -28,6 +28,7 @@ from absl import app, flags
 import ml_collections
 
 from tpu_keras import config as config_lib
+from tpu_keras import lean_imports
 from tpu_keras.errors import UserError, closest
 
 _VERBOSE = flags.DEFINE_boolean("verbose", False, "On a mistake in the config, flags or "
@@ -37,6 +38,7 @@ EXIT_CODE = 2  # a mistake the user can fix
 
 def run(main) -> None:
     """`app.run(main)`; a `UserError` from parsing or from `main` is one line and exit 2."""
+    lean_imports.install()
     app.run(functools.partial(_main_or_fail, main), flags_parser=_parse_or_fail)
 
 

@@ -1,0 +1,29 @@
+"""A process start: TensorFlow and Keras load without the optional packages they probe for."""
+
+import sys
+
+from conftest import run
+
+from tpu_keras import lean_imports
+
+LEAN_START = """
+import sys, time
+from tpu_keras import lean_imports
+lean_imports.install()
+import tensorflow, keras
+probed = sorted(p for p in ("matplotlib", "IPython", "sklearn", "scipy", "jax") if p in sys.modules)
+import sklearn.datasets, scipy.sparse, matplotlib  # still there for anyone else
+print("PROBED", probed, "LATER", sklearn.datasets.load_digits().data.shape)
+"""
+
+
+def test_tensorflow_and_keras_skip_their_optional_probes_and_the_packages_still_import():
+    output = run([sys.executable, "-c", LEAN_START]).stdout
+    assert "PROBED [] LATER (1797, 64)" in output, output[-2000:]
+
+
+def test_the_environment_variable_turns_it_off(monkeypatch):
+    monkeypatch.setenv(lean_imports.OFF_ENV, "1")
+    before = list(sys.meta_path)
+    lean_imports.install()
+    assert sys.meta_path == before
