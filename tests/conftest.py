@@ -4,6 +4,8 @@ Every device layout runs in its own process (TensorFlow fixes its devices at
 start-up), and every process is bounded by a timeout.
 """
 
+import fcntl
+import json
 import os
 import re
 import socket
@@ -44,6 +46,21 @@ def run(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO)
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout[-4000:]}")
     return result
+
+
+def run_in_one_process(command, calls, *, timeout=300):
+    """Several command lines of one toolkit `command` ('tpu_keras.plan'), run in one
+    process by tests/cli_batch.py: {name: CompletedProcess}, `stdout` and `stderr` apart."""
+    calls_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"cli_batch_{os.getpid()}_{id(calls)}.json"
+    calls_file.write_text(json.dumps(calls))
+    try:
+        output = run([sys.executable, "tests/cli_batch.py", command, str(calls_file)],
+                     timeout=timeout, merge_stderr=False).stdout
+    finally:
+        calls_file.unlink()
+    done = [json.loads(line[len("CALL "):]) for line in output.splitlines() if line.startswith("CALL ")]
+    return {call["name"]: subprocess.CompletedProcess(calls[call["name"]], call["code"], call["stdout"],
+                                                      call["stderr"]) for call in done}
 
 
 def assert_one_line_error(result, *fragments):
@@ -89,10 +106,31 @@ def own_peak_cache(tmp_path_factory):
     os.environ[peak.CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("tpu_keras_cache"))
 
 
+def shared_tmp(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this pytest run sees (each worker's own basetemp
+    is a child of it), so a session fixture can be made once for the whole suite."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_suite(tmp_path_factory, name, make):
+    """`make()`'s JSON-able result, made by the first worker to ask and read by the rest."""
+    root = shared_tmp(tmp_path_factory)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait here while the first makes it
+        done = root / f"{name}.json"
+        if not done.exists():
+            done.write_text(json.dumps(make()))
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """One TFDS data_dir for the session, so each offline dataset is prepared once."""
-    return str(tmp_path_factory.mktemp("tensorflow_datasets"))
+    """One TFDS data_dir for the whole suite, so each offline dataset is prepared once
+    (the toolkit's preparation is safe for hosts, and so workers, that share one)."""
+    path = shared_tmp(tmp_path_factory) / "tensorflow_datasets"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -102,17 +140,21 @@ def tiny_run(tmp_path_factory, data_dir):
 
     Tests read it; a test that would change it copies what it needs first.
     """
-    workdir = tmp_path_factory.mktemp("lm_tiny")
-    result = train("configs/lm_stdlib.py:tiny", workdir, f"--config.data.data_dir={data_dir}",
-                   "--config.log.profile_steps=(11, 12)")
-    return workdir, result.stdout
+    def make():
+        workdir = shared_tmp(tmp_path_factory) / "lm_tiny"
+        result = train("configs/lm_stdlib.py:tiny", workdir, f"--config.data.data_dir={data_dir}",
+                       "--config.log.profile_steps=(11, 12)")
+        return str(workdir), result.stdout
+    workdir, output = once_per_suite(tmp_path_factory, "lm_tiny", make)
+    return Path(workdir), output
 
 
 @pytest.fixture(scope="session")
-def stdlib_text(data_dir):
+def stdlib_text(tmp_path_factory, data_dir):
     """The standard library as .txt documents with its 1,024-piece SentencePiece
     vocabulary (trained offline with SentencePiece), written once into `data_dir`;
     returns their folder."""
-    run([sys.executable, "-c", "import sys; from tpu_keras.data import stdlib_text; "
-         "print(stdlib_text.prepare(sys.argv[1]))", data_dir], timeout=300)
+    once_per_suite(tmp_path_factory, "stdlib_text", lambda: run(
+        [sys.executable, "-c", "import sys; from tpu_keras.data import stdlib_text; "
+         "print(stdlib_text.prepare(sys.argv[1]))", data_dir], timeout=300).stdout)
     return Path(data_dir) / "stdlib_text"

@@ -6,11 +6,12 @@ XLA's own buffer assignment, and the planner's answers meet each other.
 """
 
 import json
+import subprocess
 import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run
+from conftest import assert_one_line_error, run, run_in_one_process
 
 
 def plan(*args, check=True):
@@ -21,6 +22,38 @@ def plan(*args, check=True):
 
 # float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.measurement.memory).
 FLOAT32 = "--config.train.precision=float32"
+GPT = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
+BAD_INPUTS = {
+    "unknown-slice": (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
+    "indivisible-batch": (["--tpu=v5p-64", "--config.train.batch_size=33"],
+                          ["train.batch_size=33 does not divide over the 32 batch splits (data x fsdp)",
+                           "multiple of 32"]),
+    "tf-model-axis": (["--tpu=v4-8", "--config.mesh.model=2"], ["needs the jax engine"]),
+    "margin": (["--tpu=v4-8", "--margin=1.5"], ["--margin=1.5"]),
+    "multislice-v3": (["--tpu=2xv3-32"], ["Cloud TPU offers multislice on v4, v5e, v5p, v6e only, not on v3"]),
+    "slices-mismatch": (["--tpu=v4-32", "--config.engine=jax", "--config.mesh.slices=2"],
+                        ["mesh.slices=2 but --tpu=v4-32 is 1 slice(s)", "--tpu=2xv4-32"]),
+}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Every plan below that compiles nothing, in two processes (a start of JAX and Keras
+    each): the second asks for the largest batch the first found, and one more."""
+    done = run_in_one_process("tpu_keras.plan", {
+        "gpt": GPT + ["--json"],
+        "auto_table": GPT + ["--auto"],
+        "auto_json": GPT + ["--auto", "--json"],
+        "auto_1b_v5p_64": ["--config=configs/lm_stdlib.py:1b", "--tpu=v5p-64", "--auto", "--json"],
+        "auto_two_slices": ["--config=configs/lm_stdlib.py:1b", "--tpu=2xv5litepod-256", "--auto"],
+        "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
+                         "--config.model.depth=1", "--auto"],
+        **{f"bad:{name}": ["--config=configs/lm_stdlib.py", *args] for name, (args, _) in BAD_INPUTS.items()},
+    }, timeout=400)
+    largest = json.loads(done["gpt"].stdout)["largest_global_batch"]
+    return {**done, **run_in_one_process("tpu_keras.plan", {
+        "gpt_at_largest": GPT + [f"--config.train.batch_size={largest}", "--json"],
+        "gpt_one_more": GPT + [f"--config.train.batch_size={largest + 8}"]})}
 
 
 def test_auto_recommendation_matches_the_compiled_sharded_step():
@@ -67,19 +100,17 @@ def test_two_slices_in_bf16_send_what_the_partitioned_step_sends():
     assert result["network"]["dcn_seconds"] > 0 and result["network"]["ici_seconds"] > 0
 
 
-def test_auto_on_two_v5e_256_slices_puts_data_parallelism_across_them():
-    text = run([sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py:1b",
-                "--tpu=2xv5litepod-256", "--auto"], merge_stderr=False).stdout
+def test_auto_on_two_v5e_256_slices_puts_data_parallelism_across_them(plans):
+    assert plans["auto_two_slices"].returncode == 0, plans["auto_two_slices"].stderr[-2000:]
+    text = plans["auto_two_slices"].stdout
     assert "on 2 x v5litepod-256: 512 devices on 128 host(s)" in text
     assert "recommended: slices=2 x data=" in text and "the least estimated communication time" in text
     assert "across the 2 slices" in text and "(DCN, " in text and "(ICI, " in text
     assert "--config.mesh.slices=2" in text
 
 
-def test_nothing_fits_exits_1():
-    result = run([sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py",
-                  "--tpu=v5e-1", "--config.model.width=16384", "--config.model.depth=1", "--auto"],
-                 check=False)
+def test_nothing_fits_exits_1(plans):
+    result = plans["nothing_fits"]
     assert result.returncode == 1 and "nothing fits" in result.stdout, result.stdout[-2000:]
 
 
@@ -96,8 +127,8 @@ def test_pure_fsdp_gathers_weights_not_activations():
     assert abs(sent - 1) <= 0.05, (result["sent_per_step"], measured["sent_per_step"])
 
 
-def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64():
-    result = plan("--config=configs/lm_stdlib.py:1b", "--tpu=v5p-64", "--auto")
+def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64(plans):
+    result = json.loads(plans["auto_1b_v5p_64"].stdout)
     assert 0.95e9 < result["parameters"] < 1.05e9 and result["devices"] == 32
     fitting = [c for c in result["candidates"] if c["fits"]]
     best = result["recommended"]
@@ -125,28 +156,24 @@ def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64():
     assert f"--config.mesh.data={m['data']} --config.mesh.fsdp={m['fsdp']}" in result["flags"]
 
 
-def test_auto_table_ends_with_the_flags_to_use():
-    args = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", "--auto"]
-    text = run([sys.executable, "-m", "tpu_keras.plan", *args]).stdout
-    result = plan(*args)
+def test_auto_table_ends_with_the_flags_to_use(plans):
+    text, result = plans["auto_table"].stdout, json.loads(plans["auto_json"].stdout)
     assert "data  fsdp  model  remat" in text and "skipped data=1 x model=8" in text
     assert text.rstrip().endswith(result["flags"])
 
 
-def test_the_largest_batch_fits_and_one_more_per_replica_does_not():
+def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     # The 5-minute gpt on a v5litepod-8 in bf16: 8 replicas of 15.75 GiB (what a v5e device reports).
-    args = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
-    first = plan(*args)
+    first = json.loads(plans["gpt"].stdout)
     assert first["fits"] and first["devices"] == 8 and first["hosts"] == 1
     assert first["mesh"] == {"data": 8, "fsdp": 1, "model": 1} and first["precision"] == "mixed_bfloat16"
     assert first["per_device"]["gradients"] == first["per_device"]["parameters"]  # all trainable
     largest = first["largest_global_batch"]
     assert largest % 8 == 0 and largest > first["global_batch"]
-    at_largest = plan(*args, f"--config.train.batch_size={largest}")
+    at_largest = json.loads(plans["gpt_at_largest"].stdout)
     assert at_largest["fits"] and at_largest["largest_global_batch"] == largest
     # One more example per replica: the table says it does not fit, and what to do.
-    too_big = run([sys.executable, "-m", "tpu_keras.plan", *args,
-                   f"--config.train.batch_size={largest + 8}"], check=False)
+    too_big = plans["gpt_one_more"]
     assert too_big.returncode == 1  # a script can tell
     too_big = too_big.stdout
     assert "gpt on v5litepod-8: 8 devices on 1 host(s), 15.75 GiB HBM per device" in too_big
@@ -155,21 +182,11 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not():
     assert f"largest global batch that fits: {largest:,} ({largest // 8:,} per replica)" in too_big
 
 
-@pytest.mark.parametrize("args,fragments", [
-    (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
-    (["--tpu=v5p-64", "--config.train.batch_size=33"],
-     ["train.batch_size=33 does not divide over the 32 batch splits (data x fsdp)", "multiple of 32"]),
-    (["--tpu=v4-8", "--config.mesh.model=2"], ["needs the jax engine"]),
-    (["--tpu=v4-8", "--margin=1.5"], ["--margin=1.5"]),
-    (["--tpu=2xv3-32"], ["Cloud TPU offers multislice on v4, v5e, v5p, v6e only, not on v3"]),
-    (["--tpu=v4-32", "--config.engine=jax", "--config.mesh.slices=2"], ["mesh.slices=2 but --tpu=v4-32 is 1 slice(s)",
-                                                 "--tpu=2xv4-32"]),
-], ids=["unknown-slice", "indivisible-batch", "tf-model-axis", "margin", "multislice-v3",
-        "slices-mismatch"])
-def test_bad_input_is_one_line(args, fragments):
-    result = run([sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py", *args],
-                 check=False)
-    assert_one_line_error(result, *fragments)
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_line(plans, name):
+    result = plans[f"bad:{name}"]
+    merged = subprocess.CompletedProcess(result.args, result.returncode, result.stdout + result.stderr)
+    assert_one_line_error(merged, *BAD_INPUTS[name][1])
 
 
 def test_collective_bytes_are_read_from_each_replica_group_form():

@@ -1,0 +1,43 @@
+"""Several command lines of one toolkit command, run in one process as if each were its own.
+
+    python tests/cli_batch.py tpu_keras.plan CALLS.json
+
+CALLS.json is {name: [arg, ...]}. Each call gets freshly parsed flags and its
+own stdout and stderr, and ends where its process would end (`sys.exit`, or
+`main` returning). Prints one line per call, `CALL {"name", "code",
+"stdout", "stderr"}`. One start of TensorFlow and JAX then serves many calls
+of a command that keeps no state between them (`plan`, `layout`): a command
+that ends with `os._exit` (`train`) or fixes its devices (`plan --measure`)
+needs a process of its own.
+"""
+
+from tpu_keras import lean_imports  # start as the command-line tools do
+
+lean_imports.install()
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from tpu_keras import cli  # noqa: E402
+
+command = importlib.import_module(sys.argv[1])
+with open(sys.argv[2]) as f:
+    calls = json.load(f)
+for name, args in calls.items():
+    flags.FLAGS.unparse_flags()
+    for flag in [f for f in flags.FLAGS if f.startswith("config.")]:
+        delattr(flags.FLAGS, flag)  # ml_collections defines each override flag as it parses
+    sys.argv = [command.__file__, *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.run(command.main)
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else int(done.code is not None)
+    print("CALL " + json.dumps({"name": name, "code": code, "stdout": out.getvalue(),
+                                "stderr": err.getvalue()}), flush=True)
