@@ -1,10 +1,9 @@
 """Several command lines of one toolkit command, run in one process as if each were its own.
 
-    python tests/cli_batch.py tpu_keras.plan CALLS.json
+    python tests/cli_batch.py tpu_keras.plan '{"NAME": [ARG, ...], ...}'
 
-CALLS.json is {name: [arg, ...]}. Each call gets freshly parsed flags and its
-own stdout and stderr, and ends where its process would end (`sys.exit`, or
-`main` returning). Prints one line per call, `CALL {"name", "code",
+Each call gets freshly parsed flags and its own stdout and stderr, and ends
+where its process would end (`sys.exit`, or `main` returning). Prints one line per call, `CALL {"name", "code",
 "stdout", "stderr"}`. One start of TensorFlow and JAX then serves many calls
 of a command that keeps no state between them (`plan`, `layout`): a command
 that ends with `os._exit` (`train`) or fixes its devices (`plan --measure`)
@@ -26,8 +25,7 @@ from absl import flags  # noqa: E402
 from tpu_keras import cli  # noqa: E402
 
 command = importlib.import_module(sys.argv[1])
-with open(sys.argv[2]) as f:
-    calls = json.load(f)
+calls = json.loads(sys.argv[2])
 for name, args in calls.items():
     flags.FLAGS.unparse_flags()
     for flag in [f for f in flags.FLAGS if f.startswith("config.")]:

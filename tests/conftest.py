@@ -51,13 +51,8 @@ def run(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO)
 def run_in_one_process(command, calls, *, timeout=300):
     """Several command lines of one toolkit `command` ('tpu_keras.plan'), run in one
     process by tests/cli_batch.py: {name: CompletedProcess}, `stdout` and `stderr` apart."""
-    calls_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"cli_batch_{os.getpid()}_{id(calls)}.json"
-    calls_file.write_text(json.dumps(calls))
-    try:
-        output = run([sys.executable, "tests/cli_batch.py", command, str(calls_file)],
-                     timeout=timeout, merge_stderr=False).stdout
-    finally:
-        calls_file.unlink()
+    output = run([sys.executable, "tests/cli_batch.py", command, json.dumps(calls)],
+                 timeout=timeout, merge_stderr=False).stdout
     done = [json.loads(line[len("CALL "):]) for line in output.splitlines() if line.startswith("CALL ")]
     return {call["name"]: subprocess.CompletedProcess(calls[call["name"]], call["code"], call["stdout"],
                                                       call["stderr"]) for call in done}

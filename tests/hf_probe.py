@@ -53,6 +53,21 @@ def gap(a, b):
     return float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
 
 
+def read_by_transformers(folder, expected):
+    """{"torch": the gap to transformers' own logits from `folder`, "versions"}; None where
+    transformers and PyTorch are not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return {"torch": None}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        torch_logits = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    return {"torch": gap(expected, torch_logits),
+            "versions": f"transformers {transformers.__version__}, torch {torch.__version__}"}
+
+
 def config_for(family, checkpoint, lora_rank=0):
     config = defaults()
     config.engine = engine_name
@@ -103,18 +118,7 @@ for family in TASKS:
             base = task_cls.from_preset(checkpoint, preprocessor=None)
             base.backbone.load_lora_weights(f"{export}/lora.weights.h5")
             checks["base_plus_lora"] = gap(expected, logits(base))
-        try:
-            if engine_name != "tf":  # the test reads transformers' own logits on the tf runs
-                raise ImportError
-            import torch
-            import transformers
-        except ImportError:
-            checks["torch"] = None
-        else:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(f"{export}/transformers")
-            with torch.no_grad():
-                torch_logits = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-            checks["torch"] = gap(expected, torch_logits)
-            checks["versions"] = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        if engine_name == "tf":  # the test reads transformers' own logits on the tf runs
+            checks.update(read_by_transformers(f"{export}/transformers", expected))
         result[family][variant] = checks
 print("HF " + json.dumps(result), flush=True)

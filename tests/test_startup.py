@@ -7,9 +7,11 @@ from conftest import run
 from tpu_keras import lean_imports
 
 LEAN_START = """
-import sys, time
+import sys
 from tpu_keras import lean_imports
+from tpu_keras.cluster import engine
 lean_imports.install()
+engine.select("tf")  # as a tf run does, before Keras loads
 import tensorflow, keras
 probed = sorted(p for p in ("matplotlib", "IPython", "sklearn", "scipy", "jax") if p in sys.modules)
 import sklearn.datasets, scipy.sparse, matplotlib  # still there for anyone else
@@ -23,7 +25,12 @@ def test_tensorflow_and_keras_skip_their_optional_probes_and_the_packages_still_
 
 
 def test_the_environment_variable_turns_it_off(monkeypatch):
+    def installed():
+        return [f for f in sys.meta_path if isinstance(f, lean_imports._SkipOptionalProbes)]
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f not in installed()])
     monkeypatch.setenv(lean_imports.OFF_ENV, "1")
-    before = list(sys.meta_path)
     lean_imports.install()
-    assert sys.meta_path == before
+    assert not installed()
+    monkeypatch.delenv(lean_imports.OFF_ENV)
+    lean_imports.install()
+    assert len(installed()) == 1  # and monkeypatch puts sys.meta_path back

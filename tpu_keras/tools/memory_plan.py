@@ -84,11 +84,11 @@ class Footprint:
     @functools.lru_cache(maxsize=None)
     def _backward(self, remat: str, batch: int):
         """`memory.backward_trace` of the `remat` model at `batch`: one trace per remat setting
-        and batch, whatever the mesh (a trace of a 1B model takes seconds)."""
+        and batch, whatever the mesh (a trace of a 1B model takes seconds). Its layers
+        keep the remat they were made with."""
         import keras
-        from tpu_keras import models
         from tpu_keras.measurement import memory
-        with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
+        with keras.StatelessScope(initialize_variables=False):
             return memory.backward_trace(self._model_with(remat), self.builder.loss(), batch)
 
     @functools.cached_property
