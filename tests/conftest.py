@@ -59,11 +59,13 @@ def run_in_one_process(command, calls, *, timeout=300):
 
 
 def assert_one_line_error(result, *fragments):
-    """A user mistake: non-zero exit, one `error: ...` line holding `fragments`, no traceback."""
+    """A user mistake: non-zero exit, one `error: ...` line holding `fragments`, no traceback
+    (in stdout and stderr together, where the result keeps them apart)."""
     assert result.returncode != 0
-    assert "Traceback" not in result.stdout
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stdout[-3000:]
+    output = result.stdout + (result.stderr or "")
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
 

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, run, train
+from conftest import REPO, assert_one_line_error, run, run_in_one_process, train
 from placements import assert_laid_out_as_placed, assert_same_losses
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step
 
@@ -48,25 +48,27 @@ def test_tiny_llama_trains_exports_and_generates(data_dir, tmp_path):
     assert text.startswith("def ") and len(text) > len("def "), text
 
 
-def test_sentencepiece_llama_trains_on_packed_text_on_both_engines(stdlib_text, data_dir, tmp_path):
-    """configs/llama_stdlib.py:spm at the tiny size: LlamaTokenizer on the offline vocabulary."""
-    for engine in ("tf", "jax"):
-        out = train("configs/llama_stdlib.py:spm_tiny", tmp_path / engine,
-                    f"--config.data.data_dir={data_dir}", f"--config.engine={engine}").stdout
-        assert re.search(r"validation/\*\.txt \(LlamaTokenizer\(spm1024\.model\), 65 tokens per "
-                         r"sequence\): 55 documents, [\d,]+ tokens, 0\.\d+ tokens per byte", out), out[-3000:]
-        lines = re.findall(r"step \d+/20 \| bits_per_byte (\S+) \| bits_per_token (\S+) \| .*? loss "
-                           r"(\S+) \| val_bits_per_byte (\S+) \| val_bits_per_token (\S+)", out)
-        assert len(lines) == 2, out[-3000:]
-        for bpb, bpt, loss, val_bpb, val_bpt in (map(float, line) for line in lines):
-            assert bpt == pytest.approx(float(loss) / np.log(2), rel=1e-3)
-            assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
-        assert float(lines[1][2]) < float(lines[0][2])
-        assert re.search(r"done at step 20: val_bits_per_byte \d", out)
-    # Generation reads and writes the run's own SentencePiece pieces (the jax run's, on jax).
+def test_sentencepiece_llama_trains_on_packed_text_and_generates(stdlib_text, data_dir, tmp_path):
+    """configs/llama_stdlib.py:spm at the tiny size: LlamaTokenizer on the offline vocabulary,
+    on the jax engine (the same tokenizer and packing train on tf in test_data.py's
+    instruction tuning, configs/instruct_stdlib.py:tiny)."""
+    workdir = tmp_path / "jax"
+    out = train("configs/llama_stdlib.py:spm_tiny", workdir, f"--config.data.data_dir={data_dir}",
+                "--config.engine=jax").stdout
+    assert re.search(r"validation/\*\.txt \(LlamaTokenizer\(spm1024\.model\), 65 tokens per "
+                     r"sequence\): 55 documents, [\d,]+ tokens, 0\.\d+ tokens per byte", out), out[-3000:]
+    lines = re.findall(r"step \d+/20 \| bits_per_byte (\S+) \| bits_per_token (\S+) \| .*? loss "
+                       r"(\S+) \| val_bits_per_byte (\S+) \| val_bits_per_token (\S+)", out)
+    assert len(lines) == 2, out[-3000:]
+    for bpb, bpt, loss, val_bpb, val_bpt in (map(float, line) for line in lines):
+        assert bpt == pytest.approx(float(loss) / np.log(2), rel=1e-3)
+        assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
+    assert float(lines[1][2]) < float(lines[0][2])
+    assert re.search(r"done at step 20: val_bits_per_byte \d", out)
+    # Generation reads and writes the run's own SentencePiece pieces.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "import ", "id": 7}\n\n"def "\n')
-    out = generate(tmp_path / "jax", f"--prompts_file={prompts}", "--seed=1").stdout
+    out = generate(workdir, f"--prompts_file={prompts}", "--seed=1").stdout
     lines = [json.loads(line) for line in out.splitlines()]
     assert [(line["prompt"], line.get("id")) for line in lines] == [("import ", 7), ("def ", None)]
     assert all(line["text"].startswith(line["prompt"]) and len(line["text"]) > len(line["prompt"])
@@ -87,27 +89,9 @@ def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_
     assert_same_losses(result, reference)
 
 
-LAYOUT = [sys.executable, "-m", "tpu_keras.layout", f"--config={LLAMA_TINY}",
-          "--config.mesh.data=2", "--config.mesh.model=2", "--config.layout.replicate_below=4096"]
+LLAMA_MESH = [f"--config={LLAMA_TINY}", "--config.mesh.data=2", "--config.mesh.model=2",
+              "--config.layout.replicate_below=4096"]
 REVERSE_RULE = "((r'token_embedding/reverse_embeddings', (None, 'model')),)"
-
-
-def test_keras_hub_llama_map_is_refused_and_the_toolkit_rules_pass():
-    # keras-hub's own map leaves the untied output head out: one line, with the fix.
-    assert_one_line_error(run(LAYOUT + ["--config.model.layout_map=keras_hub"], check=False),
-                          "weight 'token_embedding/reverse_embeddings' [32, 256]",
-                          "covered by no layout rule", f"layout.extra_rules={REVERSE_RULE}")
-    # With that added, the next gap: heads over 'data' in Q/K/V, over 'model' in the output.
-    assert_one_line_error(run(LAYOUT + ["--config.model.layout_map=keras_hub",
-                                        f"--config.layout.extra_rules={REVERSE_RULE}"], check=False),
-                          "the attention heads are split two ways",
-                          "'transformer_layer_0/self_attention/query/kernel' dimension 1 over 'data'",
-                          "attention_output/kernel' dimension 0 over 'model'")
-    table = run(LAYOUT).stdout  # the toolkit's rules for the Llama family
-    assert re.search(r"^token_embedding/reverse_embeddings\s+32x256\s+P\(None, 'model'\)", table, re.M), table
-    assert re.search(r"^transformer_layer_0/self_attention/attention_output/kernel\s+2x16x32\s+"
-                     r"P\('model', None, None\)", table, re.M), table
-
 
 FAMILIES = '''
 from tpu_keras.config import defaults
@@ -132,18 +116,44 @@ def get_config(family):
 '''
 
 
-def test_keras_hub_maps_of_other_families_are_checked(tmp_path):
-    config = tmp_path / "families.py"
-    config.write_text(FAMILIES)
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The layout reports below, in one process (one start of keras-hub and JAX)."""
+    families = tmp_path_factory.mktemp("families") / "families.py"
+    families.write_text(FAMILIES)
+    return run_in_one_process("tpu_keras.layout", {
+        "keras_hub_map": LLAMA_MESH + ["--config.model.layout_map=keras_hub"],
+        "keras_hub_map_and_head": LLAMA_MESH + ["--config.model.layout_map=keras_hub",
+                                                f"--config.layout.extra_rules={REVERSE_RULE}"],
+        "toolkit_rules": LLAMA_MESH,
+        "gemma": [f"--config={families}:gemma"],
+        "qwen3_moe": [f"--config={families}:qwen3_moe", f"--config.layout.extra_rules={REVERSE_RULE}"],
+    })
 
-    def layout(family, *flags):
-        return run([sys.executable, "-m", "tpu_keras.layout", f"--config={config}:{family}", *flags],
-                   check=False)
+
+def test_keras_hub_llama_map_is_refused_and_the_toolkit_rules_pass(layouts):
+    # keras-hub's own map leaves the untied output head out: one line, with the fix.
+    assert_one_line_error(layouts["keras_hub_map"],
+                          "weight 'token_embedding/reverse_embeddings' [32, 256]",
+                          "covered by no layout rule", f"layout.extra_rules={REVERSE_RULE}")
+    # With that added, the next gap: heads over 'data' in Q/K/V, over 'model' in the output.
+    assert_one_line_error(layouts["keras_hub_map_and_head"],
+                          "the attention heads are split two ways",
+                          "'transformer_layer_0/self_attention/query/kernel' dimension 1 over 'data'",
+                          "attention_output/kernel' dimension 0 over 'model'")
+    assert layouts["toolkit_rules"].returncode == 0, layouts["toolkit_rules"].stderr[-2000:]
+    table = layouts["toolkit_rules"].stdout  # the toolkit's rules for the Llama family
+    assert re.search(r"^token_embedding/reverse_embeddings\s+32x256\s+P\(None, 'model'\)", table, re.M), table
+    assert re.search(r"^transformer_layer_0/self_attention/attention_output/kernel\s+2x16x32\s+"
+                     r"P\('model', None, None\)", table, re.M), table
+
+
+def test_keras_hub_maps_of_other_families_are_checked(layouts):
     # Gemma splits key/value kernels by their KV heads: 1 in gemma_2b_en.
-    assert_one_line_error(layout("gemma"), "'decoder_block_0/attention/key/kernel' [1, 64, 16]: "
+    assert_one_line_error(layouts["gemma"], "'decoder_block_0/attention/key/kernel' [1, 64, 16]: "
                           "dimension 0 (1) does not divide by mesh axis 'model' (2)")
     # Qwen3 MoE: the experts' weights have no /kernel suffix, so no rule of its map matches them.
-    assert_one_line_error(layout("qwen3_moe", f"--config.layout.extra_rules={REVERSE_RULE}"),
+    assert_one_line_error(layouts["qwen3_moe"],
                           "'transformer_layer_0/qwen3_sparse_moe_block/experts/"
                           "expert_feedforward_gate_dense' [4, 64, 128]", "covered by no layout rule")
 
