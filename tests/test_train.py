@@ -122,7 +122,8 @@ def jax_run(tmp_path_factory, data_dir):
     workdir = tmp_path_factory.mktemp("jax_run")
     args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}",
             f"--config.train.compile_cache={tmp_path_factory.mktemp('compile_cache')}")
-    first = train("configs/digits.py:tiny", workdir, *args, "--config.log.profile_steps=(11, 12)")
+    first = train("configs/digits.py:tiny", workdir, *args, "--config.log.profile_steps=(11, 12)",
+                  env={"JAX_LOG_COMPILES": "1"})  # JAX logs each program it compiles
     return workdir, first.stdout, args
 
 
@@ -130,6 +131,10 @@ def test_the_same_config_trains_and_resumes_on_the_jax_engine(jax_run, tmp_path_
     workdir, output, args = jax_run
     assert re.search(r"\| compile [\d.]+ \(compiled: not in the cache\)", output), output[-2000:]
     assert "jax mesh data=1 x model=1 over 1 process(es)" in output
+    # Two epochs, each with a validation: on one device the steps compile once each (Keras's
+    # uncommitted state used to compile the train step three times, the test step twice).
+    assert output.count("Compiling jit(train_step)") == 1, output[-3000:]
+    assert output.count("Compiling jit(test_step)") == 1, output[-3000:]
     assert logged_steps(output) == [10, 20]
     assert re.search(r"step 20/20 .*grad_norm \d[\d.e+-]* ", output), output[-2000:]
     events = glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
