@@ -90,11 +90,13 @@ def _measure(name, cluster, seconds, rounds, peak_flops):
         if isinstance(rate, str):
             result[variant] = {"error": rate}
             continue
+        rate, turns = rate
         result[variant] = {"examples_per_second": round(rate, 1),
+                           "each_round": [round(r, 1) for r in turns],
                            "model_flops_per_second": float(f"{rate * per_example:.4g}"),
                            "mfu": round(rate * per_example / peak_flops, 4) if peak_flops else None}
     if all(not isinstance(rate, str) for rate in rates.values()):
-        result["toolkit_over_keras"] = round(rates["toolkit"] / rates["keras"], 3)
+        result["toolkit_over_keras"] = round(rates["toolkit"][0] / rates["keras"][0], 3)
     del models, toolkit, plain
     gc.collect()
     return result

@@ -17,9 +17,9 @@ and shows both compile figures and their ratio.
 --fit: the toolkit's `fit` next to plain Keras `fit` on the same model, the
 same initial weights and the same batch (one real batch repeated from
 memory, so the training loop alone is timed): Keras with its defaults, and
-Keras hand-tuned (steps_per_execution=10, jit_compile=True). The three run in
-turns, round after round, and each reports its median, so drift on a shared
-machine hits all three alike. The float32 and bfloat16 matmul ceilings are
+Keras hand-tuned (steps_per_execution=10, jit_compile=True). They run in
+turns, each round starting one further along, and each reports its median
+and every round's rate, so drift on a shared machine hits all alike. The float32 and bfloat16 matmul ceilings are
 measured in the same run; each result gives examples/s, model FLOP/s (see
 tpu_keras.measurement.flops), the fraction of the float32 ceiling, and the ratios to
 both peers. Each mode (one device; 4 logical CPU devices under Mirrored)
@@ -55,7 +55,8 @@ import benchmark_timing as timing  # noqa: E402  (beside this script)
 _DATA = flags.DEFINE_bool("data", False, "Input pipeline rate vs training consumption.")
 _FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaults and hand-tuned.")
 _MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device layouts to run.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "--fit: turns each variant gets; the median counts.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "--fit: turns each variant gets, each round starting "
+                                "one variant further along; the median counts.")
 _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits", "llama_stdlib:spm"],
                               "Config modules under configs/, each optionally with :VARIANT.")
@@ -161,7 +162,9 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
             if isinstance(rate, str):
                 result[variant] = {"error": rate}
                 continue
+            rate, turns = rate
             result[variant] = {"examples_per_second": round(rate, 1),
+                               "each_round": [round(r, 1) for r in turns],
                                "steps_per_execution": model.steps_per_execution,
                                "xla": bool(model.jit_compile),
                                "model_flops_per_second": float(f"{rate * per_example:.4g}"),

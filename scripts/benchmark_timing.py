@@ -54,17 +54,22 @@ def training_rate(model, dataset, batch, seconds):
 
 
 def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict:
-    """{name: median examples/s over `rounds` turns, or the error's one line if it fails}.
+    """{name: (median examples/s over `rounds` turns, [each turn's]) or the error's one line}.
 
-    The models take turns, so a machine's drift falls on all of them alike.
+    The models take turns, and each round starts one model further along.
+    A shared machine's speed drifts (here by up to 20% over a few minutes),
+    and in a fixed order the model that always went last gained on the one
+    that always went first. With `rounds` a multiple of the number of
+    models, each goes first, second, ... equally often.
     """
-    rates, errors = {name: [] for name in models}, {}
-    for _ in range(rounds):
-        for name, model in models.items():
+    names = list(models)
+    rates, errors = {name: [] for name in names}, {}
+    for turn in range(rounds):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
             if name in errors:
                 continue
             try:
-                rates[name].append(training_rate(model, dataset, batch, seconds))
+                rates[name].append(training_rate(models[name], dataset, batch, seconds))
             except Exception as error:  # noqa: BLE001 - plain Keras fails under some strategies
                 errors[name] = first_reason(error)
-    return {name: errors.get(name) or statistics.median(rates[name]) for name in models}
+    return {name: errors.get(name) or (statistics.median(rates[name]), rates[name]) for name in names}
