@@ -20,6 +20,7 @@ sequences of 2,048 tokens per device: the run's 512 is a pod's batch).
 
 import datetime
 import gc
+import statistics
 import sys
 
 import benchmark_timing as timing
@@ -86,17 +87,18 @@ def _measure(name, cluster, seconds, rounds, peak_flops):
               "precision": config.train.precision, "global_batch": batch,
               "steps_per_execution": config.train.steps_per_execution,
               "flops_per_example": per_example}
-    for variant, rate in rates.items():
-        if isinstance(rate, str):
-            result[variant] = {"error": rate}
+    for variant, turns in rates.items():
+        if isinstance(turns, str):
+            result[variant] = {"error": turns}
             continue
-        rate, turns = rate
+        rate = statistics.median(turns)
         result[variant] = {"examples_per_second": round(rate, 1),
                            "each_round": [round(r, 1) for r in turns],
                            "model_flops_per_second": float(f"{rate * per_example:.4g}"),
                            "mfu": round(rate * per_example / peak_flops, 4) if peak_flops else None}
     if all(not isinstance(rate, str) for rate in rates.values()):
-        result["toolkit_over_keras"] = round(rates["toolkit"][0] / rates["keras"][0], 3)
+        result["toolkit_over_keras"] = round(statistics.median(rates["toolkit"])
+                                             / statistics.median(rates["keras"]), 3)
     del models, toolkit, plain
     gc.collect()
     return result

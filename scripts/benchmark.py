@@ -19,8 +19,9 @@ same initial weights and the same batch (one real batch repeated from
 memory, so the training loop alone is timed): Keras with its defaults, and
 Keras hand-tuned (steps_per_execution=10, jit_compile=True). They run in
 turns, each round starting one further along, and each reports its median
-and every round's rate, so drift on a shared machine hits all alike. The float32 and bfloat16 matmul ceilings are
-measured in the same run; each result gives examples/s, model FLOP/s (see
+and every round's rate, so drift on a shared machine hits all alike. The
+float32 and bfloat16 matmul ceilings are measured in the same run; each
+result gives examples/s, model FLOP/s (see
 tpu_keras.measurement.flops), the fraction of the float32 ceiling, and the ratios to
 both peers. Each mode (one device; 4 logical CPU devices under Mirrored)
 runs in its own process, since TensorFlow fixes its devices at start-up.
@@ -42,6 +43,7 @@ exit 0 where there is none (see accelerator_benchmark.py).
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -158,11 +160,11 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
                   "flops_per_example": per_example,
                   "ceilings_flops_per_second": {k: float(f"{v:.4g}") for k, v in ceilings.items()}}
         for variant, model in variants.items():
-            rate = rates[variant]
-            if isinstance(rate, str):
-                result[variant] = {"error": rate}
+            turns = rates[variant]
+            if isinstance(turns, str):
+                result[variant] = {"error": turns}
                 continue
-            rate, turns = rate
+            rate = statistics.median(turns)
             result[variant] = {"examples_per_second": round(rate, 1),
                                "each_round": [round(r, 1) for r in turns],
                                "steps_per_execution": model.steps_per_execution,

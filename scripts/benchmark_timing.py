@@ -54,7 +54,7 @@ def training_rate(model, dataset, batch, seconds):
 
 
 def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict:
-    """{name: (median examples/s over `rounds` turns, [each turn's]) or the error's one line}.
+    """{name: [examples/s of each of its `rounds` turns], or the error's one line if it fails}.
 
     The models take turns, and each round starts one model further along.
     A shared machine's speed drifts (here by up to 20% over a few minutes),
@@ -72,4 +72,4 @@ def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict
                 rates[name].append(training_rate(models[name], dataset, batch, seconds))
             except Exception as error:  # noqa: BLE001 - plain Keras fails under some strategies
                 errors[name] = first_reason(error)
-    return {name: errors.get(name) or (statistics.median(rates[name]), rates[name]) for name in names}
+    return {name: errors.get(name) or rates[name] for name in names}
