@@ -120,9 +120,12 @@ def jax_run(tmp_path_factory, data_dir):
     """The digits on the jax engine, 20 steps, with a compile cache of its own (so that it
     compiles, and the runs after it load): (workdir, output, the flags of its runs)."""
     workdir = tmp_path_factory.mktemp("jax_run")
+    # The compile cache comes last (a test replaces it); the same config throughout, so
+    # that later runs load the steps this one keeps.
     args = ("--config.engine=jax", f"--config.data.data_dir={data_dir}",
+            "--config.log.profile_steps=(11, 12)",
             f"--config.train.compile_cache={tmp_path_factory.mktemp('compile_cache')}")
-    first = train("configs/digits.py:tiny", workdir, *args, "--config.log.profile_steps=(11, 12)",
+    first = train("configs/digits.py:tiny", workdir, *args,
                   env={"JAX_LOG_COMPILES": "1"})  # JAX logs each program it compiles
     return workdir, first.stdout, args
 
@@ -167,7 +170,10 @@ def test_a_jax_run_evaluates_on_another_mesh_and_resumes_from_the_compile_cache(
         [sys.executable, "-m", "tpu_keras.train", "--config=configs/digits.py:tiny",
          f"--workdir={killed}", *args], step=10)
     assert re.search(r"resumed from \S+ at step 10", resumed), resumed[-2000:]
-    assert re.search(r"\| compile [\d.]+ \(from the cache\)", resumed), resumed[-2000:]
+    # The steps load whole (untraced): the killed and the resumed run reuse the fixture's.
+    assert re.search(r"\| compile [\d.]+ \(from the cache, steps not traced\)", resumed), resumed[-2000:]
+    assert re.search(r"train step: loaded from \S+, not traced", resumed), resumed[-2000:]
     cache = json.loads((killed / "timings.json").read_text())["compile_cache"]
     assert cache["programs"] >= 1 and cache["from_cache"] == cache["programs"], cache
+    assert cache["steps_loaded"] >= 1 and cache["compile_seconds"] >= 0, cache
     assert_same_weights(killed, workdir, step=20)

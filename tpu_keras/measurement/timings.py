@@ -9,9 +9,13 @@ callbacks, logging). `outside_steps_fraction` is the share of the wall time
 not spent in training steps: what the toolkit costs around the work.
 
 The training steps are the host calls of `fit`, timed by
-`callbacks.FitTimer`. A
-host call that traces and compiles the train function takes longer than
-the others; the excess over the median host call counts as compile time.
+`callbacks.FitTimer`. The first host call of each `fit` takes longer than
+the others: it compiles the train step (or loads it), waits for the
+input pipeline's first batch, and runs the step's first executions, which
+are slower while memory and thread pools warm up. On jax, `compile` is the
+time measured in tracing, lowering and compiling (`compile_cache.Watch`),
+and the rest of that call's excess over the median host call is `warmup`;
+on tf, which does not report its compiles, the whole excess is `compile`.
 Only the process's own exit is missing here; `scripts/benchmark.py --run`
 times it from outside.
 """
@@ -27,7 +31,7 @@ from absl import logging
 
 
 # Phases in the order a run meets them; the log line keeps it.
-PHASES = ("startup", "data", "cluster", "model", "restore", "compile", "steps", "validation",
+PHASES = ("startup", "data", "cluster", "model", "restore", "compile", "warmup", "steps", "validation",
           "checkpoints", "fit_teardown", "export", "other")
 
 
@@ -77,8 +81,12 @@ class RunTimings:
         wall = time.time() - self._started
         calls, firsts = self.host_calls, self.first_host_calls
         typical = statistics.median(calls) if calls else min(firsts, default=0.0)
-        self.seconds["compile"] = sum(max(0.0, first - typical) for first in firsts)
-        self.seconds["steps"] = sum(calls) + sum(firsts) - self.seconds["compile"]
+        excess = sum(max(0.0, first - typical) for first in firsts)
+        measured = self.compile_cache.get("compile_seconds")
+        self.seconds["compile"] = excess if measured is None else measured
+        self.seconds["warmup"] = max(0.0, excess - self.seconds["compile"])
+        self.seconds["steps"] = (sum(calls) + sum(firsts) - self.seconds["compile"]
+                                 - self.seconds["warmup"])
         seconds = {name: self.seconds.get(name, 0.0) for name in PHASES}
         seconds["other"] = max(0.0, wall - sum(seconds.values()))
         return {"wall_seconds": round(wall, 3),
@@ -110,7 +118,7 @@ def describe_cache(report: dict) -> str:
     if not programs:
         return "(nothing compiled)"
     if hits == programs:
-        return "(from the cache)"
+        return "(from the cache, steps not traced)" if report.get("steps_loaded") else "(from the cache)"
     if hits:
         return f"({hits} of {programs} programs from the cache)"
     return "(compiled: not in the cache)"

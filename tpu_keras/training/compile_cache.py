@@ -20,6 +20,9 @@ directory`), which serves `jit_compile` functions on CPU and GPU (written
 through a rename); TPUStrategy compiles through the TPU compile op, which
 never reads it (docs/design.md).
 
+On the jax engine the train and test steps are also kept whole, as
+executables loaded without tracing (`step_cache`, under `steps/`).
+
 A folder that cannot be written costs the run its cache, not the run:
 one warning, and it goes on compiling.
 """
@@ -29,13 +32,20 @@ import os
 from absl import logging
 
 from tpu_keras.measurement import peak
+from tpu_keras.training import step_cache
 
 OFF = ("", "off")
 FOLDER = "compile_cache"
 # A local cache's bound (least recently used entries go first); bounding it is also
 # what makes JAX lock the folder around each read and write.
 LOCAL_MAX_BYTES = 4 << 30
-_JAX_EVENTS = ("/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits")
+# JAX's time spans of tracing, lowering and compiling (or fetching) a program, and the
+# step cache's lookups: what the compile figure measures on jax.
+_COMPILE_SPANS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration", step_cache.LOOKUP_SPAN)
+_JAX_EVENTS = ("/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits",
+               step_cache.LOADED_EVENT)
 
 
 def folder(setting: str, workdir: str) -> str:
@@ -72,6 +82,13 @@ def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
     return Watch(path, engine)
 
 
+def keep_steps(model, watch: "Watch", config) -> None:
+    """On the jax engine with the cache on, `model`'s train and test steps are kept whole
+    (`step_cache`): a rerun of the same config loads them without tracing."""
+    if watch.path and watch.engine == "jax":
+        step_cache.install(model, watch.path, config.to_json_best_effort(sort_keys=True))
+
+
 def _writable(path: str) -> bool:
     """Whether this process can create and write in `path`; else one warning line."""
     from tpu_keras import workdir
@@ -83,36 +100,56 @@ def _writable(path: str) -> bool:
 
 
 class Watch:
-    """Counts, around the host calls it is told of, the step programs that compiled and
-    those that came from the cache.
+    """Around the host calls it is told of: how long compiling took, and how many step
+    programs compiled and how many came from the cache.
 
-    jax: JAX's own monitoring events (a compile that asked the cache, a hit).
+    jax: the time is measured, as the union of JAX's time spans of tracing,
+    lowering and compiling (or fetching) each program and of `step_cache`'s
+    lookups (None where JAX reports no spans: then the first host call's
+    excess stands for it, as on tf). The counts are JAX's own events (a
+    compile that asked the cache, a hit) and the steps `step_cache` loaded
+    whole (each a program from the cache).
     tf: TensorFlow reports no hits to Python, so a first host call that wrote
     no new entry into a cache that held some counts as served by it.
     """
 
     def __init__(self, path: str, engine: str):
-        self.path, self._engine = path, engine
+        self.path, self.engine = path, engine
         self._counts = dict.fromkeys(_JAX_EVENTS, 0)
-        self.requests = self.hits = 0
-        self._entries = None
-        if path and engine == "jax":
+        self.requests = self.hits = self.loaded = 0
+        self.compile_seconds = None
+        self._entries, self._spans, self._watching = None, [], False
+        if engine == "jax":
             import jax
-            jax.monitoring.register_event_listener(self._on_event)
+            if path:
+                jax.monitoring.register_event_listener(self._on_event)
+            listen = getattr(jax.monitoring, "register_event_time_span_listener", None)
+            if listen is not None:
+                listen(self._on_span)
+                self.compile_seconds = 0.0
 
     def _on_event(self, event, **kwargs):
         if event in self._counts:
             self._counts[event] += 1
 
+    def _on_span(self, event, start_time, end_time, **kwargs):
+        if self._watching and event in _COMPILE_SPANS:
+            self._spans.append((start_time, end_time))
+
     def begin(self):
-        if self._engine == "jax":
+        self._watching, self._spans = True, []
+        if self.engine == "jax":
             self._start = dict(self._counts)
         elif self.path:
             self._entries = set(_listing(self.path))
 
     def end(self):
-        if self._engine == "jax":
-            requests, hits = (self._counts[e] - self._start[e] for e in _JAX_EVENTS)
+        self._watching = False
+        if self.compile_seconds is not None:
+            self.compile_seconds += _covered(self._spans)
+        if self.engine == "jax":
+            requests, hits, loaded = (self._counts[e] - self._start[e] for e in _JAX_EVENTS)
+            requests, hits, self.loaded = requests + loaded, hits + loaded, self.loaded + loaded
         elif self.path:
             written = set(_listing(self.path)) - self._entries
             requests = len(written) + (1 if self._entries and not written else 0)
@@ -123,8 +160,20 @@ class Watch:
         self.hits += hits
 
     def report(self) -> dict:
-        """{'dir', 'programs' compiled or loaded, 'from_cache' of them}; dir '' when off."""
-        return {"dir": self.path, "programs": self.requests, "from_cache": self.hits}
+        """{'dir', 'programs' compiled or loaded, 'from_cache' of them, 'steps_loaded' whole
+        (untraced) of those, 'compile_seconds' measured or None}; dir '' when off."""
+        return {"dir": self.path, "programs": self.requests, "from_cache": self.hits,
+                "steps_loaded": self.loaded, "compile_seconds": self.compile_seconds}
+
+
+def _covered(spans) -> float:
+    """Seconds covered by the union of (start, end) `spans` (a trace nests inner ones)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _listing(path: str) -> list:

@@ -42,7 +42,8 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
         raise UserError("evaluate runs in one TensorFlow process; start it on one host "
                         "(cluster.strategy one_device or mirrored), or use the jax engine")
     defaults.resolve(config, cluster)
-    compile_cache.enable(config.train.compile_cache, workdir, cluster, config.train.jit_compile)
+    cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
+                                       config.train.jit_compile)
     builder, _ = models.registry.get(config.model)
     models.hub.prepare_preset(config.model, workdir, cluster.is_chief)
     if data.text.is_text(config.data):
@@ -51,6 +52,7 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
         builder = with_text_metrics(builder, data.text.open_source(config.data, training=False,
                                                                    hosts=hosts).tokens_per_byte)
     model = build_model(config, cluster, builder)
+    compile_cache.keep_steps(model, cache_watch, config)
     saver = checkpoint.open_checkpointer(workdir, model, cluster)
     eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
                                        training=False, max_eval_steps=config.train.eval_steps)

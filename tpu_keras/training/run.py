@@ -75,6 +75,7 @@ def train(config, workdir: str, started: float | None = None):
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with run_timings.phase("model"):
         model = build_model(config, cluster, builder)
+    compile_cache.keep_steps(model, cache_watch, config)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], config.data)
     logging.info("model: %s", _describe(model, config))

@@ -1,0 +1,97 @@
+"""The step cache (jax engine): a step loads whole, untraced, only while nothing that
+decides its program has changed; anything else is a miss that compiles as before."""
+
+import importlib
+import json
+import os
+import sys
+
+from conftest import run
+from tpu_keras.training import step_cache
+
+PROBE = """
+import json, os, sys, jax, jax.numpy as jnp
+from absl import logging
+from tpu_keras.training import step_cache
+logging.set_verbosity(logging.INFO)
+folder, with_jax_cache, loaded = sys.argv[1], sys.argv[2] == "1", []
+if with_jax_cache:
+    jax.config.update("jax_compilation_cache_dir", folder + "_jax")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.monitoring.register_event_listener(
+    lambda event, **_: loaded.append(event) if event == step_cache.LOADED_EVENT else None)
+
+def step(state, batch):
+    return {"loss": jnp.sum(batch * state)}, state + batch.mean()
+
+def call(config="{}", size=8):
+    # A new process as far as the caches know: no jitted program in memory, a new CachedStep.
+    jax.clear_caches()
+    cached = step_cache.CachedStep(jax.jit(step, donate_argnums=0), "train", folder, config)
+    logs, state = cached(jnp.full((), 2.0), jnp.arange(float(size)))
+    print("CALL", json.dumps({"loaded": len(loaded), "loss": float(logs["loss"]), "state": float(state)}))
+
+if with_jax_cache:
+    call('{"run": 1}')       # compiled by XLA, kept
+    call('{"run": 2}')       # the same program: JAX's cache serves it, not kept
+    call('{"run": 2}')       # so compiled (served) again
+    call('{"run": 1}')       # loaded whole
+    sys.exit()
+call()                       # compiled, kept
+call()                       # loaded whole
+with open(os.path.join(folder, os.listdir(folder)[0]), "wb") as f:
+    f.write(b"torn")
+call()                       # an unreadable entry: compiled again, kept again
+call()                       # loaded
+call(config='{"lr": 2}')     # another config: compiled
+call(size=4)                 # other shapes: another entry, compiled
+switching = step_cache.CachedStep(jax.jit(step), "train", folder, "{}")
+switching(jnp.full((), 2.0), jnp.arange(8.0))   # loaded; then other shapes: plain jax.jit
+print("SWITCHED", float(switching(jnp.full((), 2.0), jnp.arange(4.0))[0]["loss"]))
+"""
+
+
+def probe(folder, with_jax_cache):
+    result = run([sys.executable, "-c", PROBE, str(folder), str(int(with_jax_cache))],
+                 env={"KERAS_BACKEND": "jax"}, merge_stderr=False)
+    calls = [json.loads(line[5:]) for line in result.stdout.splitlines() if line.startswith("CALL ")]
+    return result, calls
+
+
+def test_a_step_loads_whole_until_its_config_shapes_or_entry_change(tmp_path):
+    folder = tmp_path / "steps"
+    result, calls = probe(folder, with_jax_cache=False)
+    assert [c["loaded"] for c in calls] == [0, 1, 1, 2, 2, 2], result.stdout + result.stderr[-3000:]
+    assert {(c["loss"], c["state"]) for c in calls[:5]} == {(56.0, 5.5)}  # the same program
+    assert (calls[5]["loss"], calls[5]["state"]) == (12.0, 3.5)
+    assert "SWITCHED 12.0" in result.stdout
+    torn = [line for line in result.stderr.splitlines() if "not a readable entry" in line]
+    assert len(torn) == 1 and "compiling the step" in torn[0], result.stderr[-3000:]
+    assert len(os.listdir(folder)) == 3  # one entry per config and shapes
+
+
+def test_a_step_that_jax_s_own_cache_served_is_not_kept(tmp_path):
+    # XLA:CPU serializes such an executable without its kernels; kept, it would fail to run.
+    folder = tmp_path / "steps"
+    result, calls = probe(folder, with_jax_cache=True)
+    assert [c["loaded"] for c in calls] == [0, 0, 0, 1], result.stdout + result.stderr[-3000:]
+    assert {(c["loss"], c["state"]) for c in calls} == {(56.0, 5.5)}
+    assert len(os.listdir(folder)) == 1
+    assert result.stderr.count("not kept whole (JAX's cache served it)") == 2, result.stderr[-3000:]
+
+
+def test_an_entry_is_stale_once_a_file_loaded_at_its_trace_changes(tmp_path, monkeypatch):
+    module = tmp_path / "user_model.py"
+    module.write_text("WIDTH = 64\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("user_model")
+    try:
+        recorded = step_cache.loaded_sources()
+        assert str(module) in recorded
+        assert step_cache.stale_sources(recorded) is None
+        module.write_text("WIDTH = 128\n")  # an edit of the user's own model code
+        assert step_cache.stale_sources(recorded) == f"{module} changed"
+        module.unlink()
+        assert step_cache.stale_sources(recorded) == f"{module} is gone"
+    finally:
+        sys.modules.pop("user_model", None)

@@ -1,0 +1,324 @@
+"""Compiled steps kept whole between processes (jax engine): a rerun, a resumed run or an
+evaluation job loads its train and test steps without tracing them.
+
+JAX's persistent cache (`compile_cache`) saves XLA's compile, but its key
+is the lowered program, so each process must first trace and lower every
+step to look it up. For a large model on a pod the trace is seconds and
+the compile minutes; for a small model the trace is most of what a cached
+rerun still pays (1.5 s of 2 s for the default gpt on a CPU).
+
+This cache keys a step's serialized executable on everything that decides
+its program *before* it is traced:
+
+- the run's resolved config (the model, optimizer, precision, ...),
+- the step's abstract arguments: the pytree of state and batch, each
+  array's shape, dtype and sharding over which devices,
+- the devices and this process's place among them, and the versions and
+  flags of Python, JAX, XLA and Keras,
+- and, as Python itself decides that a `.pyc` is stale, the size and
+  modification time of the file of every module that was loaded when the
+  step was traced, the user's own code included: an entry serves only
+  while each of them is unchanged.
+
+Anything else is a miss: the step is traced and compiled as before
+(through JAX's cache, so often still no XLA compile) and its entry written
+again. Each process writes entries of its own (its index is in the key),
+so two hosts never write one file; a local entry appears through a rename,
+a `gs://` object whole when its upload ends. An entry that cannot be read
+is a miss with one warning line. Entries are pickles, so the cache folder
+must be as trusted as the code (JAX's own cache has the same rule).
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import platform
+import sys
+import time
+import uuid
+import zlib
+
+from absl import logging
+
+FOLDER = "steps"
+# JAX monitoring events (compile_cache.Watch counts them): a step loaded whole from this
+# cache, and the time span of each first call's lookup, load or compile.
+LOADED_EVENT = "/tpu_keras/step_cache/loaded"
+LOOKUP_SPAN = "/tpu_keras/step_cache/lookup"
+# A local folder keeps the newest entries up to this size (a step of a large model is large).
+LOCAL_MAX_BYTES = 2 << 30
+_KERAS_STEPS = ("train", "test")
+# The environment variables that change what XLA builds (JAX's own flags are in its config).
+_COMPILER_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# JAX settings that say what to log, dump or keep, not what to build: left out of the key
+# (one left in costs a miss, never a wrong program).
+_JAX_CONFIG_NOT_IN_PROGRAMS = ("log", "cache", "dump", "pprint", "traceback", "timeout",
+                               "transfer_guard")
+
+
+def install(model, cache_dir: str, config_json: str):
+    """Makes `model`'s jitted train and test steps `CachedStep`s kept in `cache_dir/steps/`."""
+    from keras.src.backend.jax import trainer as keras_jax_trainer
+    folder = _join(cache_dir, FOLDER)
+    for name in _KERAS_STEPS:
+        make = getattr(model, f"make_{name}_function")
+
+        def make_cached(force=False, make=make, name=name):
+            # Keras jits its step through this module attribute; for this one call, the
+            # jitted step it builds is wrapped (its host loop and shardings stay Keras's own).
+            jit = keras_jax_trainer.jit
+            keras_jax_trainer.jit = lambda fn, **kwargs: CachedStep(
+                jit(fn, **kwargs), name, folder, config_json)
+            try:
+                return make(force)
+            finally:
+                keras_jax_trainer.jit = jit
+        setattr(model, f"make_{name}_function", make_cached)
+    return model
+
+
+class CachedStep:
+    """A jitted step that, on its first call, loads its executable from the cache or
+    compiles and stores it; later calls run that executable."""
+
+    def __init__(self, jitted, name: str, folder: str, config_json: str):
+        _JaxCacheHits.listen()
+        self._jitted, self.name, self._folder, self._config = jitted, name, folder, config_json
+        self._compiled = None
+        self._plain = False  # called with other arguments than it was compiled for: plain jit
+
+    def __call__(self, *args):
+        if self._plain:
+            return self._jitted(*args)
+        if self._compiled is None:
+            self._compiled = self._load_or_compile(args)
+        try:
+            return self._compiled(*args)
+        except (TypeError, ValueError) as error:
+            # Arguments of another shape or layout (checked before anything runs):
+            # from now on jax.jit, which keys on them.
+            logging.info("%s step: %s; tracing it for these arguments",
+                         self.name, str(error).splitlines()[0][:200])
+            self._plain = True
+            return self._jitted(*args)
+
+    def _load_or_compile(self, args):
+        import jax
+        start = time.time()
+        try:
+            return self._load_or_compile_untimed(args)
+        finally:
+            jax.monitoring.record_event_time_span(LOOKUP_SPAN, start, time.time())
+
+    def _load_or_compile_untimed(self, args):
+        import jax
+        from jax.experimental import serialize_executable
+        key = entry_key(self.name, self._config, args)
+        path = _join(self._folder, f"{self.name}-{key}")
+        entry = _read(path)
+        if entry is not None and stale_sources(entry["sources"]) is None:
+            try:
+                compiled = serialize_executable.deserialize_and_load(
+                    entry["executable"], entry["in_tree"], entry["out_tree"])
+                jax.monitoring.record_event(LOADED_EVENT)
+                logging.info("%s step: loaded from %s, not traced", self.name, path)
+                return compiled
+            except Exception as error:  # noqa: BLE001 -- any unreadable entry is a miss
+                logging.warning("%s step: cached executable %s did not load (%s); compiling "
+                                "it again", self.name, path, _first_line(error))
+        served_before = _JaxCacheHits.count
+        compiled = self._jitted.lower(*args).compile()
+        if _JaxCacheHits.count > served_before:
+            # XLA:CPU serializes an executable it loaded from JAX's cache without its
+            # kernels (the loaded copy fails: "Function ... not found"). Kept when it compiles.
+            logging.info("%s step: not kept whole (JAX's cache served it)", self.name)
+            return compiled
+        try:
+            executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+        except (ValueError, NotImplementedError) as error:
+            logging.info("%s step: not kept whole (%s)", self.name, _first_line(error))
+            return compiled
+        _write(path, {"sources": loaded_sources(), "executable": executable,
+                      "in_tree": in_tree, "out_tree": out_tree})
+        return compiled
+
+
+class _JaxCacheHits:
+    """Hits in JAX's own persistent cache in this process, once a step has been made."""
+    count, _listening = 0, False
+
+    @classmethod
+    def listen(cls):
+        if not cls._listening:
+            import jax
+            jax.monitoring.register_event_listener(cls._on_event)
+            cls._listening = True
+
+    @classmethod
+    def _on_event(cls, event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            cls.count += 1
+
+
+def entry_key(name: str, config_json: str, args) -> str:
+    """The hex digest of what decides step `name`'s program, short of its source files."""
+    import jax
+    import keras
+    leaves, treedef = jax.tree.flatten(args)
+    devices = jax.devices()
+    described = {
+        "step": name, "config": config_json, "tree": str(treedef),
+        "leaves": [_describe_leaf(leaf) for leaf in leaves],
+        "devices": [devices[0].platform, devices[0].client.platform_version,
+                    sorted({d.device_kind for d in devices}), len(devices),
+                    jax.process_index(), jax.process_count()],
+        "versions": [sys.version, jax.__version__, _version("jaxlib"), keras.__version__],
+        "keras": [keras.config.floatx(), keras.config.dtype_policy().name,
+                  keras.config.image_data_format()],
+        "jax_config": {k: repr(v) for k, v in sorted(jax.config.values.items())
+                       if not any(word in k for word in _JAX_CONFIG_NOT_IN_PROGRAMS)},
+        "env": [os.environ.get(name, "") for name in _COMPILER_ENV],
+        "cpu": _cpu_flags() if devices[0].platform == "cpu" else "",
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=repr).encode()).hexdigest()[:40]
+
+
+def _describe_leaf(leaf):
+    import numpy as np
+    sharding = getattr(leaf, "sharding", None)
+    where = None
+    if sharding is not None:
+        mesh = getattr(sharding, "mesh", None)
+        ids = (np.asarray(mesh.device_ids).tolist() if mesh is not None and hasattr(mesh, "device_ids")
+               else sorted(d.id for d in sharding.device_set))
+        where = [repr(sharding), ids, getattr(leaf, "committed", None)]
+    return [list(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)),
+            bool(getattr(getattr(leaf, "aval", None), "weak_type", False)), where]
+
+
+def loaded_sources() -> dict:
+    """{path: [size, mtime_ns]} of the file of every module loaded in this process."""
+    sources = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path not in sources:
+            try:
+                stat = os.stat(path)
+            except OSError:
+                continue
+            sources[path] = [stat.st_size, stat.st_mtime_ns]
+    return sources
+
+
+def stale_sources(recorded: dict) -> str | None:
+    """Why an entry that recorded `recorded` cannot serve this process (one of those files
+    changed or gone), or None when it can."""
+    for path, (size, mtime_ns) in recorded.items():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return f"{path} is gone"
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+            return f"{path} changed"
+    return None
+
+
+def _read(path: str):
+    """The entry at `path`, or None (absent, or unreadable: one warning)."""
+    import tensorflow as tf
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            data = f.read()
+    except tf.errors.NotFoundError:
+        return None
+    except tf.errors.OpError as error:
+        logging.warning("step cache: cannot read %s (%s); compiling the step", path, _first_line(error))
+        return None
+    try:
+        entry = pickle.loads(zlib.decompress(data))
+        if not isinstance(entry, dict) or not {"sources", "executable", "in_tree", "out_tree"} <= entry.keys():
+            raise ValueError("not an entry of this cache")
+    except Exception as error:  # noqa: BLE001 -- a truncated or foreign file is a miss
+        logging.warning("step cache: %s is not a readable entry (%s); compiling the step",
+                        path, _first_line(error))
+        _remove(path)  # one warning, not one per run; a new entry takes its place
+        return None
+    if "://" not in path:
+        os.utime(path)  # recently used: pruned last
+    return entry
+
+
+def _write(path: str, entry: dict) -> None:
+    """Writes `entry` whole or not at all; a failure costs the entry, not the run."""
+    import tensorflow as tf
+    data = zlib.compress(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    try:
+        tf.io.gfile.makedirs(os.path.dirname(path))
+        if "://" in path:  # an object store's object appears whole
+            with tf.io.gfile.GFile(path, "wb") as f:
+                f.write(data)
+            return
+        partial = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+        _prune(os.path.dirname(path), LOCAL_MAX_BYTES)
+    except (tf.errors.OpError, OSError) as error:
+        logging.warning("step cache: cannot write %s (%s); the step is compiled again next time",
+                        path, _first_line(error))
+
+
+def _remove(path: str) -> None:
+    import tensorflow as tf
+    try:
+        tf.io.gfile.remove(path)
+    except tf.errors.OpError:
+        pass
+
+
+def _prune(folder: str, max_bytes: int) -> None:
+    """Deletes the least recently used entries of a local folder beyond `max_bytes`."""
+    entries = []
+    for name in os.listdir(folder):
+        try:
+            stat = os.stat(os.path.join(folder, name))
+        except OSError:
+            continue
+        entries.append((stat.st_mtime, stat.st_size, name))
+    total = sum(size for _, size, _ in entries)
+    for _, size, name in sorted(entries):
+        if total <= max_bytes:
+            break
+        try:
+            os.remove(os.path.join(folder, name))
+        except OSError:
+            pass
+        total -= size
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}" if "://" in folder else os.path.join(folder, name)
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _cpu_flags() -> str:
+    """The host CPU's model and feature flags: XLA:CPU compiles for the CPU it runs on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
+    except OSError:
+        return platform.processor()
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
