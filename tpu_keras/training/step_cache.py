@@ -109,7 +109,9 @@ class CachedStep:
         try:
             return self._load_or_compile_untimed(args)
         finally:
-            jax.monitoring.record_event_time_span(LOOKUP_SPAN, start, time.time())
+            record = getattr(jax.monitoring, "record_event_time_span", None)  # newer JAX only
+            if record is not None:
+                record(LOOKUP_SPAN, start, time.time())
 
     def _load_or_compile_untimed(self, args):
         import jax
@@ -117,7 +119,10 @@ class CachedStep:
         key = entry_key(self.name, self._config, args)
         path = _join(self._folder, f"{self.name}-{key}")
         entry = _read(path)
-        if entry is not None and stale_sources(entry["sources"]) is None:
+        stale = entry and stale_sources(entry["sources"])
+        if stale:
+            logging.info("%s step: the kept one is stale (%s); compiling it", self.name, stale)
+        elif entry is not None:
             try:
                 compiled = serialize_executable.deserialize_and_load(
                     entry["executable"], entry["in_tree"], entry["out_tree"])
