@@ -336,6 +336,9 @@ def main(argv):
         print(json.dumps({"benchmark": "data", "results": results}, indent=2))
     else:
         raise app.UsageError("choose a benchmark: --data, --fit, --run or --accelerator")
+    # Out before the interpreter's teardown: once here, a --repeat run whose two runs had
+    # finished exited with nothing printed to a redirected stdout.
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
