@@ -20,7 +20,8 @@ executions), which is what a restart waits for before its first step.
 same initial weights and the same batch (one real batch repeated from
 memory, so the training loop alone is timed): Keras with its defaults, and
 Keras hand-tuned (steps_per_execution=10, jit_compile=True). They run in
-turns, each round starting one further along, and each reports its median
+turns, in an order where over the rounds each takes every place and comes
+right after each of the others equally often, and each reports its median
 and every round's rate, so drift on a shared machine hits all alike. The
 float32 and bfloat16 matmul ceilings are measured in the same run; each
 result gives examples/s, model FLOP/s (see
@@ -59,8 +60,8 @@ import benchmark_timing as timing  # noqa: E402  (beside this script)
 _DATA = flags.DEFINE_bool("data", False, "Input pipeline rate vs training consumption.")
 _FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaults and hand-tuned.")
 _MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device layouts to run.")
-_ROUNDS = flags.DEFINE_integer("rounds", 4, "--fit: turns each variant gets, each round starting "
-                                "one variant further along; the median counts.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "--fit: turns each variant gets, in a balanced order "
+                                "(benchmark_timing.turn_order); the median counts.")
 _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits", "llama_stdlib:spm"],
                               "Config modules under configs/, each optionally with :VARIANT.")

@@ -56,16 +56,20 @@ def training_rate(model, dataset, batch, seconds):
 def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict:
     """{name: [examples/s of each of its `rounds` turns], or the error's one line if it fails}.
 
-    The models take turns, and each round starts one model further along.
-    A shared machine's speed drifts (here by up to 20% over a few minutes),
+    The models take turns in the order `turn_order` gives each round. A
+    shared machine's speed drifts (here by up to 20% over a few minutes),
     and in a fixed order the model that always went last gained on the one
-    that always went first. With `rounds` a multiple of the number of
-    models, each goes first, second, ... equally often.
+    that always went first; and a model's turn may be sped or slowed by the
+    one just before it (with four models in a plain rotation, hand-tuned
+    Keras always came right after Keras's defaults, and the toolkit right
+    after hand-tuned Keras). With `rounds` a multiple of the number of models
+    (twice it for an odd number), each goes first, second, ... equally
+    often, and right after each of the others equally often.
     """
     names = list(models)
     rates, errors = {name: [] for name in names}, {}
     for turn in range(rounds):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
+        for name in turn_order(names, turn):
             if name in errors:
                 continue
             try:
@@ -73,3 +77,19 @@ def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict
             except Exception as error:  # noqa: BLE001 - plain Keras fails under some strategies
                 errors[name] = first_reason(error)
     return {name: errors.get(name) or rates[name] for name in names}
+
+
+def turn_order(names: list, turn: int) -> list:
+    """Round `turn` of a Williams design: over n rounds (2n for odd n) every name takes
+    every place once, and follows every other name once, so neither the place in a round
+    nor the model run just before favours one."""
+    n = len(names)
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    order = [names[(index + turn) % n] for index in base]
+    return order[::-1] if n % 2 and (turn // n) % 2 else order

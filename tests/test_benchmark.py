@@ -1,4 +1,5 @@
-"""scripts/benchmark.py --accelerator on a machine without GPU or TPU: one line, exit 0."""
+"""scripts/benchmark.py: --accelerator on a machine without GPU or TPU is one line and exit 0;
+the race of --fit favours no model by its place or by the model run before it."""
 
 import sys
 
@@ -12,3 +13,21 @@ def test_accelerator_benchmark_without_accelerator_says_so_in_one_line():
     assert result.returncode == 0
     assert len(lines) == 1 and lines[0].startswith("no accelerator here: JAX sees only cpu devices"), lines
     assert "python scripts/benchmark.py --accelerator" in lines[0]
+
+
+def test_the_race_order_gives_no_model_a_place_or_a_predecessor_more_often():
+    sys.path.insert(0, "scripts")
+    try:
+        from benchmark_timing import turn_order
+    finally:
+        sys.path.remove("scripts")
+    four = ["toolkit", "toolkit_bf16", "keras_defaults", "keras_tuned"]
+    for names in (four[::3], four[:3], four):
+        n = len(names)
+        rounds = [turn_order(names, turn) for turn in range(n if n % 2 == 0 else 2 * n)]
+        assert all(sorted(order) == sorted(names) for order in rounds)
+        places = {(name, order.index(name)) for order in rounds for name in order}
+        assert len(places) == n * n  # every name in every place
+        follows = [(a, b) for order in rounds for a, b in zip(order, order[1:])]
+        assert len(set(follows)) == n * (n - 1)  # every name right after every other ...
+        assert len(follows) == len(set(follows)) * (1 if n % 2 == 0 else 2)  # ... equally often
