@@ -84,12 +84,6 @@ def turn_order(names: list, turn: int) -> list:
     every place once, and follows every other name once, so neither the place in a round
     nor the model run just before favours one."""
     n = len(names)
-    base, low, high = [0], 1, n - 1
-    while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
-        base.append(low)
-        low += 1
-        if len(base) < n:
-            base.append(high)
-            high -= 1
+    base = [(i + 1) // 2 if i % 2 else -(i // 2) % n for i in range(n)]  # 0, 1, n-1, 2, n-2, ...
     order = [names[(index + turn) % n] for index in base]
     return order[::-1] if n % 2 and (turn // n) % 2 else order

@@ -1,9 +1,10 @@
 """scripts/benchmark.py: --accelerator on a machine without GPU or TPU is one line and exit 0;
 the race of --fit favours no model by its place or by the model run before it."""
 
+import os
 import sys
 
-from conftest import run
+from conftest import REPO, run
 
 
 def test_accelerator_benchmark_without_accelerator_says_so_in_one_line():
@@ -15,12 +16,9 @@ def test_accelerator_benchmark_without_accelerator_says_so_in_one_line():
     assert "python scripts/benchmark.py --accelerator" in lines[0]
 
 
-def test_the_race_order_gives_no_model_a_place_or_a_predecessor_more_often():
-    sys.path.insert(0, "scripts")
-    try:
-        from benchmark_timing import turn_order
-    finally:
-        sys.path.remove("scripts")
+def test_the_race_order_gives_no_model_a_place_or_a_predecessor_more_often(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))
+    from benchmark_timing import turn_order
     four = ["toolkit", "toolkit_bf16", "keras_defaults", "keras_tuned"]
     for names in (four[::3], four[:3], four):
         n = len(names)

@@ -119,10 +119,10 @@ class CachedStep:
         key = entry_key(self.name, self._config, args)
         path = _join(self._folder, f"{self.name}-{key}")
         entry = _read(path)
-        stale = entry and stale_sources(entry["sources"])
-        if stale:
+        if entry is not None and (stale := stale_sources(entry["sources"])):
             logging.info("%s step: the kept one is stale (%s); compiling it", self.name, stale)
-        elif entry is not None:
+            entry = None
+        if entry is not None:
             try:
                 compiled = serialize_executable.deserialize_and_load(
                     entry["executable"], entry["in_tree"], entry["out_tree"])
