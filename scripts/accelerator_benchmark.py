@@ -134,7 +134,7 @@ def _race(models, config, batch, seconds, rounds, replicas):
             if "RESOURCE_EXHAUSTED" not in str(error) or batch // 2 < replicas:
                 raise
             batch //= 2
-    return timing.race(models, data, batch, seconds, rounds), batch
+    return timing.race(timing.training_turns(models, data, batch, seconds), rounds), batch
 
 
 def _synthetic_batches(config, batch):

@@ -55,7 +55,8 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 
-import benchmark_timing as timing  # noqa: E402  (beside this script)
+import benchmark_peer  # noqa: E402  (beside this script)
+import benchmark_timing as timing  # noqa: E402
 
 _DATA = flags.DEFINE_bool("data", False, "Input pipeline rate vs training consumption.")
 _FIT = flags.DEFINE_bool("fit", False, "The toolkit's fit vs plain Keras, defaults and hand-tuned.")
@@ -63,6 +64,8 @@ _MODES = flags.DEFINE_list("modes", ["one_device", "mirrored4"], "--fit: device 
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "--fit: turns each variant gets, in a balanced order "
                                 "(benchmark_timing.turn_order); the median counts.")
 _MODE = flags.DEFINE_string("one_mode", "", "Internal: run one --fit mode in this process.")
+_PEER = flags.DEFINE_string("fit_peer", "", "Internal: serve plain Keras's --fit turns, from "
+                            "this handover file (see benchmark_peer.py).")
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits", "llama_stdlib:spm"],
                               "Config modules under configs/, each optionally with :VARIANT.")
 _SECONDS = flags.DEFINE_float("seconds", 10.0, "Time spent measuring each rate.")
@@ -135,50 +138,60 @@ KERAS_VARIANTS = {"keras_defaults": {}, "keras_tuned": {"steps_per_execution": 1
 
 
 def fit_benchmark(mode, names, seconds, rounds, quality_steps):
-    """One device layout: every config's variants, in turns; returns result dicts."""
+    """One device layout: every config's variants, in turns; returns result dicts.
+
+    The toolkit's models train here; plain Keras's in a peer process with
+    TensorFlow's defaults (benchmark_peer.py), since the toolkit changes
+    process-wide settings that a plain-Keras user does not have.
+    """
+    import tempfile
     import tensorflow as tf
-    import tpu_keras
-    from tpu_keras import data
     from tpu_keras.measurement import flops, peak
 
-    cluster = tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
-                                else {"strategy": "mirrored", "virtual_devices": 4})
+    cluster = _connect(mode)
     ceilings = {dtype: peak.measure_matmul(dtype, "tf") for dtype in ("float32", "bfloat16")}
     results = []
     for name in names:
         config = timing.config_by_name(name)
-        data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
         batch = config.train.batch_size
-        host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
-        # The host pipeline yields one replica's share at a time: regroup a global batch.
-        one_batch = next(iter(host_pipeline(tf.distribute.InputContext()).rebatch(batch)))
+        one_batch = _one_batch(config, cluster)
+        ours = {"toolkit": _toolkit_model(config, cluster, "float32"),
+                "toolkit_bf16": _toolkit_model(config, cluster, "mixed_bfloat16")}
+        initial = ours["toolkit"].get_weights()
+        ours["toolkit_bf16"].set_weights(initial)
+        with tempfile.TemporaryDirectory() as folder:
+            handover = os.path.join(folder, "handover.npz")
+            benchmark_peer.hand_over(handover, initial, one_batch)
+            peer = benchmark_peer.PlainKerasPeer(mode, name, handover, seconds)
         cached = tf.data.Dataset.from_tensors(one_batch).repeat()
-        variants = _variants(config, cluster)
-        initial = variants["toolkit"].get_weights()
-        for model in variants.values():
-            model.set_weights(initial)
-        rates = timing.race(variants, cached, batch, seconds, rounds)
-        per_example = flops.training_flops_per_example(variants["toolkit"])
+        turns = timing.training_turns(ours, cached, batch, seconds)
+        turns.update({variant: (lambda variant=variant: peer.rate(variant)) for variant in KERAS_VARIANTS})
+        try:
+            rates = timing.race(turns, rounds)
+        finally:
+            peer.close()
+        models = {variant: {"steps_per_execution": model.steps_per_execution, "xla": bool(model.jit_compile)}
+                  for variant, model in ours.items()}
+        models.update(peer.models)
+        per_example = flops.training_flops_per_example(ours["toolkit"])
         result = {"mode": mode, "config": name, "global_batch": batch,
                   "flops_per_example": per_example,
                   "ceilings_flops_per_second": {k: float(f"{v:.4g}") for k, v in ceilings.items()}}
-        for variant, model in variants.items():
-            turns = rates[variant]
-            if isinstance(turns, str):
-                result[variant] = {"error": turns}
+        for variant, turns_run in rates.items():
+            if isinstance(turns_run, str):
+                result[variant] = {"error": turns_run}
                 continue
-            rate = statistics.median(turns)
+            rate = statistics.median(turns_run)
             result[variant] = {"examples_per_second": round(rate, 1),
-                               "each_round": [round(r, 1) for r in turns],
-                               "steps_per_execution": model.steps_per_execution,
-                               "xla": bool(model.jit_compile),
+                               "each_round": [round(r, 1) for r in turns_run],
+                               **models[variant],
                                "model_flops_per_second": float(f"{rate * per_example:.4g}"),
                                "fraction_of_float32_ceiling": round(rate * per_example / ceilings["float32"], 3)}
-        for ours in ("toolkit", "toolkit_bf16"):
-            for peer in KERAS_VARIANTS:
-                if "examples_per_second" in result[ours] and "examples_per_second" in result[peer]:
-                    result[f"{ours}_over_{peer}"] = round(
-                        result[ours]["examples_per_second"] / result[peer]["examples_per_second"], 2)
+        for ours_name in ours:
+            for peer_name in KERAS_VARIANTS:
+                if "examples_per_second" in result[ours_name] and "examples_per_second" in result[peer_name]:
+                    result[f"{ours_name}_over_{peer_name}"] = round(
+                        result[ours_name]["examples_per_second"] / result[peer_name]["examples_per_second"], 2)
         if quality_steps and mode == "one_device":
             result["bf16_validation"] = _precision_quality(config, cluster, initial, quality_steps)
         results.append(result)
@@ -187,18 +200,48 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
     return results
 
 
-def _variants(config, cluster):
-    """The models that race: the toolkit's (float32 and mixed_bfloat16), and plain Keras's.
+def serve_plain_keras(mode, name, handover, seconds):
+    """The peer process of `fit_benchmark`: plain Keras's models, one turn per request."""
+    import tensorflow as tf
 
-    Each is built as its user would build it; the caller gives them all the
-    same initial weights.
-    """
+    cluster = _connect(mode)
+    config = timing.config_by_name(name)
+    batch = config.train.batch_size
+    one_batch = _one_batch(config, cluster)  # first: it resolves a text config's model size
+    models = _plain_keras_models(config, cluster)
+
+    def train_rate(model, one_batch):
+        cached = tf.data.Dataset.from_tensors(one_batch).repeat()
+        return timing.training_rate(model, cached, batch, seconds)
+    benchmark_peer.serve(handover, models, one_batch, train_rate)
+
+
+def _connect(mode):
+    import tpu_keras
+    return tpu_keras.connect({"strategy": "one_device"} if mode == "one_device"
+                             else {"strategy": "mirrored", "virtual_devices": 4})
+
+
+def _one_batch(config, cluster):
+    """One global training batch of the config's real data."""
+    import tensorflow as tf
+    from tpu_keras import data
+
+    data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
+    batch = config.train.batch_size
+    host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
+    # The host pipeline yields one replica's share at a time: regroup a global batch.
+    return next(iter(host_pipeline(tf.distribute.InputContext()).rebatch(batch)))
+
+
+def _plain_keras_models(config, cluster):
+    """Plain Keras's models, built and compiled as a user would: the toolkit's model
+    builder, Keras's own `fit` machinery, with its defaults and hand-tuned."""
     from tpu_keras import models
     from tpu_keras.training import optimization
 
     builder, kwargs = models.registry.get(config.model)
-    variants = {"toolkit": _toolkit_model(config, cluster, "float32"),
-                "toolkit_bf16": _toolkit_model(config, cluster, "mixed_bfloat16")}
+    variants = {}
     for variant, options in KERAS_VARIANTS.items():
         with cluster.scope():
             model = builder.make(**kwargs)
@@ -314,6 +357,9 @@ def _run_modes(modes):
 
 def main(argv):
     del argv
+    if _FIT.value and _PEER.value:
+        serve_plain_keras(_MODE.value, _CONFIGS.value[0], _PEER.value, _SECONDS.value)
+        return
     if _FIT.value:
         if _MODE.value:
             results = fit_benchmark(_MODE.value, _CONFIGS.value, _SECONDS.value, _ROUNDS.value,

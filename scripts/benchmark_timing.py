@@ -15,9 +15,14 @@ def config_by_name(name):
     return importlib.import_module(module).get_config(variant or None)
 
 
+class TurnFailed(Exception):
+    """A turn failed in another process; the message is already its `first_reason`."""
+
+
 def first_reason(error) -> str:
     """The error's type and its message's first 300 characters, in one line (not parsed)."""
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    kind = "" if isinstance(error, TurnFailed) else f"{type(error).__name__}: "
+    return kind + " ".join(str(error).split())[:300]
 
 
 def training_rate(model, dataset, batch, seconds):
@@ -53,30 +58,38 @@ def training_rate(model, dataset, batch, seconds):
 
 
 
-def race(models: dict, dataset, batch: int, seconds: float, rounds: int) -> dict:
+def race(turns: dict, rounds: int) -> dict:
     """{name: [examples/s of each of its `rounds` turns], or the error's one line if it fails}.
 
-    The models take turns in the order `turn_order` gives each round. A
-    shared machine's speed drifts (here by up to 20% over a few minutes),
-    and in a fixed order the model that always went last gained on the one
-    that always went first; and a model's turn may be sped or slowed by the
-    one just before it (with four models in a plain rotation, hand-tuned
-    Keras always came right after Keras's defaults, and the toolkit right
-    after hand-tuned Keras). With `rounds` a multiple of the number of models
-    (twice it for an odd number), each goes first, second, ... equally
-    often, and right after each of the others equally often.
+    `turns[name]()` runs one turn of that model and returns its examples/s
+    (`training_rate` here, or a turn in another process). The models take
+    turns in the order `turn_order` gives each round. A shared machine's
+    speed drifts (here by up to 20% over a few minutes), and in a fixed order
+    the model that always went last gained on the one that always went first;
+    and a model's turn may be sped or slowed by the one just before it (with
+    four models in a plain rotation, hand-tuned Keras always came right after
+    Keras's defaults, and the toolkit right after hand-tuned Keras). With
+    `rounds` a multiple of the number of models (twice it for an odd number),
+    each goes first, second, ... equally often, and right after each of the
+    others equally often.
     """
-    names = list(models)
+    names = list(turns)
     rates, errors = {name: [] for name in names}, {}
     for turn in range(rounds):
         for name in turn_order(names, turn):
             if name in errors:
                 continue
             try:
-                rates[name].append(training_rate(models[name], dataset, batch, seconds))
+                rates[name].append(turns[name]())
             except Exception as error:  # noqa: BLE001 - plain Keras fails under some strategies
                 errors[name] = first_reason(error)
     return {name: errors.get(name) or rates[name] for name in names}
+
+
+def training_turns(models: dict, dataset, batch: int, seconds: float) -> dict:
+    """`race`'s turns for models in this process: each a `training_rate` on `dataset`."""
+    return {name: (lambda model=model: training_rate(model, dataset, batch, seconds))
+            for name, model in models.items()}
 
 
 def turn_order(names: list, turn: int) -> list:

@@ -1,5 +1,6 @@
 """`distributed_steps` makes a user's own model fit, evaluate and predict with
-steps_per_execution > 1 under one device, Mirrored and MultiWorkerMirrored."""
+steps_per_execution > 1 under one device, Mirrored and MultiWorkerMirrored; `connect`
+keeps TensorFlow's CPU memory between steps unless the user said otherwise."""
 
 import re
 import sys
@@ -20,6 +21,8 @@ def dataset(training):
         return ds.repeat() if training else ds
     return strategy.distribute_datasets_from_function(fn)
 print("REPLICAS", strategy.num_replicas_in_sync)
+from tpu_keras.cluster import engine
+print("KEEPS_CPU_MEMORY", engine.keeps_cpu_memory())
 for jit in map(int, os.environ["JIT"].split(",")):  # one start of TensorFlow for both
     tag = "_XLA" if jit else ""
     with strategy.scope():
@@ -37,10 +40,10 @@ for jit in map(int, os.environ["JIT"].split(",")):  # one start of TensorFlow fo
 """
 
 
-def fit_under(launch_args, jit="0"):
+def fit_under(launch_args, jit="0", env=None):
     """The script's output on the launched hosts, for each of `jit`'s modes ('0', '1' or '0,1')."""
     result = run([sys.executable, "-m", "tpu_keras.launch", *launch_args, "--timeout=240",
-                  "--", sys.executable, "-c", USER_SCRIPT], timeout=300, env={"JIT": jit})
+                  "--", sys.executable, "-c", USER_SCRIPT], timeout=300, env={"JIT": jit, **(env or {})})
     return result.stdout
 
 
@@ -48,14 +51,15 @@ def values(output, key):
     return re.findall(rf"\] {key} (.+)", output)
 
 
-@pytest.mark.parametrize("launch_args, replicas, jit", [
-    (["--hosts=1", "--devices_per_host=1"], 1, "0"),
-    (["--hosts=2", "--devices_per_host=2"], 4, "1"),  # XLA: the toolkit's per-replica step across hosts
+@pytest.mark.parametrize("launch_args, replicas, jit, allocator", [
+    (["--hosts=1", "--devices_per_host=1"], 1, "0", "false"),  # the user's choice stands
+    (["--hosts=2", "--devices_per_host=2"], 4, "1", None),  # XLA: the toolkit's per-replica step across hosts
 ])
-def test_user_model_fits_with_steps_per_execution(launch_args, replicas, jit):
-    output = fit_under(launch_args, jit)
+def test_user_model_fits_with_steps_per_execution(launch_args, replicas, jit, allocator):
+    output = fit_under(launch_args, jit, {"TF_CPU_ALLOCATOR_USE_BFC": allocator} if allocator else {})
     hosts = int(launch_args[0].split("=")[1])
     assert values(output, "REPLICAS") == [str(replicas)] * hosts
+    assert values(output, "KEEPS_CPU_MEMORY") == [str(allocator is None)] * hosts
     for tag in ["_XLA" if mode == "1" else "" for mode in jit.split(",")]:
         assert values(output, "STEPS" + tag) == ["24"] * hosts          # 3 epochs x 8 steps, none lost
         losses = [eval(v) for v in values(output, "LOSS" + tag)]

@@ -38,5 +38,9 @@ def connect(config, *, engine: Optional[str] = None, mesh=None) -> Cluster:
     else:
         from tpu_keras.cluster import tf_engine
         cluster = tf_engine.connect(config, mesh)
+        if not engine_lib.keeps_cpu_memory():
+            logging.info("TensorFlow's CPU allocator returns each XLA step's scratch memory to "
+                         "the OS (it ran before tpu_keras could set %s=true, or that was set "
+                         "to false): XLA steps on a CPU run slower", engine_lib.CPU_ALLOCATOR_ENV)
     logging.info("cluster: %s", cluster.describe())
     return cluster
