@@ -19,15 +19,19 @@ executions), which is what a restart waits for before its first step.
 --fit: the toolkit's `fit` next to plain Keras `fit` on the same model, the
 same initial weights and the same batch (one real batch repeated from
 memory, so the training loop alone is timed): Keras with its defaults, and
-Keras hand-tuned (steps_per_execution=10, jit_compile=True). They run in
-turns, in an order where over the rounds each takes every place and comes
-right after each of the others equally often, and each reports its median
-and every round's rate, so drift on a shared machine hits all alike. The
-float32 and bfloat16 matmul ceilings are measured in the same run; each
-result gives examples/s, model FLOP/s (see
-tpu_keras.measurement.flops), the fraction of the float32 ceiling, and the ratios to
-both peers. Each mode (one device; 4 logical CPU devices under Mirrored)
-runs in its own process, since TensorFlow fixes its devices at start-up.
+Keras hand-tuned (steps_per_execution=10, jit_compile=True). Plain Keras
+runs in a process of its own with TensorFlow's defaults, as its user runs
+it (the toolkit changes process-wide settings, such as TensorFlow's CPU
+allocator; see benchmark_peer.py), and the two processes take turns. The
+turns come in an order where over the rounds each model takes every place
+and comes right after each of the others equally often, and each reports
+its median and every round's rate, so drift on a shared machine hits all
+alike. The float32 and bfloat16 matmul ceilings are measured in the same
+run; each result gives examples/s, model FLOP/s (see
+tpu_keras.measurement.flops), the fraction of the float32 ceiling, and the
+ratios to both peers. Each mode (one device; 4 logical CPU devices under
+Mirrored) runs in its own processes, since TensorFlow fixes its devices at
+start-up.
 
 --data: for each shipped config (the byte windows of lm_stdlib, the images of
 digits, and llama_stdlib:spm's text, tokenized with SentencePiece and packed
