@@ -174,8 +174,7 @@ def fit_benchmark(mode, names, seconds, rounds, quality_steps):
             rates = timing.race(turns, rounds)
         finally:
             peer.close()
-        models = {variant: {"steps_per_execution": model.steps_per_execution, "xla": bool(model.jit_compile)}
-                  for variant, model in ours.items()}
+        models = {variant: timing.settings(model) for variant, model in ours.items()}
         models.update(peer.models)
         per_example = flops.training_flops_per_example(ours["toolkit"])
         result = {"mode": mode, "config": name, "global_batch": batch,
@@ -210,14 +209,11 @@ def serve_plain_keras(mode, name, handover, seconds):
 
     cluster = _connect(mode)
     config = timing.config_by_name(name)
-    batch = config.train.batch_size
-    one_batch = _one_batch(config, cluster)  # first: it resolves a text config's model size
+    batch_like = _one_batch(config, cluster)  # first: it resolves a text config's model size
     models = _plain_keras_models(config, cluster)
-
-    def train_rate(model, one_batch):
-        cached = tf.data.Dataset.from_tensors(one_batch).repeat()
-        return timing.training_rate(model, cached, batch, seconds)
-    benchmark_peer.serve(handover, models, one_batch, train_rate)
+    batch = benchmark_peer.receive(handover, models, batch_like)
+    cached = tf.data.Dataset.from_tensors(batch).repeat()
+    benchmark_peer.serve(models, timing.training_turns(models, cached, config.train.batch_size, seconds))
 
 
 def _connect(mode):

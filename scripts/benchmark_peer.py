@@ -15,6 +15,9 @@ import os
 import subprocess
 import sys
 
+import benchmark_timing as timing
+from tpu_keras.cluster import engine
+
 _REPLY = "PEER "  # the peer's own stdout lines; anything else there is noise
 
 
@@ -22,7 +25,7 @@ class PlainKerasPeer:
     """The plain-Keras process for one config on one device layout; `rate(name)` runs a turn."""
 
     def __init__(self, mode: str, config_name: str, handover: str, seconds: float):
-        env = dict(os.environ, **{"TF_CPU_ALLOCATOR_USE_BFC": "false"})  # TensorFlow's default
+        env = dict(os.environ, **{engine.CPU_ALLOCATOR_ENV: "false"})  # TensorFlow's default
         self._process = subprocess.Popen(
             [sys.executable, os.path.join(os.path.dirname(__file__), "benchmark.py"), "--fit",
              f"--one_mode={mode}", f"--configs={config_name}", f"--fit_peer={handover}",
@@ -35,8 +38,7 @@ class PlainKerasPeer:
         self._process.stdin.flush()
         reply = self._reply()
         if "error" in reply:
-            import benchmark_timing
-            raise benchmark_timing.TurnFailed(reply["error"])
+            raise timing.TurnFailed(reply["error"])
         return reply["rate"]
 
     def close(self):
@@ -59,29 +61,30 @@ def hand_over(path: str, weights, batch) -> None:
     np.savez(path, **arrays)
 
 
-def serve(path: str, models: dict, batch_like, train_rate) -> None:
-    """The peer's loop: loads the handover into `models`, then runs one turn per stdin line.
+def receive(path: str, models: dict, batch_like):
+    """Loads the handover's weights into every model; returns its batch.
 
-    `batch_like` is a batch of the same structure (the peer's own first batch);
-    `train_rate(model, batch)` gives one turn's examples/s.
+    `batch_like` is a batch of the same structure (the peer's own first
+    batch), which the .npz file's flat arrays are packed into.
     """
     import numpy as np
     import tensorflow as tf
     with np.load(path) as handed:
         weights = [handed[f"w{i}"] for i in range(sum(k.startswith("w") for k in handed))]
         leaves = [handed[f"b{i}"] for i in range(len(tf.nest.flatten(batch_like)))]
-    batch = tf.nest.pack_sequence_as(batch_like, leaves)
     for model in models.values():
         model.set_weights(weights)
-    _say({name: {"steps_per_execution": model.steps_per_execution, "xla": bool(model.jit_compile)}
-          for name, model in models.items()})
+    return tf.nest.pack_sequence_as(batch_like, leaves)
+
+
+def serve(models: dict, turns: dict) -> None:
+    """The peer's loop: says it is ready, then runs `turns[name]()` for each name on stdin."""
+    _say({name: timing.settings(model) for name, model in models.items()})
     for line in sys.stdin:
-        name = line.strip()
         try:
-            _say({"rate": train_rate(models[name], batch)})
+            _say({"rate": turns[line.strip()]()})
         except Exception as error:  # noqa: BLE001 - plain Keras fails under some strategies
-            import benchmark_timing
-            _say({"error": benchmark_timing.first_reason(error)})
+            _say({"error": timing.first_reason(error)})
 
 
 def _say(reply) -> None:

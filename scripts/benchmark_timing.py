@@ -86,6 +86,11 @@ def race(turns: dict, rounds: int) -> dict:
     return {name: errors.get(name) or rates[name] for name in names}
 
 
+def settings(model) -> dict:
+    """What the JSON says of how a model trains: its steps per host call, and whether XLA runs."""
+    return {"steps_per_execution": model.steps_per_execution, "xla": bool(model.jit_compile)}
+
+
 def training_turns(models: dict, dataset, batch: int, seconds: float) -> dict:
     """`race`'s turns for models in this process: each a `training_rate` on `dataset`."""
     return {name: (lambda model=model: training_rate(model, dataset, batch, seconds))
