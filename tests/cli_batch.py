@@ -3,11 +3,14 @@
     python tests/cli_batch.py tpu_keras.plan '{"NAME": [ARG, ...], ...}'
 
 Each call gets freshly parsed flags and its own stdout and stderr, and ends
-where its process would end (`sys.exit`, or `main` returning). Prints one line per call, `CALL {"name", "code",
-"stdout", "stderr"}`. One start of TensorFlow and JAX then serves many calls
-of a command that keeps no state between them (`plan`, `layout`): a command
-that ends with `os._exit` (`train`) or fixes its devices (`plan --measure`)
-needs a process of its own.
+where its process would end (`sys.exit`, `main` returning, or `cli.exit_at_once`,
+which here ends the call instead of the process). Prints one line per call,
+`CALL {"name", "code", "stdout", "stderr"}`. One start of TensorFlow and JAX
+then serves many calls of a command that keeps no state between them (`plan`,
+`layout`, `generate`), or many mistakes of one that does (`train` refusing
+bad input): a call that trains, picks another engine, or fixes its devices
+(`--config.cluster.virtual_devices`, `plan --measure`) needs a process of
+its own.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -24,6 +27,12 @@ from absl import flags  # noqa: E402
 
 from tpu_keras import cli  # noqa: E402
 
+
+def _end_the_call(code):
+    raise SystemExit(code)
+
+
+cli.exit_at_once = _end_the_call  # `cli.fail(..., at_once=True)` ends this call, not the process
 command = importlib.import_module(sys.argv[1])
 calls = json.loads(sys.argv[2])
 for name, args in calls.items():

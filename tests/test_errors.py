@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, train
+from conftest import assert_one_line_error, run, run_in_one_process, train
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 DIGITS_TINY = "configs/digits.py:tiny"
@@ -40,7 +40,7 @@ def inputs(tmp_path_factory):
 
 # (config, overrides, fragments of the error line). Overrides may name {inputs} and
 # {data_dir}; a later --workdir replaces the test's own. Config mistakes end before
-# TensorFlow loads (about a second each); the rest need TensorFlow (about 10 s).
+# TensorFlow loads; the rest need TensorFlow, and share one start of it where they can.
 CASES = [
     # Config keys.
     pytest.param(LM_TINY, ["--config.train.stesp=5"], ["--config.train.stesp", "'steps'"],
@@ -177,13 +177,36 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config, overrides, fragments", CASES)
-def test_bad_input_is_one_line_that_says_what_to_change(tmp_path, inputs, data_dir, config,
-                                                        overrides, fragments):
+# Overrides that pick the engine or fix the devices: such a case needs a process of its own.
+OWN_PROCESS = ("--config.engine=", "--config.cluster.")
+
+
+def _command_line(config, overrides, fill, workdir):
+    return [f"--config={config.format(**fill)}", f"--workdir={workdir}",
+            *(o.format(**fill) for o in overrides)]
+
+
+@pytest.fixture(scope="module")
+def refused_together(inputs, data_dir, tmp_path_factory):
+    """The cases on the tf engine's default devices, refused by one process of
+    tests/cli_batch.py (one start of TensorFlow instead of one per case)."""
     fill = {"inputs": inputs, "data_dir": data_dir}
-    result = train(config.format(**fill), tmp_path / "run", *(o.format(**fill) for o in overrides),
-                   check=False)
-    assert result.returncode == 2, result.stdout[-3000:]
+    return run_in_one_process("tpu_keras.train", {
+        case.id: _command_line(*case.values[:2], fill, tmp_path_factory.mktemp("run"))
+        for case in CASES if not any(o.startswith(OWN_PROCESS) for o in case.values[1])})
+
+
+@pytest.mark.parametrize("config, overrides, fragments", CASES)
+def test_bad_input_is_one_line_that_says_what_to_change(request, tmp_path, inputs, data_dir, config,
+                                                        overrides, fragments, refused_together):
+    case = request.node.callspec.id
+    if case in refused_together:
+        result = refused_together[case]
+    else:
+        command = _command_line(config, overrides, {"inputs": inputs, "data_dir": data_dir},
+                                tmp_path / "run")
+        result = run([sys.executable, "-m", "tpu_keras.train", *command], check=False)
+    assert result.returncode == 2, (result.stdout + (result.stderr or ""))[-3000:]
     assert_one_line_error(result, *fragments)
 
 

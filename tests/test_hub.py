@@ -36,14 +36,15 @@ def test_tiny_llama_trains_exports_and_generates(data_dir, tmp_path):
     assert not (workdir / "export" / "transformers").exists()  # LlamaBackbone has no exporter
     # Asked for, it is one line, after the other formats are written.
     (workdir / "export" / "keras_hub" / "task.json").unlink()
-    exported = run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}",
-                    "--step=10", "--formats=keras_hub,transformers"], check=False)
-    assert_one_line_error(exported, "no transformers exporter for LlamaBackbone",
+    exported = run_in_one_process("tpu_keras.export", {  # one start of keras-hub
+        "transformers": [f"--workdir={workdir}", "--step=10", "--formats=keras_hub,transformers"],
+        "unsaved_step": [f"--workdir={workdir}", "--step=7"]})
+    assert_one_line_error(exported["transformers"], "no transformers exporter for LlamaBackbone",
                           "the other formats were written")
-    assert exported.returncode == 2 and "exported step 10 of" in exported.stdout
+    assert exported["transformers"].returncode == 2
+    assert "exported step 10 of" in exported["transformers"].stdout
     assert (workdir / "export" / "keras_hub" / "task.json").exists()
-    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}",
-                               "--step=7"], check=False), "--step=7 is not a checkpoint", "[10, 20]")
+    assert_one_line_error(exported["unsaved_step"], "--step=7 is not a checkpoint", "[10, 20]")
     text = generate(workdir, "--prompt=def ", "--max_length=40", "--seed=3", "--top_k=20").stdout
     assert text.startswith("def ") and len(text) > len("def "), text
 
@@ -207,9 +208,6 @@ def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir,
 
 def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(tiny_run, tmp_path):
     workdir, _ = tiny_run
-    texts = [generate(workdir, "--prompt=import ", "--max_length=48", "--seed=7").stdout
-             for _ in range(2)]
-    assert texts[0] == texts[1] and texts[0].startswith("import ") and len(texts[0]) > 10, texts
     assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate",
                                f"--workdir={tmp_path / 'nowhere'}"], check=False),
                           "holds no training run")
@@ -218,16 +216,20 @@ def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(ti
     config = json.loads((workdir / "config.json").read_text())
     config["model"] = {"name": "mlp"}
     (digits / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={digits}"],
-                              check=False), "trained 'mlp', which is not a language model")
-    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}",
-                               "--prompt=" + "x" * 65], check=False),
-                          "the prompt is 65 tokens, longer than the model's context of 64")
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "def "}\n{"text": "no prompt"}\n')
-    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}",
-                               f"--prompts_file={bad}"], check=False),
-                          "line 2 of --prompts_file", "an object with a \"prompt\" string")
+    sample = [f"--workdir={workdir}", "--prompt=import ", "--max_length=48", "--seed=7"]
+    calls = run_in_one_process("tpu_keras.generate", {  # one start of TensorFlow and keras-hub
+        "first": sample, "again": sample,
+        "mlp": [f"--workdir={digits}"],
+        "long": [f"--workdir={workdir}", "--prompt=" + "x" * 65],
+        "prompts_file": [f"--workdir={workdir}", f"--prompts_file={bad}"]})
+    texts = [calls[name].stdout for name in ("first", "again")]
+    assert texts[0] == texts[1] and texts[0].startswith("import ") and len(texts[0]) > 10, calls
+    assert_one_line_error(calls["mlp"], "trained 'mlp', which is not a language model")
+    assert_one_line_error(calls["long"], "the prompt is 65 tokens, longer than the model's context of 64")
+    assert_one_line_error(calls["prompts_file"], "line 2 of --prompts_file",
+                          "an object with a \"prompt\" string")
 
 
 def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_presets(tmp_path):
@@ -237,11 +239,12 @@ def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_preset
     greedy = json.loads(next(line for line in out.splitlines()
                              if line.startswith("GREEDY "))[len("GREEDY "):])
     prompts = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    calls = run_in_one_process("tpu_keras.generate", {
+        name: [f"--preset={tmp_path / name}", "--temperature=0",
+               f"--prompts_file={tmp_path / 'prompts.jsonl'}"] for name in ("llama", "gpt2")})
     for name in ("llama", "gpt2"):
-        out = run([sys.executable, "-m", "tpu_keras.generate", f"--preset={tmp_path / name}",
-                   "--temperature=0", f"--prompts_file={tmp_path / 'prompts.jsonl'}"],
-                  merge_stderr=False).stdout
-        lines = [json.loads(line) for line in out.splitlines()]
+        assert calls[name].returncode == 0, calls[name].stderr[-2000:]
+        lines = [json.loads(line) for line in calls[name].stdout.splitlines()]
         assert [line["id"] for line in lines] == [prompt["id"] for prompt in prompts]
         assert [line["text"] for line in lines] == greedy[name], (name, lines, greedy[name])
         # Not the prompts alone: the comparison covers generated text.

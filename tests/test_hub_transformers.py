@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run
+from conftest import REPO, assert_one_line_error, run, run_in_one_process
 
 TOLERANCE = 1e-5
 TF_RUNS = ("llama:full", "qwen2:lora")
@@ -77,12 +77,15 @@ def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
     # model.preset on the command line, on a config file that does not set it.
-    layout = [sys.executable, "-m", "tpu_keras.layout", "--config=configs/llama_stdlib.py:tiny"]
-    one_line_error(layout + [f"--config.model.preset={tmp_path / 'weightless'}"],
-                          "is a transformers checkpoint without weights", "model.safetensors")
-    one_line_error(layout + [f"--config.model.preset={tmp_path / 'bloom'}"],
-                          "no converter for huggingface/transformers models with model type `'bloom'`",
-                          "a family keras-hub converts")
+    layouts = run_in_one_process("tpu_keras.layout", {  # one start of keras-hub
+        name: ["--config=configs/llama_stdlib.py:tiny", f"--config.model.preset={tmp_path / name}"]
+        for name in ("weightless", "bloom")})
+    for name, fragments in (
+            ("weightless", ["is a transformers checkpoint without weights", "model.safetensors"]),
+            ("bloom", ["no converter for huggingface/transformers models with model type `'bloom'`",
+                       "a family keras-hub converts"])):
+        assert_one_line_error(layouts[name], *fragments)
+        assert layouts[name].returncode == 2, layouts[name].stderr[-2000:]
     # A backbone argument keras-hub builds but cannot run: one line naming the model.* key.
     one_line_error([sys.executable, "-m", "tpu_keras.train", f"--workdir={tmp_path / 'w'}",
                     "--config=configs/llama_stdlib.py:tiny", "--config.model.num_query_heads=3"],

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, train
+from conftest import assert_one_line_error, run, run_in_one_process, train
 from placements import assert_laid_out_as_placed, assert_same_losses
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
@@ -150,34 +150,44 @@ def test_tf_engine_refuses_a_model_axis(tmp_path, axis):
     assert_one_line_error(result, f"mesh.{axis}=2 needs the jax engine", "--config.engine=jax")
 
 
-def _jax(data_dir, tmp_path, *overrides):
-    return train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}", "--config.engine=jax",
-                 "--config.cluster.virtual_devices=8", *overrides, check=False)
+# Mistakes in a mesh or its rules on the jax engine's 8 fake devices: refused by one
+# process of tests/cli_batch.py (one start of JAX and TensorFlow for the four).
+MESH_MISTAKES = {
+    "does_not_fit": ["--config.mesh.model=3"],
+    "indivisible": ["--config.mesh.model=8"],  # the tiny gpt has 2 heads
+    "mistyped_rule": ["--config.mesh.model=2", "--config.layout.rules="
+                      "((r'block\\d+_mlp_upp/kernel', (None, 'model')),)"],
+    "uncovered": ["--config.mesh.model=2", "--config.layout.replicate_below=1024",
+                  "--config.layout.rules=((r'block\\d+_mlp_up/kernel', (None, 'model')),)"],
+}
 
 
-def test_mesh_that_does_not_fit_the_devices(data_dir, tmp_path):
-    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=3"),
-                    "does not fit 8 devices")
+@pytest.fixture(scope="module")
+def refused(data_dir, tmp_path_factory):
+    return run_in_one_process("tpu_keras.train", {
+        name: [f"--config={LM_TINY}", f"--workdir={tmp_path_factory.mktemp(name)}",
+               f"--config.data.data_dir={data_dir}", "--config.engine=jax",
+               "--config.cluster.virtual_devices=8", *overrides]
+        for name, overrides in MESH_MISTAKES.items()})
 
 
-def test_indivisible_shard_is_refused_before_allocation(data_dir, tmp_path):
-    # The tiny gpt has 2 heads; a model axis of 8 cannot split them.
-    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=8"),
-                    "block0_attention/query/kernel", "dimension 1 (2) does not divide by mesh axis 'model' (8)")
+def test_mesh_that_does_not_fit_the_devices(refused):
+    assert_one_line_error(refused["does_not_fit"], "does not fit 8 devices")
 
 
-def test_mistyped_rule_is_refused(data_dir, tmp_path):
-    rules = "((r'block\\d+_mlp_upp/kernel', (None, 'model')),)"
-    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}"),
-                    "layout rule 'block\\d+_mlp_upp/kernel' matches no weight",
-                    "did you mean 'block0_mlp_up/kernel'?")
+def test_indivisible_shard_is_refused_before_allocation(refused):
+    assert_one_line_error(refused["indivisible"], "block0_attention/query/kernel",
+                          "dimension 1 (2) does not divide by mesh axis 'model' (8)")
 
 
-def test_uncovered_large_weight_is_refused(data_dir, tmp_path):
-    rules = "((r'block\\d+_mlp_up/kernel', (None, 'model')),)"
-    assert_one_line_error(_jax(data_dir, tmp_path, "--config.mesh.model=2", f"--config.layout.rules={rules}",
-                         "--config.layout.replicate_below=1024"),
-                    "weight 'token_embedding/embeddings' [256, 32] (8,192 elements) is covered by no layout rule")
+def test_mistyped_rule_is_refused(refused):
+    assert_one_line_error(refused["mistyped_rule"], "layout rule 'block\\d+_mlp_upp/kernel' matches no weight",
+                          "did you mean 'block0_mlp_up/kernel'?")
+
+
+def test_uncovered_large_weight_is_refused(refused):
+    assert_one_line_error(refused["uncovered"], "weight 'token_embedding/embeddings' [256, 32] "
+                          "(8,192 elements) is covered by no layout rule")
 
 
 def test_remat_keeps_the_losses_and_lowers_xla_temporary_bytes(data_dir):
