@@ -91,9 +91,15 @@ def reachable(port):
         return False
 
 
+def train_args(config, workdir, *overrides) -> list:
+    """The arguments of `python -m tpu_keras.train` (for `train`, or for one call of
+    `run_in_one_process("tpu_keras.train", ...)`)."""
+    return [f"--config={config}", f"--workdir={workdir}", *overrides]
+
+
 def train(config, workdir, *overrides, timeout=300, check=True, env=None):
-    return run([sys.executable, "-m", "tpu_keras.train", f"--config={config}",
-                f"--workdir={workdir}", *overrides], timeout=timeout, check=check, env=env)
+    return run([sys.executable, "-m", "tpu_keras.train", *train_args(config, workdir, *overrides)],
+               timeout=timeout, check=check, env=env)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process, train
+from conftest import assert_one_line_error, run, run_in_one_process, train, train_args
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 DIGITS_TINY = "configs/digits.py:tiny"
@@ -181,31 +181,34 @@ CASES = [
 OWN_PROCESS = ("--config.engine=", "--config.cluster.")
 
 
-def _command_line(config, overrides, fill, workdir):
-    return [f"--config={config.format(**fill)}", f"--workdir={workdir}",
-            *(o.format(**fill) for o in overrides)]
+@pytest.fixture(scope="module")
+def filled(inputs, data_dir):
+    """`filled(config, overrides)`: the case's config and overrides with {inputs} and {data_dir}."""
+    def fill(config, overrides):
+        return config.format(inputs=inputs, data_dir=data_dir), [
+            o.format(inputs=inputs, data_dir=data_dir) for o in overrides]
+    return fill
 
 
 @pytest.fixture(scope="module")
-def refused_together(inputs, data_dir, tmp_path_factory):
+def refused_together(filled, tmp_path_factory):
     """The cases on the tf engine's default devices, refused by one process of
     tests/cli_batch.py (one start of TensorFlow instead of one per case)."""
-    fill = {"inputs": inputs, "data_dir": data_dir}
-    return run_in_one_process("tpu_keras.train", {
-        case.id: _command_line(*case.values[:2], fill, tmp_path_factory.mktemp("run"))
-        for case in CASES if not any(o.startswith(OWN_PROCESS) for o in case.values[1])})
+    calls = {}
+    for case in CASES:
+        config, overrides = filled(*case.values[:2])
+        if not any(o.startswith(OWN_PROCESS) for o in overrides):
+            calls[case.id] = train_args(config, tmp_path_factory.mktemp("run"), *overrides)
+    return run_in_one_process("tpu_keras.train", calls)
 
 
 @pytest.mark.parametrize("config, overrides, fragments", CASES)
-def test_bad_input_is_one_line_that_says_what_to_change(request, tmp_path, inputs, data_dir, config,
-                                                        overrides, fragments, refused_together):
-    case = request.node.callspec.id
-    if case in refused_together:
-        result = refused_together[case]
-    else:
-        command = _command_line(config, overrides, {"inputs": inputs, "data_dir": data_dir},
-                                tmp_path / "run")
-        result = run([sys.executable, "-m", "tpu_keras.train", *command], check=False)
+def test_bad_input_is_one_line_that_says_what_to_change(request, tmp_path, filled, refused_together,
+                                                        config, overrides, fragments):
+    result = refused_together.get(request.node.callspec.id)
+    if result is None:  # a case that picks the engine or fixes the devices
+        config, overrides = filled(config, overrides)
+        result = train(config, tmp_path / "run", *overrides, check=False)
     assert result.returncode == 2, (result.stdout + (result.stderr or ""))[-3000:]
     assert_one_line_error(result, *fragments)
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run, run_in_one_process
+from conftest import REPO, assert_one_line_error, run, run_in_one_process, train
 
 TOLERANCE = 1e-5
 TF_RUNS = ("llama:full", "qwen2:lora")
@@ -61,10 +61,10 @@ def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(t
             assert checks[reload] <= TOLERANCE, (family, variant, reload, checks)
 
 
-def one_line_error(args, *fragments):
-    result = run(args, check=False)
+def assert_refused(result, *fragments):
+    """A mistake in the input: one line with `fragments`, and exit code 2."""
     assert_one_line_error(result, *fragments)
-    assert result.returncode == 2, result.stdout[-2000:]
+    assert result.returncode == 2, (result.stdout + (result.stderr or ""))[-2000:]
 
 
 def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
@@ -80,13 +80,12 @@ def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
     layouts = run_in_one_process("tpu_keras.layout", {  # one start of keras-hub
         name: ["--config=configs/llama_stdlib.py:tiny", f"--config.model.preset={tmp_path / name}"]
         for name in ("weightless", "bloom")})
-    for name, fragments in (
-            ("weightless", ["is a transformers checkpoint without weights", "model.safetensors"]),
-            ("bloom", ["no converter for huggingface/transformers models with model type `'bloom'`",
-                       "a family keras-hub converts"])):
-        assert_one_line_error(layouts[name], *fragments)
-        assert layouts[name].returncode == 2, layouts[name].stderr[-2000:]
+    assert_refused(layouts["weightless"], "is a transformers checkpoint without weights",
+                   "model.safetensors")
+    assert_refused(layouts["bloom"],
+                   "no converter for huggingface/transformers models with model type `'bloom'`",
+                   "a family keras-hub converts")
     # A backbone argument keras-hub builds but cannot run: one line naming the model.* key.
-    one_line_error([sys.executable, "-m", "tpu_keras.train", f"--workdir={tmp_path / 'w'}",
-                    "--config=configs/llama_stdlib.py:tiny", "--config.model.num_query_heads=3"],
+    assert_refused(train("configs/llama_stdlib.py:tiny", tmp_path / "w", "--config.model.num_query_heads=3",
+                         check=False),
                    "does not run with", "model.num_query_heads=3", "change those model.* values")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process, train
+from conftest import assert_one_line_error, run, run_in_one_process, train, train_args
 from placements import assert_laid_out_as_placed, assert_same_losses
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
@@ -165,9 +165,8 @@ MESH_MISTAKES = {
 @pytest.fixture(scope="module")
 def refused(data_dir, tmp_path_factory):
     return run_in_one_process("tpu_keras.train", {
-        name: [f"--config={LM_TINY}", f"--workdir={tmp_path_factory.mktemp(name)}",
-               f"--config.data.data_dir={data_dir}", "--config.engine=jax",
-               "--config.cluster.virtual_devices=8", *overrides]
+        name: train_args(LM_TINY, tmp_path_factory.mktemp(name), f"--config.data.data_dir={data_dir}",
+                         "--config.engine=jax", "--config.cluster.virtual_devices=8", *overrides)
         for name, overrides in MESH_MISTAKES.items()})
 
 
