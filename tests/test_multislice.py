@@ -48,7 +48,7 @@ def test_a_two_slice_pod_trains_like_one_device(tmp_path):
 
 
 def train_on_the_pod(workdir, data_dir):
-    return [sys.executable, "-m", "tpu_keras.launch", *POD, "--timeout=500", "--failure_grace=30", "--",
+    return [sys.executable, "-m", "tpu_keras.launch", *POD, "--timeout=500", "--failure_grace=60", "--",
             sys.executable, "-m", "tpu_keras.train", "--config=configs/digits.py:tiny",
             f"--workdir={workdir}", f"--config.data.data_dir={data_dir}", "--config.engine=jax",
             "--config.mesh.slices=2", f"--config.train.steps={STEPS}", "--config.log.every_steps=5",
