@@ -79,3 +79,16 @@ def test_xla_per_replica_step_matches_the_unjitted_step_under_mirrored():
     assert xla_losses[-1] < xla_losses[0] / 2
     assert xla_losses == pytest.approx(plain_losses, rel=1e-3)
     assert float(values(output, "WEIGHTS_XLA")[0]) == pytest.approx(float(values(output, "WEIGHTS")[0]), rel=1e-4)
+
+
+def test_the_allocator_is_known_from_what_was_asked_for_not_from_tensorflow():
+    """TensorFlow makes its CPU allocator at the first op: a variable set after that changes
+    nothing, and `keeps_cpu_memory` says so (TensorFlow's own memory statistics answer under
+    either allocator on some machines, so they are not asked)."""
+    script = ("import os; os.environ.pop('TF_CPU_ALLOCATOR_USE_BFC', None)\n"
+              "import tensorflow as tf; tf.constant(1.0)\n"
+              "from tpu_keras.cluster import engine\n"
+              "engine.select('tf')\n"
+              "print('SET', os.environ[engine.CPU_ALLOCATOR_ENV], 'KEEPS', engine.keeps_cpu_memory())")
+    output = run([sys.executable, "-c", script]).stdout
+    assert "SET true KEEPS False" in output, output[-2000:]

@@ -57,20 +57,38 @@ def keep_cpu_memory() -> None:
     machine's memory rather than its 64 GB default. It serves only tensors
     on the host: on a GPU or TPU, the input pipeline's.
     """
-    os.environ.setdefault(CPU_ALLOCATOR_ENV, "true")
+    global _ALLOCATOR_SET_LATE
+    if CPU_ALLOCATOR_ENV not in os.environ:
+        os.environ[CPU_ALLOCATOR_ENV] = "true"
+        _ALLOCATOR_SET_LATE = _tensorflow_started()
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         megabytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
         os.environ.setdefault(CPU_MEMORY_LIMIT_ENV, str(megabytes))
 
 
+# Whether `keep_cpu_memory` set the variable after TensorFlow had made its allocator.
+_ALLOCATOR_SET_LATE = False
+
+
 def keeps_cpu_memory() -> bool:
-    """Whether TensorFlow's CPU allocator is the BFC one (only it keeps statistics)."""
-    import tensorflow as tf
-    try:
-        tf.config.experimental.get_memory_info("CPU:0")
-        return True
-    except ValueError:
-        return False
+    """Whether TensorFlow's CPU allocator is the BFC one, known from what was asked for.
+
+    `TF_CPU_ALLOCATOR_USE_BFC` as TensorFlow reads it ('true' or '1', any
+    case), unless `keep_cpu_memory` set it after TensorFlow had started.
+    TensorFlow is not asked: on some x86 machines
+    `tf.config.experimental.get_memory_info("CPU:0")` answers under either
+    allocator (TensorFlow 2.21), so it cannot tell them apart.
+    """
+    wanted = os.environ.get(CPU_ALLOCATOR_ENV, "").strip().lower() in ("true", "1")
+    return wanted and not _ALLOCATOR_SET_LATE
+
+
+def _tensorflow_started() -> bool:
+    """Whether TensorFlow's runtime, and so its CPU allocator, exists yet: it is made with
+    the eager context, at the first op, not at import (TensorFlow 2.21)."""
+    context = sys.modules.get("tensorflow.python.eager.context")
+    handle = context.context_safe() if context else None
+    return bool(getattr(handle, "_initialized", False))
 
 
 def check_name(engine: str) -> None:
