@@ -95,3 +95,29 @@ def test_an_entry_is_stale_once_a_file_loaded_at_its_trace_changes(tmp_path, mon
         assert step_cache.stale_sources(recorded) == f"{module} is gone"
     finally:
         sys.modules.pop("user_model", None)
+
+
+MESH_ORDER_PROBE = """
+import json, sys, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tpu_keras.training import step_cache
+devices = jax.devices()
+mesh = Mesh(np.array([devices[i] for i in (2, 0, 3, 1)]), ("data",))  # a TPU's kind of order
+batch = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, PartitionSpec("data")))
+state = jax.device_put(jnp.full((), 2.0), NamedSharding(mesh, PartitionSpec()))
+for _ in range(2):  # compiled and kept, then loaded whole
+    jax.clear_caches()
+    cached = step_cache.CachedStep(jax.jit(lambda s, b: ({"loss": jnp.sum(b * s)}, s + b.mean())),
+                                   "train", sys.argv[1], "{}")
+    logs, _ = cached(state, batch)
+    print("CALL", float(logs["loss"]), flush=True)
+"""
+
+
+def test_a_step_on_a_mesh_in_another_device_order_loads_for_that_order(tmp_path):
+    """On a TPU the mesh does not list devices in JAX's order. A kept step must run on its
+    mesh's devices as compiled: loaded in JAX's order, it aborted the process."""
+    result = run([sys.executable, "-c", MESH_ORDER_PROBE, str(tmp_path / "steps")],
+                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
+    assert result.stdout.count("CALL 56.0") == 2, result.stdout[-3000:]
+    assert len(os.listdir(tmp_path / "steps")) == 1

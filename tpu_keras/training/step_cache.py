@@ -125,7 +125,8 @@ class CachedStep:
         if entry is not None:
             try:
                 compiled = serialize_executable.deserialize_and_load(
-                    entry["executable"], entry["in_tree"], entry["out_tree"])
+                    entry["executable"], entry["in_tree"], entry["out_tree"],
+                    execution_devices=_devices_by_id(entry.get("devices")))
                 jax.monitoring.record_event(LOADED_EVENT)
                 logging.info("%s step: loaded from %s, not traced", self.name, path)
                 return compiled
@@ -145,8 +146,33 @@ class CachedStep:
             logging.info("%s step: not kept whole (%s)", self.name, _first_line(error))
             return compiled
         _write(path, {"sources": loaded_sources(), "executable": executable,
-                      "in_tree": in_tree, "out_tree": out_tree})
+                      "in_tree": in_tree, "out_tree": out_tree,
+                      "devices": _execution_device_ids(compiled)})
         return compiled
+
+
+def _execution_device_ids(compiled):
+    """The ids of the devices the step runs on, in the order its program numbers them: its
+    mesh's, which on a TPU (and a pod simulated in a TPU's order) is not JAX's device order.
+    None when no argument is laid out on a mesh (one device)."""
+    import jax
+    for sharding in jax.tree.leaves(compiled.input_shardings):
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and hasattr(mesh, "devices"):
+            return [device.id for device in mesh.devices.flat]
+    return None
+
+
+def _devices_by_id(ids):
+    """The devices `_execution_device_ids` recorded, for `deserialize_and_load`: by default it
+    hands a program JAX's device order, and a program compiled for another order aborts the
+    process at its first call (JAX 0.10: "PjRtBuffer's memory space is addressed by device
+    ... vs sharding is on device ...")."""
+    if ids is None:
+        return None
+    import jax
+    by_id = {device.id: device for device in jax.devices()}
+    return [by_id[i] for i in ids]
 
 
 class _JaxCacheHits:
@@ -166,6 +192,10 @@ class _JaxCacheHits:
             cls.count += 1
 
 
+# Entries before 2 lack the devices' order, and load wrong on a mesh in another order.
+_ENTRY_FORMAT = 2
+
+
 def entry_key(name: str, config_json: str, args) -> str:
     """The hex digest of what decides step `name`'s program, short of its source files."""
     import jax
@@ -173,7 +203,7 @@ def entry_key(name: str, config_json: str, args) -> str:
     leaves, treedef = jax.tree.flatten(args)
     devices = jax.devices()
     described = {
-        "step": name, "config": config_json, "tree": str(treedef),
+        "entry": _ENTRY_FORMAT, "step": name, "config": config_json, "tree": str(treedef),
         "leaves": [_describe_leaf(leaf) for leaf in leaves],
         "devices": [devices[0].platform, devices[0].client.platform_version,
                     sorted({d.device_kind for d in devices}), len(devices),
