@@ -99,7 +99,7 @@ CASES = [
     # Devices.
     pytest.param(DIGITS_TINY, ["--config.engine=jax", "--config.cluster.virtual_devices=2",
                                "--config.mesh.model=3"],
-                 ["'model': 3", "does not fit 2 devices", "use an axis size that divides it"],
+                 ["'model': 3", "does not fit 2 devices", "use mesh.model=1 or 2"],
                  id="mesh-does-not-fit-the-devices"),
     pytest.param(DIGITS_TINY, ["--config.engine=jax", "--config.cluster.virtual_devices=4",
                                "--config.mesh.slices=3"],

@@ -46,20 +46,39 @@ def test_tf_engine_accepts_only_a_data_axis():
         mesh.check({"fdsp": 2})
 
 
-def grid(data, model, first=0):
-    return [[f"cpu:{first + r * model + c}" for c in range(model)] for r in range(data)]
+def rows_of(data, model, devices_per_process):
+    """`batch_rows` of a (data, 1, model) grid of CPU devices in process order."""
+    devices = [FakeDevice(i, i // devices_per_process) for i in range(data * model)]
+    return mesh.batch_rows(mesh.device_grid(devices, 1, data, 1, model), model)
 
 
-@pytest.mark.parametrize("data, model, local, expected", [
-    (4, 2, range(0, 4), (2, 0)),   # 2 hosts x 4 devices, model axis inside a host
-    (4, 2, range(4, 8), (2, 1)),
-    (8, 1, range(4, 8), (2, 1)),
-    (2, 4, range(4, 8), (2, 1)),   # one data row per host
-    (1, 8, range(4, 8), (1, 0)),   # the model axis spans both hosts: one shared pipeline
-    (4, 2, range(0, 8), (1, 0)),   # one process holds everything
+@pytest.mark.parametrize("data, model, per_process, process, expected", [
+    (4, 2, 4, 0, (2, 0)),   # 2 hosts x 4 devices, model axis inside a host
+    (4, 2, 4, 1, (2, 1)),
+    (8, 1, 4, 1, (2, 1)),
+    (2, 4, 4, 1, (2, 1)),   # one data row per host
+    (1, 8, 4, 1, (1, 0)),   # the model axis spans both hosts: one shared pipeline
+    (4, 2, 8, 0, (1, 0)),   # one process holds everything
 ])
-def test_input_pipelines_follow_the_data_rows_a_process_holds(data, model, local, expected):
-    assert mesh.input_pipelines(grid(data, model), [f"cpu:{i}" for i in local]) == expected
+def test_input_pipelines_follow_the_data_rows_a_process_holds(data, model, per_process, process,
+                                                             expected):
+    assert mesh.input_pipelines(rows_of(data, model, per_process), process) == expected
+
+
+def test_a_host_may_feed_rows_far_apart_as_on_a_tpu():
+    # data=16 on a v5litepod-16, as libtpu lays it out: host 0 holds rows 0, 1, 6 and 15.
+    rows = {0: (0, 1, 6, 15), 1: (2, 3, 4, 5), 2: (7, 12, 13, 14), 3: (8, 9, 10, 11)}
+    assert [mesh.input_pipelines(rows, p) for p in range(4)] == [(4, 0), (4, 1), (4, 2), (4, 3)]
+    fed = mesh.feed_rows(rows, 32)  # 2 examples per row: host 0's 8 land at 0-3, 12-13, 30-31
+    assert fed[0] == [0, 1, 2, 3, 12, 13, 30, 31]
+    assert sorted(p for positions in fed.values() for p in positions) == list(range(32))
+
+
+def test_hosts_holding_overlapping_but_different_rows_are_refused():
+    # 2 hosts x 3 devices with model=2: host 0 holds rows 0 and 1, host 1 rows 1 and 2.
+    with pytest.raises(UserError, match=r"hosts 0 and 1 hold different but overlapping batch rows "
+                                        r".*use a mesh.model that divides the devices of a host"):
+        mesh.input_pipelines(rows_of(3, 2, 3), 0)
 
 
 class W:  # what place_all reads from a variable

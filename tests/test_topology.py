@@ -97,7 +97,9 @@ def test_every_generation_is_consistent():
 
 
 @pytest.mark.parametrize("name, fragments", [
-    ("v4-7", ["counts TensorCores", "multiple of 8", "v4-4096"]),
+    ("v4-7", ["counts TensorCores", "v4-8, v4-16, v4-24, v4-32", "v4-4096"]),
+    # 36 chips make no AxBxC of 2x2 host blocks with every side <= 4 or a multiple of 4
+    ("v4-72", ["v4-64, v4-96", "each side a multiple of 4"]),
     ("v4-8192", ["the largest v4 slice is v4-4096 (2048 chips)"]),  # the pod is not one slice
     ("v4-16384", ["the largest v4 slice is v4-4096"]),
     ("v5p-12296", ["the largest v5p slice is v5p-12288"]),
@@ -141,7 +143,7 @@ def test_topology_imports_no_tensorflow():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"dataclasses", "re", "typing", "tpu_keras.errors"}, imported
+    assert imported <= {"dataclasses", "math", "re", "typing", "tpu_keras.errors"}, imported
 
 
 def _cluster(kind, device_kind, replicas, model=1, hosts=1):
@@ -172,3 +174,19 @@ def test_tpu_peak_unknown_generation_is_zero_and_env_still_overrides(monkeypatch
     assert peak.peak_flops(_cluster("tpu", "TPU", 8), "bfloat16") == 0.0
     monkeypatch.setenv(peak.PEAK_ENV, "1.5e15")
     assert peak.peak_flops(_cluster("tpu", "TPU v4", 16), "bfloat16") == 1.5e15
+
+
+@pytest.mark.parametrize("name, shape, wraps", [
+    # Google's own table of TPU types (xpk's system_characteristics, as MaxText copies it).
+    ("v4-8", "v4:2x2x1", False), ("v4-32", "v4:2x2x4", False), ("v4-128", "v4:4x4x4", True),
+    ("v4-384", "v4:4x4x12", True), ("v4-4096", "v4:8x16x16", True),
+    ("v5p-1280", "v5:4x8x20", True), ("v5p-3456", "v5:12x12x12", True),
+    ("v5p-12288", "v5:16x16x24", True),
+    ("v5litepod-8", "v5e:2x4", False), ("v5litepod-16", "v5e:4x4", False),
+    ("v5litepod-128", "v5e:8x16", (False, True)), ("v6e-256", "v6e:16x16", True),
+])
+def test_slices_have_the_chip_shapes_google_publishes(name, shape, wraps):
+    found = topology.parse_slice(name)
+    assert found.topology_name == shape
+    assert found.wraparound == (wraps if isinstance(wraps, tuple) else (wraps,) * len(found.chip_shape))
+    assert found.host_shape == ((2, 4, 1) if name == "v5litepod-8" else (2, 2, 1))

@@ -9,12 +9,16 @@ everything above them are the real code.
 """
 
 import dataclasses
+import functools
+import json
+import sys
 import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import run
 from tpu_keras import cluster as cluster_lib
 from tpu_keras.cluster import topology, tpu
 from tpu_keras.errors import UserError
@@ -68,14 +72,21 @@ def fake_resolver_cls(slice_name, calls):
     return FakeTPUClusterResolver
 
 
+@functools.lru_cache(maxsize=None)
+def libtpu_chips(slice_name):
+    """[host][device] chip coordinates of `slice_name` as libtpu describes it (`info --tpu`)."""
+    layout = run([sys.executable, "-m", "tpu_keras.info", f"--tpu={slice_name}", "--json"],
+                 timeout=120, merge_stderr=False).stdout
+    return [host["chips"] for host in json.loads(layout)["by_host"]]
+
+
 def fake_topology(slice_name):
-    """A real `Topology` with one device per chip of the slice, hosts along the last axis."""
-    found = topology.parse_slice(slice_name)
-    coordinates = [[[c, 0, 0, 0] for c in range(h * found.devices_per_host,
-                                                   (h + 1) * found.devices_per_host)]
-                   for h in range(found.hosts)]
-    return tf.tpu.experimental.Topology(mesh_shape=[found.devices, 1, 1, 1],
-                                        device_coordinates=np.array(coordinates, np.int32))
+    """The real `Topology` of the slice: its chips' coordinates as libtpu gives them, one
+    device per chip (every generation here has one core per device)."""
+    coordinates = np.array([[chip[:3] + [0] for chip in host] for host in libtpu_chips(slice_name)],
+                           np.int32)
+    mesh_shape = coordinates.reshape(-1, 4).max(axis=0) + 1
+    return tf.tpu.experimental.Topology(mesh_shape=mesh_shape.tolist(), device_coordinates=coordinates)
 
 
 def fake_runtime(slice_name, calls, metadata_type=""):
@@ -153,6 +164,27 @@ def test_a_multi_host_pod_is_driven_by_one_client_that_feeds_every_host(no_tpu_e
     hosts = {d.split("/device:")[0] for d in cluster.strategy.extended.worker_devices}
     assert hosts == {f"/job:worker/replica:0/task:{t}" for t in range(4)}
     assert cluster.topology.num_tasks == 4
+
+
+def test_tpu_strategy_feeds_each_host_its_own_replicas_in_either_replica_order(no_tpu_env):
+    """On the v5litepod-16 that libtpu describes: TPUStrategy numbers replicas host by host;
+    a DeviceAssignment built from the topology walks the torus instead, interleaving hosts
+    as the jax engine's mesh does. Either way each host's input pipeline feeds the replicas
+    on its own chips."""
+    no_tpu_env.setattr(tpu, "RUNTIME", fake_runtime("v5litepod-16", []))
+    cluster = cluster_lib.connect({"strategy": "tpu", "tpu": "my-pod"}, engine="tf")
+    host_of = lambda device: int(device.split("/task:")[1].split("/")[0])
+    assert [host_of(d) for d in cluster.strategy.extended.worker_devices] == [r // 4 for r in range(16)]
+    assignment = tf.tpu.experimental.DeviceAssignment.build(cluster.topology, num_replicas=16)
+    resolver = fake_resolver_cls("v5litepod-16", [])(tpu="my-pod")
+    ring = tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)
+    hosts = [host_of(d) for d in ring.extended.worker_devices]
+    assert hosts == [0, 0, 1, 1, 1, 1, 0, 2, 3, 3, 3, 3, 2, 2, 2, 0]  # the torus, host by chip
+    for strategy in (cluster.strategy, ring):
+        feeds = strategy.extended._device_input_worker_devices  # host CPU -> the TPUs it feeds
+        assert len(feeds) == 4
+        for host_device, devices in feeds.items():
+            assert {host_of(d) for d in devices} == {host_of(host_device)} and len(devices) == 4
 
 
 def test_the_accelerator_type_variable_names_the_slice(no_tpu_env):

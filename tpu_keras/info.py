@@ -3,12 +3,17 @@
     python -m tpu_keras.info [--json]
     python -m tpu_keras.info --config=configs/lm_stdlib.py --config.cluster.tpu=local
     python -m tpu_keras.launch --hosts=2 --devices_per_host=2 -- python -m tpu_keras.info --json
+    python -m tpu_keras.info --tpu=v5litepod-16 --config=configs/lm_stdlib.py --config.mesh.model=2
 
 Shows the strategy (or jax mesh) a run would get, hosts and this host's
 index, replicas, devices, the TPU slice and its published figures, and the
 peak FLOP/s that MFU divides by (`tools.cluster_info`). On a machine without
 a TPU it shows the fallback a run would use. With --json each host prints
 one line of JSON.
+
+With --tpu it connects to nothing: it shows how the config's mesh lies on
+that slice, host by host, as the TPU runtime describes the slice
+(`tools.slice_layout`; needs libtpu, the tpu extra, and no TPU).
 """
 
 import json
@@ -26,6 +31,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "tpu_keras.config.defaults()).")
 _ENGINE = flags.DEFINE_enum("engine", None, ["tf", "jax"], "Overrides the config's engine.")
 _JSON = flags.DEFINE_bool("json", False, "Print one line of JSON instead of a table.")
+_TPU = flags.DEFINE_string("tpu", "", "A TPU type ('v5litepod-16', '2xv4-16'): show how the "
+                           "config's mesh lies on it, host by host, instead of connecting.")
 
 
 def main(argv):
@@ -36,6 +43,11 @@ def main(argv):
     if _ENGINE.value:
         config.engine = _ENGINE.value
     config_lib.check(config)
+    if _TPU.value:
+        from tpu_keras.tools import slice_layout
+        layout = slice_layout.describe(config, _TPU.value)
+        print(json.dumps(layout) if _JSON.value else slice_layout.format_layout(layout), flush=True)
+        return
     engine.select(config.engine, config.cluster.virtual_devices)
     from tpu_keras import cluster as cluster_lib
     from tpu_keras.tools import cluster_info

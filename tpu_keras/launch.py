@@ -41,9 +41,12 @@ import time
 from absl import flags
 
 from tpu_keras import cli
-from tpu_keras.cluster import private_network
+from tpu_keras.cluster import libtpu, private_network, topology
 from tpu_keras.errors import UserError
 
+flags.DEFINE_string("tpu", "", "A TPU type to simulate ('v5litepod-16', '2xv4-16'): its hosts, "
+                    "its devices per host, its slices, and a jax mesh laid out in its chip order "
+                    "(needs libtpu, the tpu extra). Sets --hosts, --slices and --devices_per_host.")
 flags.DEFINE_integer("hosts", 1, "Number of simulated hosts (child processes) per slice.")
 flags.DEFINE_integer("slices", 1, "Number of simulated TPU slices, --hosts hosts each "
                      "(TPU_KERAS_SLICE tells each host its slice).")
@@ -99,11 +102,13 @@ def _free_ports(count):
             sock.close()
 
 
-def _host_env(index, workers, coordinator, devices_per_host, service_address, slices=1):
+def _host_env(index, workers, coordinator, devices_per_host, service_address, slices=1, tpu=""):
     """The environment one simulated host would see on a real pod."""
     env = dict(os.environ)
-    for name in ("TPU_KERAS_NUM_SLICES", "TPU_KERAS_SLICE"):
+    for name in ("TPU_KERAS_NUM_SLICES", "TPU_KERAS_SLICE", libtpu.SIMULATED_TPU_ENV):
         env.pop(name, None)
+    if tpu:
+        env[libtpu.SIMULATED_TPU_ENV] = tpu
     if slices > 1:
         env.update(TPU_KERAS_NUM_SLICES=str(slices),
                    TPU_KERAS_SLICE=str(index // (len(workers) // slices)))
@@ -257,10 +262,19 @@ def _enter_private_network(command):
              "connections with a firewall")
 
 
+def simulated_pod(tpu: str) -> tuple[int, int, int]:
+    """(slices, hosts per slice, devices per host) of the TPU type `tpu`."""
+    slices, found = topology.parse_tpu(tpu)
+    return slices, found.hosts, found.devices_per_host
+
+
 def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
-           failure_grace=10.0, network="private", slices=1):
+           failure_grace=10.0, network="private", slices=1, tpu=""):
     """Runs `command` once per simulated host (`hosts` per slice, `slices` slices) and
     returns the launcher's exit code.
+
+    With `tpu` (a TPU type, its shape given by `simulated_pod`), each host's
+    jax mesh is laid out in that slice's chip order (`cluster.libtpu`).
 
     0 if every host exits 0; the first failing host's code (or 1 if a
     signal killed it), once the others have stopped on their own within
@@ -304,7 +318,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
             procs.append(subprocess.Popen(
                 command,
                 env=_host_env(index, workers, f"127.0.0.1:{coordinator_port}", devices_per_host,
-                              service_address, slices),
+                              service_address, slices, tpu),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True))  # Own process group: stoppable as a unit.
             reader = threading.Thread(
@@ -339,6 +353,7 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
                 signal.signal(signal.SIGTERM, previous)
     if code == 0:
         shape = f"slices={slices}, hosts={per_slice} per slice" if slices > 1 else f"hosts={hosts}"
+        shape = f"{tpu}: {shape}" if tpu else shape
         _log(f"all hosts succeeded ({shape}, devices_per_host={devices_per_host}) "
              f"in {time.monotonic() - start:.1f} s")
     return code
@@ -346,8 +361,17 @@ def launch(command, hosts, devices_per_host, timeout=3600.0, data_service=False,
 
 def main(argv):
     """Everything after '--' is the command; a UserError is one `error:` line (`cli`)."""
-    return launch(argv[1:], FLAGS.hosts, FLAGS.devices_per_host, FLAGS.timeout,
-                  FLAGS.data_service, FLAGS.failure_grace, FLAGS.network, FLAGS.slices)
+    hosts, devices_per_host, slices = FLAGS.hosts, FLAGS.devices_per_host, FLAGS.slices
+    if FLAGS.tpu:
+        given = [f"--{name}" for name in ("hosts", "slices", "devices_per_host") if FLAGS[name].present]
+        if given:
+            raise UserError(f"--tpu={FLAGS.tpu} sets the hosts, slices and devices per host; "
+                            f"leave out {', '.join(given)}")
+        slices, hosts, devices_per_host = simulated_pod(FLAGS.tpu)
+        _log(f"simulating {FLAGS.tpu}: {slices * hosts} host(s) of {devices_per_host} device(s)"
+             + (f" in {slices} slices" if slices > 1 else "") + ", the jax mesh in its chip order")
+    return launch(argv[1:], hosts, devices_per_host, FLAGS.timeout, FLAGS.data_service,
+                  FLAGS.failure_grace, FLAGS.network, slices, FLAGS.tpu)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,16 @@ tpu_keras.train` calls it first thing. Code that imports Keras itself sets
 `KERAS_BACKEND` instead, and `connect()` checks that the two agree.
 
 On the tf engine it also keeps TensorFlow's CPU memory between steps
-(`keep_cpu_memory`), which must happen before TensorFlow's first tensor.
+(`keep_cpu_memory`), which must happen before TensorFlow's first tensor; on
+the jax engine, off a TPU, it keeps JAX from loading the TPU runtime for
+nothing (`cpu_only_jax`).
 """
 
+import importlib.util
 import os
 import sys
 
+from tpu_keras.cluster import tpu
 from tpu_keras.errors import UserError, closest
 
 ENGINES = {"tf": "tensorflow", "jax": "jax"}  # engine -> Keras backend
@@ -38,10 +42,31 @@ def select(engine: str, virtual_devices: int = 0) -> None:
                             "the engine before importing keras")
         return
     os.environ["KERAS_BACKEND"] = backend
+    if engine == "jax":
+        cpu_only_jax()
     count = virtual_devices or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0) or 0)
     if engine == "jax" and count > 1 and "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={count}"])
+
+
+def cpu_only_jax() -> None:
+    """Keeps JAX to its CPU backend where libtpu is installed but no TPU or GPU is attached.
+
+    JAX loads the TPU runtime whenever it is installed (the `tpu` extra), only
+    to find no chip: a third of a second per process, warnings about
+    variables only a TPU VM sets, and a lock that lets one process at a time
+    hold libtpu (`cluster.libtpu` reads slice descriptions without it). A
+    `JAX_PLATFORMS` the user set stands.
+    """
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or tpu.attached():
+        return
+    if importlib.util.find_spec("libtpu") is None or any(map(os.path.exists, _GPU_DEVICE_FILES)):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
 
 
 def keep_cpu_memory() -> None:

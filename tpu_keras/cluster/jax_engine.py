@@ -16,7 +16,7 @@ from absl import logging
 import jax
 import keras
 
-from tpu_keras.cluster import tpu
+from tpu_keras.cluster import libtpu, tpu
 from tpu_keras.cluster.engine import NUM_SLICES_ENV, SLICE_ENV, VIRTUAL_DEVICES_ENV
 from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError
@@ -38,14 +38,19 @@ def connect(config, mesh_config) -> Cluster:
                         f"keras, or set XLA_FLAGS=--xla_force_host_platform_device_count={wanted}")
     devices = jax.devices()
     mesh = mesh_lib.resolve(mesh_config, len(devices), "jax")
-    grid = mesh_lib.device_grid(devices, mesh[mesh_lib.SLICES], *(mesh[a] for a in mesh_lib.AXES))
+    simulated = libtpu.simulated()  # `launch --tpu`: lay the mesh out as on that slice
+    chips = libtpu.devices(simulated) if simulated and devices[0].platform != "tpu" else None
+    grid = mesh_lib.device_grid(devices, mesh[mesh_lib.SLICES], *(mesh[a] for a in mesh_lib.AXES),
+                                chips=chips)
     _check_launcher_slices(mesh, grid)
     device_mesh = keras.distribution.DeviceMesh(
         grid.shape, mesh_lib.AXES, [_name(d) for d in grid.flat])
-    local = [_name(d) for d in jax.local_devices()]
     batch_splits = mesh_lib.batch_splits(mesh)
-    rows = device_mesh.devices.reshape(batch_splits, mesh["model"])
-    pipelines, index = mesh_lib.input_pipelines(rows.tolist(), local)
+    rows = mesh_lib.batch_rows(grid, mesh["model"])
+    pipelines, index = mesh_lib.input_pipelines(rows, jax.process_index())
+    if simulated:
+        logging.info("jax: %s laid out as on a %s; this host feeds batch rows %s",
+                     mesh_lib.describe(mesh), simulated, list(rows[jax.process_index()]))
     cluster = Cluster(strategy=None, kind="jax", num_hosts=jax.process_count(),
                       host_index=jax.process_index(), num_replicas=batch_splits,
                       device_kind=f"{len(devices)} x {jax.devices()[0].device_kind}",

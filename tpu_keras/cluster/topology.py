@@ -10,6 +10,7 @@ Importing this module must stay cheap: standard library only, no TensorFlow.
 """
 
 import dataclasses
+import math
 import re
 from typing import Optional, Tuple
 
@@ -37,6 +38,7 @@ class Generation:
     name_counts: str                   # what the number in 'v4-32' counts: 'TensorCores' or 'chips'
     sizes: Tuple[int, ...] = ()        # documented slice numbers; () = any whole number of hosts
     device_kinds: Tuple[str, ...] = ()  # jax `device_kind` / TF names, lower case, without 'TPU '
+    torus_dims: int = 2                # the chip interconnect's dimensions: 3 on v4 and v5p
     # The networks (see NETWORKS below): published bidirectional chip-interconnect (ICI)
     # bandwidth per chip, and data-center-network (DCN) bandwidth per chip, in Gbit/s.
     # None: no figure, and no multislice (v2 and v3).
@@ -100,7 +102,7 @@ GENERATIONS = {g.name: g for g in (
     Generation("v4", "v4", (), tensorcores_per_chip=2, devices_per_chip=1, chips_per_host=4,
                max_single_host_chips=4, hbm_bytes_per_chip=33_014_415_360,
                peak_bf16_flops_per_chip=275 * TERA, pod_chips=4096, max_slice_chips=2048,
-               name_counts="TensorCores", device_kinds=("v4",)),
+               name_counts="TensorCores", device_kinds=("v4",), torus_dims=3),
     # https://cloud.google.com/tpu/docs/v5e: 1 TensorCore per chip; "197 TFLOPs" bf16 and
     # "16 GB" HBM2 per chip, of which a device has 15.75 GiB: the limit XLA's out-of-memory
     # messages give on v5litepod-1 and v5e-8 in public logs ("Used X of 15.75G hbm"); no exact
@@ -123,7 +125,7 @@ GENERATIONS = {g.name: g for g in (
     Generation("v5p", "v5p", (), tensorcores_per_chip=2, devices_per_chip=1, chips_per_host=4,
                max_single_host_chips=4, hbm_bytes_per_chip=102_803_439_616,
                peak_bf16_flops_per_chip=459 * TERA, pod_chips=8960, max_slice_chips=6144,
-               name_counts="TensorCores", device_kinds=("v5", "v5p")),
+               name_counts="TensorCores", device_kinds=("v5", "v5p"), torus_dims=3),
     # https://cloud.google.com/tpu/docs/v6e (Trillium): 1 TensorCore per chip; "918 TFLOPs" bf16
     # and "32 GB" HBM per chip, of which a device reports 33,550,237,696 B = 31.25 GiB
     # ("gpu_memory_per_device" on a v6e: https://github.com/vllm-project/vllm/pull/16211);
@@ -213,6 +215,66 @@ class Slice:
         """Peak bf16 FLOP/s of the whole slice."""
         return self.devices * self.peak_flops_per_device
 
+    @property
+    def chip_shape(self) -> Tuple[int, ...]:
+        """The slice's chips as the interconnect joins them: (x, y) on v2, v3, v5e and v6e,
+        (x, y, z) on v4 and v5p (`chip_shape`)."""
+        return chip_shape(self.chips, self.generation.torus_dims)
+
+    @property
+    def topology_name(self) -> str:
+        """How the TPU runtime (libtpu) names the slice's shape: 'v5e:4x4', 'v4:2x2x4'."""
+        runtime_name = {"v5p": "v5"}.get(self.generation.name, self.generation.name)
+        return f"{runtime_name}:{'x'.join(map(str, self.chip_shape))}"
+
+    @property
+    def wraparound(self) -> Tuple[bool, ...]:
+        """Which sides of `chip_shape` close into a ring: every side of a v4 or v5p slice of
+        64 chips or more (4x4x4 and up), and on the 2-D generations a side as long as the
+        pod's (16 chips on v5e and v6e), as Google's table of TPU types gives them
+        (https://github.com/AI-Hypercomputer/xpk src/xpk/core/system_characteristics.py)."""
+        if self.generation.torus_dims == 3:
+            return (self.chips >= 64,) * 3
+        pod_side = math.isqrt(self.generation.pod_chips)
+        return tuple(side == pod_side for side in self.chip_shape)
+
+    @property
+    def host_shape(self) -> Tuple[int, int, int]:
+        """The chips one host (TPU VM) holds, as a block of `chip_shape`: (2, 2, 1) on every
+        multi-host slice; the whole slice on one host."""
+        if self.hosts == 1:
+            return tuple(self.chip_shape) + (1,) * (3 - len(self.chip_shape))
+        return (2, 2, 1)
+
+
+def chip_shape(chips: int, dims: int) -> Optional[Tuple[int, ...]]:
+    """The shape of a slice of `chips` chips on a `dims`-dimensional interconnect, or None
+    where no slice of that size exists.
+
+    Cloud TPU writes a slice's topology as AxBxC (v4, v5p) or AxB (v5e, v6e)
+    with every side at most 4 or every side a multiple of 4
+    (https://cloud.google.com/tpu/docs/types-topologies), and a slice of 4
+    chips or more is whole 2x2 blocks of chips (a multi-host slice's hosts),
+    so its first two sides are even. Of the shapes that fit, this takes the most cube-like, smaller
+    sides first: the published types (v4-32 = 2x2x4, v4-384 = 4x4x12,
+    v5p-1280 = 4x8x20, v5litepod-16 = 4x4, v5litepod-128 = 8x16).
+    """
+    def shapes(remaining, sides):
+        if sides == 1:
+            yield (remaining,)
+            return
+        for side in range(1, remaining + 1):
+            if remaining % side == 0:
+                for rest in shapes(remaining // side, sides - 1):
+                    yield (side,) + rest
+
+    fitting = [shape for shape in shapes(chips, dims)
+               if (chips < 4 or (shape[0] % 2 == 0 and shape[1] % 2 == 0))
+               and (all(side <= 4 for side in shape) or all(side % 4 == 0 for side in shape))]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda shape: (max(shape) / min(shape), tuple(sorted(shape)) != shape, shape))
+
 
 def parse_slice(name: str) -> Slice:
     """The slice an accelerator type names ('v4-32', 'v5litepod-16', 'v5e-16', 'v6e-256').
@@ -236,10 +298,13 @@ def parse_slice(name: str) -> Slice:
     if gen.sizes:
         valid = number in gen.sizes
         allowed = ", ".join(f"{gen.prefix}-{n}" for n in gen.sizes)
-    else:
+    else:  # v4, v5p: the sizes whose chips form a slice (`chip_shape`)
         step = gen.chips_per_host * unit
-        valid = number % step == 0 and 0 < number <= largest
-        allowed = f"a multiple of {step} from {gen.prefix}-{step} to {gen.prefix}-{largest}"
+        valid = (number % step == 0 and 0 < number <= largest
+                 and chip_shape(number // unit, gen.torus_dims))
+        first = [n for n in range(step, 128 * unit + 1, step) if chip_shape(n // unit, gen.torus_dims)]
+        allowed = (f"{', '.join(f'{gen.prefix}-{n}' for n in first)}, or a larger one up to "
+                   f"{gen.prefix}-{largest} whose chips form AxBxC with each side a multiple of 4")
     if not valid:
         if number > largest:
             raise UserError(f"TPU slice {name!r} does not exist: the largest {gen.name} slice "

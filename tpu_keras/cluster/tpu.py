@@ -71,8 +71,12 @@ RUNTIME = Runtime()
 
 def is_present(name: str = "") -> bool:
     """Whether a TPU is named or visibly attached, without touching the network."""
-    return bool(name or os.environ.get("TPU_NAME")
-                or any(os.path.exists(p) for p in _TPU_VM_DEVICE_FILES))
+    return bool(name or os.environ.get("TPU_NAME") or attached())
+
+
+def attached() -> bool:
+    """Whether this machine has TPU chips of its own (a TPU VM)."""
+    return any(os.path.exists(p) for p in _TPU_VM_DEVICE_FILES)
 
 
 def initialize(name: str = "", zone: str = "", project: str = "", runtime: Runtime = None,

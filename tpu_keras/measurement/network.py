@@ -19,7 +19,15 @@ flat ring's). The time is an ideal's: bytes over the published bandwidth
 (`cluster.topology.NETWORKS`), ICI at half its bidirectional figure (what
 leaves a chip), DCN at the host network's share per chip; no latency, no
 overlap with compute, and the two networks one after the other.
+
+That ideal assumes each device's ring neighbour is a neighbouring chip.
+`ring_hops` measures how far apart they are in a real layout (libtpu's chip
+coordinates): a ring step that crosses two links shares them with another
+step, so a layout's ICI time is at least its bytes' ideal time times the
+hops of the axis they cross.
 """
+
+import math
 
 
 def ring(n: int) -> float:
@@ -61,3 +69,27 @@ def estimate(sent: dict, generation, slices: int) -> dict:
     return {"inside_slice": inside, "across_slices": across, "slices": slices,
             "ici_seconds": ici_s, "dcn_seconds": dcn_s,
             "seconds": None if ici_s is None or dcn_s is None else ici_s + dcn_s}
+
+
+def ring_hops(grid, axes, sides, wraps) -> float:
+    """The mean number of chip-to-chip links between ring neighbours along the mesh `axes`
+    (indices into `grid`'s shape, taken together in order) of a grid of TPU devices.
+
+    `sides` and `wraps` are the slice's chip shape and which of its sides close
+    into a ring (`cluster.topology.Slice`). 1.0 is the ideal (every neighbour
+    one link away, the last back to the first included); 0.0 for an axis of
+    size 1. Devices of one chip (v2, v3) are 0 links apart.
+    """
+    import numpy as np  # only the planner's callers measure layouts
+    size = math.prod(grid.shape[a] for a in axes)
+    if size == 1:
+        return 0.0
+    rings = np.moveaxis(grid, list(axes), list(range(-len(axes), 0))).reshape(-1, size)
+
+    def links(a, b):
+        steps = [abs(x - y) for x, y in zip(a.coords, b.coords)]
+        return sum(min(step, side - step) if wrap else step
+                   for step, side, wrap in zip(steps, sides, wraps))
+
+    total = sum(links(ring[i], ring[(i + 1) % size]) for ring in rings for i in range(size))
+    return total / rings.size

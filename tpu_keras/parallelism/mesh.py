@@ -53,6 +53,20 @@ def check(mesh_config, engine: str = "jax") -> dict[str, int]:
     return mesh
 
 
+def _sizes_that_fit(inside: dict[str, int], devices: int) -> str:
+    """Advice for fixed axis sizes whose product does not divide `devices`: the axis sizes
+    nearest to those asked for that do, one axis at a time."""
+    fixed = {axis: size for axis, size in inside.items() if size != -1}
+    for axis, size in sorted(fixed.items(), key=lambda item: -item[1]):
+        others = math.prod(s for a, s in fixed.items() if a != axis)
+        fits = [n for n in range(1, devices + 1) if devices % (n * others) == 0]
+        if fits:
+            nearest = sorted(fits, key=lambda n: (abs(n - size), -n))[:2]
+            return (f"use mesh.{axis}=" + " or ".join(map(str, sorted(nearest)))
+                    + f" (its sizes that divide {devices} with the other axes)")
+    return f"use axis sizes whose product divides {devices}"
+
+
 def batch_splits(mesh: dict[str, int]) -> int:
     """How many ways the batch is split: slices x data x fsdp."""
     return mesh.get(SLICES, 1) * math.prod(mesh.get(axis, 1) for axis in BATCH_AXES)
@@ -74,7 +88,7 @@ def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int
     if wildcards:
         if per_slice % fixed:
             raise UserError(f"mesh={mesh} does not fit {where}: {fixed} does not "
-                            f"divide {per_slice}; use an axis size that divides it")
+                            f"divide {per_slice}; {_sizes_that_fit(inside, per_slice)}")
         mesh[wildcards[0]] = per_slice // fixed
     elif fixed != per_slice:
         raise UserError(f"mesh={mesh} needs {fixed * slices} devices but there are {num_devices}; "
@@ -92,34 +106,102 @@ def describe(mesh: dict[str, int]) -> str:
     return " x ".join(f"{axis}={mesh[axis]}" for axis in named)
 
 
-def device_grid(devices, slices: int, data: int, fsdp: int, model: int):
+def device_grid(devices, slices: int, data: int, fsdp: int, model: int, chips=None):
     """The devices as a `(slices * data, fsdp, model)` array: rows `s * data` to
     `(s + 1) * data - 1` are slice `s`, each slice a `(data, fsdp, model)` block.
 
-    On a TPU (devices carry `slice_index`), JAX's own helpers lay each slice out
-    by its physical topology (`mesh_utils.create_device_mesh`: the last axes,
-    where collectives are most frequent, on neighbouring chips) and put slices
-    on the outer data axis (`create_hybrid_device_mesh` with a DCN shape of
-    `(slices, 1, 1)`); the number of slices must be the devices' own. Elsewhere
-    (CPU, fake devices) the devices, ordered by process then id, are cut into
-    `slices` equal blocks: the launcher's slice `s` is its hosts
-    `s * hosts_per_slice ...`, and on one process, consecutive device ids.
+    On a TPU, JAX's own helpers lay each slice out on the chips' physical
+    coordinates (`mesh_utils.create_device_mesh`: the last axes, where
+    collectives are most frequent, on neighbouring chips) and put slices on the
+    outer data axis (`create_hybrid_device_mesh` with a DCN shape of
+    `(slices, 1, 1)`). That order interleaves hosts: a host's chips may hold
+    rows far apart, which `input_pipelines` and `feed_rows` allow for.
+    On a pod the launcher simulates (`launch --tpu`), `chips` is libtpu's
+    description of that slice (`cluster.libtpu`): the grid is laid out on it
+    the same way, and each CPU device stands for the chip of its host and
+    place (`stand_ins`). Elsewhere (CPU, fake devices) the devices, ordered
+    by process then id, are cut into `slices` equal blocks: the launcher's
+    slice `s` is its hosts `s * hosts_per_slice ...`.
     """
     import numpy as np
     shape = (data, fsdp, model)
-    if getattr(devices[0], "platform", "") == "tpu":
-        from jax.experimental import mesh_utils
-        found = sorted({getattr(d, "slice_index", 0) for d in devices})
-        if len(found) != slices:
-            raise UserError(f"the TPU devices are in {len(found)} slice(s) but mesh.slices={slices}; "
-                            f"set --config.mesh.slices={len(found)}")
-        if slices == 1:
-            return mesh_utils.create_device_mesh(shape, devices=devices)
-        return mesh_utils.create_hybrid_device_mesh(shape, (slices, 1, 1), devices=devices)
+    on_tpu = getattr(devices[0], "platform", "") == "tpu"
+    if on_tpu or chips is not None:
+        grid = _torus_grid(devices if on_tpu else chips, slices, shape)
+        if on_tpu:
+            return grid
+        twin = stand_ins(chips, devices)
+        return np.vectorize(twin.__getitem__, otypes=[object])(grid)
     ordered = sorted(devices, key=lambda d: (getattr(d, "process_index", 0), d.id))
     grid = np.empty(len(ordered), dtype=object)
     grid[:] = ordered
     return grid.reshape(slices * data, fsdp, model)
+
+
+def _torus_grid(chips, slices: int, shape):
+    """JAX's layout of `shape` on the TPU `chips`, slices on the outer data axis.
+
+    Where an axis size is no product of the torus's sides (data=8 x model=2 on
+    a 4x4 v5litepod-16), JAX refuses unless it may split a physical side
+    between two mesh axes; the toolkit lets it, since the alternative is no run.
+    """
+    from jax.experimental import mesh_utils
+    found = sorted({getattr(d, "slice_index", 0) for d in chips})
+    if len(found) != slices:
+        raise UserError(f"the TPU devices are in {len(found)} slice(s) but mesh.slices={slices}; "
+                        f"set --config.mesh.slices={len(found)}")
+
+    def build(mesh_shape, **options):
+        if slices == 1:
+            return mesh_utils.create_device_mesh(mesh_shape, devices=chips, **options)
+        return mesh_utils.create_hybrid_device_mesh(mesh_shape, (slices, 1, 1), devices=chips,
+                                                    **options)
+
+    try:
+        return build(shape)
+    except NotImplementedError:
+        pass
+    try:
+        return build(shape, allow_split_physical_axes=True)
+    except (NotImplementedError, ValueError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise UserError(f"mesh data={shape[0]} x fsdp={shape[1]} x model={shape[2]} cannot be laid "
+                        f"on this slice's chips ({reason}); "
+                        f"{_nearest_buildable(build, shape)} can") from None
+
+
+def _nearest_buildable(build, shape) -> str:
+    """The mesh of the same devices closest to `shape` that `build` lays out, as flags."""
+    devices = math.prod(shape)
+    divisors = [n for n in range(1, devices + 1) if devices % n == 0]
+    candidates = [(devices // (f * m), f, m) for f in divisors for m in divisors
+                  if (devices // f) % m == 0]
+    for candidate in sorted(candidates, key=lambda c: sum(abs(math.log(a / b)) for a, b in zip(c, shape))):
+        try:
+            build(candidate, allow_split_physical_axes=True)
+        except (NotImplementedError, ValueError):
+            continue
+        return " ".join(f"--config.mesh.{axis}={size}" for axis, size in zip(AXES, candidate))
+    return "mesh.data=-1"
+
+
+def stand_ins(chips, devices) -> dict:
+    """{chip: device}: the k-th device of each process (by id) stands for the k-th chip of
+    the same host (by id), as a TPU VM numbers its local devices."""
+    def by_host(items):
+        hosts = {}
+        for item in sorted(items, key=lambda d: d.id):
+            hosts.setdefault(getattr(item, "process_index", 0), []).append(item)
+        return hosts
+    chips_of, devices_of = by_host(chips), by_host(devices)
+    shapes = ({h: len(c) for h, c in chips_of.items()}, {h: len(d) for h, d in devices_of.items()})
+    if shapes[0] != shapes[1]:
+        raise UserError(f"the simulated TPU has {len(chips_of)} host(s) of "
+                        f"{max(shapes[0].values())} chips but this run has {len(devices_of)} "
+                        f"process(es) with {sorted(set(shapes[1].values()))} devices each; start "
+                        "the hosts with `python -m tpu_keras.launch --tpu=...` alone")
+    return {chip: device for host, host_chips in chips_of.items()
+            for chip, device in zip(host_chips, devices_of[host])}
 
 
 def slice_of_row(row: int, mesh: dict[str, int]) -> int:
@@ -127,21 +209,46 @@ def slice_of_row(row: int, mesh: dict[str, int]) -> int:
     return row // mesh["data"]
 
 
-def input_pipelines(grid_rows, local_devices) -> tuple[int, int]:
-    """How many distinct input pipelines feed the mesh, and which one this process runs.
+def batch_rows(grid, model: int) -> dict[int, tuple[int, ...]]:
+    """{process: the batch rows its devices hold}, ascending. A row is one of the batch's
+    `data x fsdp` splits (one per row of the grid with data and fsdp flattened); the
+    `model` devices of a row hold the same examples."""
+    rows = grid.reshape(-1, model)
+    held = {}
+    for index, row in enumerate(rows):
+        for device in row:
+            held.setdefault(getattr(device, "process_index", 0), set()).add(index)
+    return {process: tuple(sorted(found)) for process, found in sorted(held.items())}
 
-    `grid_rows` is the (batch rows, model) array of devices: the mesh with
-    `data` and `fsdp` flattened into rows. A process feeds the batch rows its
-    devices hold. When every process holds
-    its own block of rows (the usual case: the model axis stays within a
-    host) there is one pipeline per process; processes that share rows (a
-    model axis across hosts) share a pipeline and read the same examples.
+
+def input_pipelines(rows_by_process: dict, process: int) -> tuple[int, int]:
+    """How many distinct input pipelines feed the mesh, and which one `process` runs.
+
+    `rows_by_process` is `batch_rows`. Processes that hold the same rows (a
+    model axis across hosts) share a pipeline and read the same examples;
+    otherwise each process has its own. A process's rows need not be
+    neighbours: on a TPU they seldom are, and its pipeline's batch fills them
+    in ascending order (`feed_rows`). Pipelines are numbered by their first row.
     """
-    local = set(local_devices)
-    rows_of_process = tuple(sorted({i for i, row in enumerate(grid_rows) for d in row if d in local}))
-    rows = len(rows_of_process)
-    if rows == 0 or rows_of_process != tuple(range(rows_of_process[0], rows_of_process[0] + rows)) \
-            or rows_of_process[0] % rows or len(grid_rows) % rows:
-        raise UserError(f"this process's devices hold data rows {rows_of_process} of the mesh, "
-                        "not one aligned block; use a mesh.model that divides the devices per host")
-    return len(grid_rows) // rows, rows_of_process[0] // rows
+    groups = sorted(set(rows_by_process.values()), key=lambda rows: rows[0])
+    held = [row for rows in groups for row in rows]
+    if len(held) != len(set(held)) or len({len(rows) for rows in groups}) != 1:
+        first, second = next((a, b) for a in groups for b in groups
+                             if a != b and (set(a) & set(b) or len(a) != len(b)))
+        owners = [next(p for p, rows in rows_by_process.items() if rows == g) for g in (first, second)]
+        raise UserError(f"hosts {owners[0]} and {owners[1]} hold different but overlapping batch rows "
+                        f"of the mesh ({list(first)} and {list(second)}), so no one input pipeline "
+                        "can feed either; use a mesh.model that divides the devices of a host")
+    return len(groups), groups.index(rows_by_process[process])
+
+
+def feed_rows(rows_by_process: dict, global_batch: int) -> dict[int, list[int]]:
+    """{process: the global batch's example positions its pipeline's batch fills, in order}.
+
+    `jax.make_array_from_process_local_data` lays a process's batch over the
+    rows its devices hold, the lowest row first, `global_batch / rows` examples
+    each. So the k-th example a host reads lands at this list's k-th position.
+    """
+    per_row = global_batch // (1 + max(row for rows in rows_by_process.values() for row in rows))
+    return {process: [row * per_row + i for row in rows for i in range(per_row)]
+            for process, rows in rows_by_process.items()}
