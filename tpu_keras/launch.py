@@ -2,6 +2,7 @@
 
     python -m tpu_keras.launch --hosts=2 --devices_per_host=4 -- python train.py
     python -m tpu_keras.launch --slices=2 --hosts=2 --devices_per_host=2 -- python train.py
+    python -m tpu_keras.launch --tpu=v5litepod-16 -- python train.py
 
 Each host gets the environment a real pod worker would see (TF_CONFIG for
 the tf engine, a JAX coordinator address for the jax engine, and its index)
@@ -17,6 +18,10 @@ with a "[host i] " prefix. If one host fails, the launcher names it and gives
 the others `--failure_grace` seconds to notice and exit on their own, as a
 real pod's hosts must; then, or when the timeout passes, every host left is
 stopped, so a broken run never leaves orphans or hangs its peers forever.
+`--tpu=TYPE` takes the hosts, devices per host and slices from a TPU type
+and tells each host the type (TPU_KERAS_SIMULATED_TPU): a jax run then lays
+its mesh out in that slice's chip order, as libtpu describes it
+(`cluster.libtpu`), so its hosts feed the batch rows they would on the slice.
 
 The hosts' servers do not authenticate, so by default (`--network=private`)
 the launcher first moves itself into a private network namespace

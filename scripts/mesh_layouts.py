@@ -1,0 +1,112 @@
+"""What each way of laying a mesh on a TPU slice costs: ring hops per axis and the planner's
+communication time, from libtpu's description of the slice (no TPU needed). Prints JSON.
+
+    python scripts/mesh_layouts.py --tpu=v5litepod-16 --config=configs/lm_stdlib.py
+    python scripts/mesh_layouts.py --tpu=v4-128 --config=configs/lm_stdlib.py:1b --mesh=4,8,2
+
+Layouts compared, each mesh of the slice given by --mesh (data,fsdp,model;
+default: data alone, fsdp alone, data with model=2 or 4, data with fsdp=4):
+
+- `jax`: the toolkit's, JAX's `create_device_mesh` along the chip torus
+  (splitting a physical side between axes where it must);
+- `contiguous`: the same with `contiguous_submeshes=True`, each host's
+  chips one block of the mesh (what the toolkit required of a layout before
+  it followed the chip order), where JAX can build it;
+- `by_host`: hosts in turn, each host's chips by id, as CPU devices sorted
+  by host are laid out.
+
+For each: the mean links between ring neighbours along `data`, `fsdp`,
+`model` and the batch (`data` and `fsdp` together), 1.0 being neighbouring
+chips (`measurement.network.ring_hops`); and the planner's time inside the
+slice for the config's model on that mesh (`python -m tpu_keras.plan`),
+each collective's bytes at the published ICI bandwidth times the hops of
+the axis they cross (the planner itself counts 1.0: `ideal_ici_seconds`).
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from tpu_keras import config as config_lib
+from tpu_keras.cluster import libtpu, topology
+from tpu_keras.errors import UserError
+from tpu_keras.measurement import network
+from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.tools import memory_plan
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
+_TPU = flags.DEFINE_string("tpu", "v5litepod-16", "One TPU slice type.")
+_MESH = flags.DEFINE_multi_string("mesh", [], "data,fsdp,model of one mesh (repeatable).")
+
+# The collectives of the planner's sent-per-step, by the mesh axis each crosses.
+_AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
+            "gradient_all_reduce": "batch", "model_all_reduce": "model"}
+_AXES = {"data": (0,), "fsdp": (1,), "model": (2,), "batch": (0, 1)}
+
+
+def layouts(chips, shape):
+    """{name: grid or None}: the three layouts of `shape` on `chips`."""
+    import numpy as np
+    from jax.experimental import mesh_utils
+    found = {"jax": mesh_lib.device_grid(chips, 1, *shape)}
+    try:
+        found["contiguous"] = mesh_utils.create_device_mesh(
+            shape, devices=chips, contiguous_submeshes=True, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError):
+        found["contiguous"] = None
+    by_host = sorted(chips, key=lambda d: (d.process_index, d.id))
+    found["by_host"] = np.array(by_host, dtype=object).reshape(shape)
+    return found
+
+
+def default_meshes(devices):
+    shapes = [(devices, 1, 1), (1, devices, 1)]
+    shapes += [(devices // m, 1, m) for m in (2, 4) if devices % m == 0 and devices > m]
+    shapes += [(devices // 4, 4, 1)] if devices % 4 == 0 and devices > 4 else []
+    return shapes
+
+
+def main(argv):
+    del argv
+    slices, found = topology.parse_tpu(_TPU.value)
+    if slices != 1:
+        raise app.UsageError("one slice: ring hops are inside a slice (slices meet over the DCN)")
+    config = _CONFIG.value
+    config_lib.check(config)
+    config.engine = "jax"
+    chips = libtpu.devices(_TPU.value)
+    shapes = [tuple(map(int, m.split(","))) for m in _MESH.value] or default_meshes(len(chips))
+    results = []
+    for shape in shapes:
+        config.mesh = {"slices": 1, "data": shape[0], "fsdp": shape[1], "model": shape[2]}
+        config.train.batch_size = max(config.train.batch_size, shape[0] * shape[1])
+        try:
+            plan = memory_plan.plan(config, _TPU.value)
+        except UserError as error:  # the model's layout rules cannot take this mesh
+            results.append({"mesh": dict(zip(mesh_lib.AXES, shape)), "skipped": str(error)})
+            continue
+        sent, ideal = plan["sent_per_step"], plan["network"]["ici_seconds"]
+        row = {"mesh": dict(zip(mesh_lib.AXES, shape)), "ideal_ici_seconds": ideal, "layouts": {}}
+        for name, grid in layouts(chips, shape).items():
+            if grid is None:
+                row["layouts"][name] = None
+                continue
+            hops = {axis: network.ring_hops(grid, axes, found.chip_shape, found.wraparound)
+                    for axis, axes in _AXES.items()}
+            weighted = sum(sent[key] * hops[axis] for key, axis in _AXIS_OF.items())
+            unweighted = sum(sent[key] for key in _AXIS_OF)
+            row["layouts"][name] = {
+                "ring_hops": {axis: round(value, 3) for axis, value in hops.items()},
+                "ici_seconds": ideal * weighted / unweighted if unweighted else 0.0}
+        results.append(row)
+    print(json.dumps({"tpu": _TPU.value, "topology": found.topology_name,
+                      "wraparound": found.wraparound, "model": config.model.name,
+                      "meshes": results}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    app.run(main)
