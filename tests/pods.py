@@ -33,25 +33,30 @@ def assert_trains_like_one_device(one, hosts):
             assert abs(got - want) <= 1e-5, (step, report["losses"], one["losses"])
 
 
-def train_on_a_pod(launcher, workdir, config, *overrides):
-    """`python -m tpu_keras.launch LAUNCHER -- python -m tpu_keras.train` for STEPS steps on
-    the jax engine, a checkpoint every 20, logging every batch's example ids."""
+def train_on_a_pod(launcher, workdir, config, *overrides, steps=STEPS, every=STEPS // 2):
+    """`python -m tpu_keras.launch LAUNCHER -- python -m tpu_keras.train` for `steps` steps on
+    the jax engine, 5 per host call, a checkpoint every `every` and a validation at the end,
+    logging the loss every 5 steps and every batch's example ids."""
     return [sys.executable, "-m", "tpu_keras.launch", *launcher, "--timeout=500", "--failure_grace=60",
             "--", sys.executable, "-m", "tpu_keras.train", f"--config={config}",
-            f"--workdir={workdir}", "--config.engine=jax", f"--config.train.steps={STEPS}",
+            f"--workdir={workdir}", "--config.engine=jax", f"--config.train.steps={steps}",
             "--config.log.every_steps=5", "--config.train.steps_per_execution=5",
-            "--config.train.eval_every=20", "--config.checkpoint.every_steps=20",
+            f"--config.train.eval_every={steps}", f"--config.checkpoint.every_steps={every}",
             "--config.data.log_example_ids=True", *overrides]
 
 
-def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice_of=None):
-    """Runs `command` (a `train_on_a_pod`), SIGKILLs host `killed` once host 0 logs step 30
-    (checkpoint 20 saved, 40 not reached), checks that every other host stops by itself
-    within bounded time, then reruns it to the end and checks the resume was exact: each
-    host resumed from
-    step 20 with the same weights, steps 25 and 30 (trained in both attempts) gave the same
-    losses bit for bit, on the same batches, and over the run every host fed every step
-    once. Returns every example id trained on, by (host, batch position)."""
+def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice_of=None,
+                                       steps=STEPS, every=STEPS // 2):
+    """Runs `command` (a `train_on_a_pod` of `steps` steps, a checkpoint every `every`),
+    SIGKILLs host `killed` once host 0 logs step `every + 10` (so the first checkpoint is
+    saved and the second not reached), checks that every other host stops by itself within
+    bounded time, then reruns it to the end and checks the resume was exact: each host
+    resumed from that checkpoint with the same weights, the steps trained in both attempts
+    gave the same losses bit for bit, on the same batches, and over the run every host fed
+    every step once. Returns every example id trained on, by (host, batch position)."""
+    killed_after = every + 10 if every + 10 < steps else every + 5
+    assert killed_after < 2 * every and killed_after < steps
+
     def name(host):
         return f"host {host}" + (f" (slice {slice_of(host)})" if slice_of else "")
 
@@ -60,7 +65,7 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
         pids = {int(h): int(p) for h, p in re.findall(r"host (\d+) pid (\d+)", started)}
         where = f" (slice {slice_of(killed)})" if slice_of else ""
         assert f"host {killed} pid {pids[killed]}{where}" in started, started
-        read_until(launcher, rf"\[host 0\].*step 30/{STEPS}", timeout=400)
+        read_until(launcher, rf"\[host 0\].*step {killed_after}/{steps}", timeout=400)
         killed_at = time.monotonic()
         os.kill(pids[killed], signal.SIGKILL)  # a PID the launcher reported as its own child
         output = finish(launcher, timeout=200)
@@ -71,8 +76,8 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
     # --failure_grace), most with one line.
     for host in set(range(hosts)) - {killed}:
         assert f"{name(host)} stopped on its own" in output, output[-3000:]
-    assert re.search(r"\[host \d+\] error: lost contact with another host after step 30", output), \
-        output[-3000:]
+    assert re.search(rf"\[host \d+\] error: lost contact with another host after step {killed_after}",
+                     output), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert stopped_after < 120, stopped_after
     assert all(_gone(pid) for pid in pids.values()), pids
@@ -80,19 +85,21 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
     (workdir / "example_ids").rename(workdir / "example_ids.first")
     second = run(command, timeout=560).stdout
     resumed = re.findall(r"\[host (\d+)\].*resumed from \S+ at step (\d+)", second)
-    assert sorted(resumed) == sorted((str(h), "20") for h in range(hosts)), second[-3000:]
+    assert sorted(resumed) == sorted((str(h), str(every)) for h in range(hosts)), second[-3000:]
     fingerprints = dict(re.findall(r"\[host (\d+)\].*weights fingerprint: (\S+)", second))
     assert len(fingerprints) == hosts and len(set(fingerprints.values())) == 1, fingerprints
-    # Steps 21-30 ran in both attempts: from the restored checkpoint, the same losses, bit
-    # for bit (weights, optimizer state, random state and input position all restored) ...
+    # The steps after the checkpoint ran in both attempts: from the restored checkpoint, the
+    # same losses, bit for bit (weights, optimizer state, random state and input position
+    # all restored) ...
     first_losses, second_losses = logged_losses(workdir)
-    assert {5, 10, 15, 20, 25, 30} <= set(first_losses), first_losses
-    assert sorted(second_losses) == [25, 30, 35, 40], second_losses
-    assert [first_losses[s] for s in (25, 30)] == [second_losses[s] for s in (25, 30)]
+    again = list(range(every + 5, killed_after + 1, 5))
+    assert set(range(5, killed_after + 1, 5)) <= set(first_losses), first_losses
+    assert sorted(second_losses) == list(range(every + 5, steps + 1, 5)), second_losses
+    assert [first_losses[s] for s in again] == [second_losses[s] for s in again]
     # ... on the same batches; and over the run every host fed every step once.
-    seen = seen_over_the_run(example_ids(workdir / "example_ids.first"),
-                             example_ids(workdir / "example_ids"), 20)
-    assert sorted(seen) == [(h, p) for h in range(hosts) for p in range(STEPS)]
+    seen = seen_over_the_run(example_ids(workdir / "example_ids.first", steps),
+                             example_ids(workdir / "example_ids", steps), every)
+    assert sorted(seen) == [(h, p) for h in range(hosts) for p in range(steps)]
     return seen
 
 

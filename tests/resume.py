@@ -112,8 +112,9 @@ def assert_same_weights(workdir, reference, step=STEPS):
     assert worst <= 1e-6, worst
 
 
-def example_ids(folder):
-    """{(host, batch position): sorted example ids}, from every host's log in `folder`.
+def example_ids(folder, steps=STEPS):
+    """{(host, batch position): sorted example ids}, from every host's log in `folder`, for
+    the run's `steps` positions (a host reads ahead, past the last).
 
     A batch read twice (Keras reads the first one to build the model, then
     starts over) is logged twice: each host's distinct lines count once.
@@ -124,7 +125,7 @@ def example_ids(folder):
         for line in set(open(path)):
             position, ids = re.match(r"(\d+) \[([\d ]*)\]", line).groups()
             seen[host, int(position)] += [int(i) for i in ids.split()]
-    return {key: sorted(ids) for key, ids in seen.items() if key[1] < STEPS}
+    return {key: sorted(ids) for key, ids in seen.items() if key[1] < steps}
 
 
 def seen_over_the_run(first_attempt, second_attempt, resumed_at):

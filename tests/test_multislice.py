@@ -1,9 +1,8 @@
-"""Simulated multislice pods on the jax engine.
+"""Simulated multislice pods on the jax engine, in the TPU's own chip order.
 
-Two v4-16 slices (2 hosts of 4 chips each) in the TPU's own chip order train
-like one device on the same global batches. On 2 slices of 2 hosts of 2 CPU
-devices (the launcher's plain `--slices`), when a host of one slice dies, every
-host of every slice stops by itself within bounded time, and the rerun resumes
+Two v4-16 slices (2 hosts of 4 chips each) train like one device on the same
+global batches. On two v5litepod-4 slices, when the host of one slice dies,
+the other slice's stops by itself within bounded time, and the rerun resumes
 exactly from the last checkpoint.
 """
 
@@ -28,7 +27,7 @@ def test_two_v4_slices_in_the_tpu_chip_order_train_like_one_device(tmp_path):
 
 
 def test_a_dead_host_stops_every_slice_and_the_rerun_resumes_exactly(tmp_path, data_dir):
-    command = train_on_a_pod(("--slices=2", "--hosts=2", "--devices_per_host=2"), tmp_path,
-                             "configs/digits.py:tiny", f"--config.data.data_dir={data_dir}",
-                             "--config.mesh.slices=2")
-    a_host_killed_then_the_run_resumed(command, tmp_path, 4, killed=3, slice_of=lambda h: h // 2)
+    # Two v5litepod-4 slices: one host of 4 chips each.
+    command = train_on_a_pod(("--tpu=2xv5litepod-4",), tmp_path, "configs/digits.py:tiny",
+                             f"--config.data.data_dir={data_dir}", "--config.mesh.slices=2")
+    a_host_killed_then_the_run_resumed(command, tmp_path, 2, killed=1, slice_of=lambda host: host)

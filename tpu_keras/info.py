@@ -13,7 +13,7 @@ one line of JSON.
 
 With --tpu it connects to nothing: it shows how the config's mesh lies on
 that slice, host by host, as the TPU runtime describes the slice
-(`tools.slice_layout`; needs libtpu, the tpu extra, and no TPU).
+(`tools.slice_layout`; it needs libtpu, the tpu extra, but no TPU).
 """
 
 import json

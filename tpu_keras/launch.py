@@ -368,7 +368,8 @@ def main(argv):
     """Everything after '--' is the command; a UserError is one `error:` line (`cli`)."""
     hosts, devices_per_host, slices = FLAGS.hosts, FLAGS.devices_per_host, FLAGS.slices
     if FLAGS.tpu:
-        given = [f"--{name}" for name in ("hosts", "slices", "devices_per_host") if FLAGS[name].present]
+        given = [f"--{name}" for name in ("hosts", "slices", "devices_per_host")
+                 if FLAGS[name].present]
         if given:
             raise UserError(f"--tpu={FLAGS.tpu} sets the hosts, slices and devices per host; "
                             f"leave out {', '.join(given)}")

@@ -36,7 +36,7 @@ class Generation:
     pod_chips: int                     # chips in a whole pod
     max_slice_chips: int               # the largest single slice Cloud TPU offers
     name_counts: str                   # what the number in 'v4-32' counts: 'TensorCores' or 'chips'
-    sizes: Tuple[int, ...] = ()        # documented slice numbers; () = any whole number of hosts
+    sizes: Tuple[int, ...] = ()        # documented slice numbers; () = those `chip_shape` fits
     device_kinds: Tuple[str, ...] = ()  # jax `device_kind` / TF names, lower case, without 'TPU '
     torus_dims: int = 2                # the chip interconnect's dimensions: 3 on v4 and v5p
     # The networks (see NETWORKS below): published bidirectional chip-interconnect (ICI)
@@ -255,9 +255,10 @@ def chip_shape(chips: int, dims: int) -> Optional[Tuple[int, ...]]:
     with every side at most 4 or every side a multiple of 4
     (https://cloud.google.com/tpu/docs/types-topologies), and a slice of 4
     chips or more is whole 2x2 blocks of chips (a multi-host slice's hosts),
-    so its first two sides are even. Of the shapes that fit, this takes the most cube-like, smaller
-    sides first: the published types (v4-32 = 2x2x4, v4-384 = 4x4x12,
-    v5p-1280 = 4x8x20, v5litepod-16 = 4x4, v5litepod-128 = 8x16).
+    so its first two sides are even. Of the shapes that fit, this takes the
+    most cube-like, smaller sides first: the published types (v4-32 = 2x2x4,
+    v4-384 = 4x4x12, v5p-1280 = 4x8x20, v5litepod-16 = 4x4, v5litepod-128 =
+    8x16).
     """
     def shapes(remaining, sides):
         if sides == 1:
@@ -273,7 +274,7 @@ def chip_shape(chips: int, dims: int) -> Optional[Tuple[int, ...]]:
                and (all(side <= 4 for side in shape) or all(side % 4 == 0 for side in shape))]
     if not fitting:
         return None
-    return min(fitting, key=lambda shape: (max(shape) / min(shape), tuple(sorted(shape)) != shape, shape))
+    return min(fitting, key=lambda s: (max(s) / min(s), tuple(sorted(s)) != s, s))
 
 
 def parse_slice(name: str) -> Slice:
@@ -302,7 +303,8 @@ def parse_slice(name: str) -> Slice:
         step = gen.chips_per_host * unit
         valid = (number % step == 0 and 0 < number <= largest
                  and chip_shape(number // unit, gen.torus_dims))
-        first = [n for n in range(step, 128 * unit + 1, step) if chip_shape(n // unit, gen.torus_dims)]
+        first = [n for n in range(step, 128 * unit + 1, step)
+                 if chip_shape(n // unit, gen.torus_dims)]
         allowed = (f"{', '.join(f'{gen.prefix}-{n}' for n in first)}, or a larger one up to "
                    f"{gen.prefix}-{largest} whose chips form AxBxC with each side a multiple of 4")
     if not valid:

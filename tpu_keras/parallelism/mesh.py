@@ -176,7 +176,10 @@ def _nearest_buildable(build, shape) -> str:
     divisors = [n for n in range(1, devices + 1) if devices % n == 0]
     candidates = [(devices // (f * m), f, m) for f in divisors for m in divisors
                   if (devices // f) % m == 0]
-    for candidate in sorted(candidates, key=lambda c: sum(abs(math.log(a / b)) for a, b in zip(c, shape))):
+    def distance(candidate):
+        return sum(abs(math.log(a / b)) for a, b in zip(candidate, shape))
+
+    for candidate in sorted(candidates, key=distance):
         try:
             build(candidate, allow_split_physical_axes=True)
         except (NotImplementedError, ValueError):
@@ -235,10 +238,12 @@ def input_pipelines(rows_by_process: dict, process: int) -> tuple[int, int]:
     if len(held) != len(set(held)) or len({len(rows) for rows in groups}) != 1:
         first, second = next((a, b) for a in groups for b in groups
                              if a != b and (set(a) & set(b) or len(a) != len(b)))
-        owners = [next(p for p, rows in rows_by_process.items() if rows == g) for g in (first, second)]
-        raise UserError(f"hosts {owners[0]} and {owners[1]} hold different but overlapping batch rows "
-                        f"of the mesh ({list(first)} and {list(second)}), so no one input pipeline "
-                        "can feed either; use a mesh.model that divides the devices of a host")
+        owners = [next(p for p, rows in rows_by_process.items() if rows == g)
+                  for g in (first, second)]
+        raise UserError(f"hosts {owners[0]} and {owners[1]} hold different but overlapping batch "
+                        f"rows of the mesh ({list(first)} and {list(second)}), so no one input "
+                        "pipeline can feed either; use a mesh.model that divides the devices of a "
+                        "host")
     return len(groups), groups.index(rows_by_process[process])
 
 

@@ -10,21 +10,18 @@ assumes). On the tf engine `TPUStrategy` numbers its replicas host by host
 and each host feeds its own, so only that is shown.
 """
 
-from tpu_keras.cluster import libtpu, topology
-from tpu_keras.errors import UserError
+from tpu_keras.cluster import libtpu
 from tpu_keras.measurement import network
 from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.tools import memory_plan
 
 
 def describe(config, tpu_type: str) -> dict:
     """The layout of `config`'s mesh on `tpu_type`, JSON-ready."""
-    slices, found = topology.parse_tpu(tpu_type)
-    wanted = int(dict(config.mesh).get(mesh_lib.SLICES, 1))
-    if wanted not in (1, slices):
-        raise UserError(f"mesh.slices={wanted} but --tpu={tpu_type} is {slices} slice(s); write "
-                        f"--tpu={wanted}x{found.name}, or set mesh.slices to {slices}")
+    slices, found = memory_plan.tpu_slices(config, tpu_type)  # the config's slices agree
     chips = libtpu.devices(tpu_type)
-    mesh = mesh_lib.resolve({**dict(config.mesh), mesh_lib.SLICES: slices}, len(chips), config.engine)
+    mesh = mesh_lib.resolve({**dict(config.mesh), mesh_lib.SLICES: slices}, len(chips),
+                            config.engine)
     result = {"tpu": tpu_type, "topology": found.topology_name, "slices": slices,
               "hosts": slices * found.hosts, "devices": len(chips), "engine": config.engine,
               "mesh": mesh}
