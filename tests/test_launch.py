@@ -167,7 +167,8 @@ def test_sigterm_to_launcher_stops_hosts(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--hosts=2"], ["--hosts=0", "--"], ["--devices_per_host=0", "--"],
-                                   ["--network=none", "--"], ["--slices=0", "--"]])
+                                   ["--network=none", "--"], ["--slices=0", "--"],
+                                   ["--tpu=v9-16", "--"], ["--tpu=v5litepod-16", "--hosts=2", "--"]])
 def test_bad_usage_is_one_line(flags):
     argv = [sys.executable, "-m", "tpu_keras.launch", *flags]
     if "--" in flags:
