@@ -143,7 +143,7 @@ def test_topology_imports_no_tensorflow():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"dataclasses", "math", "re", "typing", "tpu_keras.errors"}, imported
+    assert imported <= {"dataclasses", "functools", "math", "re", "typing", "tpu_keras.errors"}, imported
 
 
 def _cluster(kind, device_kind, replicas, model=1, hosts=1):

@@ -7,7 +7,7 @@ Types: every v4, v5e, v5p and v6e slice of the topology table with 1 to 64
 hosts, each as 1, 2 and 4 slices (or the TYPEs given, such as 2xv4-16). For
 each, every (data, fsdp, model) of one slice's devices (`layout_search.meshes`)
 goes through `mesh.device_grid` on the slice's libtpu devices, then each host
-gets its input pipeline (`mesh.input_pipelines`), and one global batch is fed
+gets its input pipeline (`mesh.pipelines`), and one global batch is fed
 as the hosts feed it: each pipeline reads its own share of the examples and
 its hosts' batches land where `mesh.feed_rows` says. Each type prints one
 `MATRIX {json}` line: meshes checked, those whose hosts hold rows that are
@@ -54,7 +54,7 @@ def check(chips, slices: int, mesh: tuple) -> tuple[str, bool]:
     if grid.shape != (slices * mesh[0], mesh[1], mesh[2]) or len({d.id for d in grid.flat}) != len(chips):
         return f"grid {grid.shape} does not hold every chip once", False
     rows = mesh_lib.batch_rows(grid, mesh[2])
-    pipelines = {p: mesh_lib.input_pipelines(rows, p) for p in rows}
+    pipelines = mesh_lib.pipelines(rows)
     count = {n for n, _ in pipelines.values()}
     if len(count) != 1:
         return f"hosts disagree on the number of pipelines: {count}", False

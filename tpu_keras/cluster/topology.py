@@ -10,6 +10,7 @@ Importing this module must stay cheap: standard library only, no TensorFlow.
 """
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Optional, Tuple
@@ -247,6 +248,7 @@ class Slice:
         return (2, 2, 1)
 
 
+@functools.lru_cache(maxsize=None)
 def chip_shape(chips: int, dims: int) -> Optional[Tuple[int, ...]]:
     """The shape of a slice of `chips` chips on a `dims`-dimensional interconnect, or None
     where no slice of that size exists.
@@ -302,7 +304,8 @@ def parse_slice(name: str) -> Slice:
     else:  # v4, v5p: the sizes whose chips form a slice (`chip_shape`)
         step = gen.chips_per_host * unit
         valid = (number % step == 0 and 0 < number <= largest
-                 and chip_shape(number // unit, gen.torus_dims))
+                 and chip_shape(number // unit, gen.torus_dims) is not None)
+    if not valid and not gen.sizes:
         first = [n for n in range(step, 128 * unit + 1, step)
                  if chip_shape(n // unit, gen.torus_dims)]
         allowed = (f"{', '.join(f'{gen.prefix}-{n}' for n in first)}, or a larger one up to "

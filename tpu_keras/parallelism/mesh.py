@@ -225,7 +225,13 @@ def batch_rows(grid, model: int) -> dict[int, tuple[int, ...]]:
 
 
 def input_pipelines(rows_by_process: dict, process: int) -> tuple[int, int]:
-    """How many distinct input pipelines feed the mesh, and which one `process` runs.
+    """How many distinct input pipelines feed the mesh, and which one `process` runs
+    (`pipelines`, for one process)."""
+    return pipelines(rows_by_process)[process]
+
+
+def pipelines(rows_by_process: dict) -> dict[int, tuple[int, int]]:
+    """{process: (how many distinct input pipelines feed the mesh, the one it runs)}.
 
     `rows_by_process` is `batch_rows`. Processes that hold the same rows (a
     model axis across hosts) share a pipeline and read the same examples;
@@ -244,7 +250,8 @@ def input_pipelines(rows_by_process: dict, process: int) -> tuple[int, int]:
                         f"rows of the mesh ({list(first)} and {list(second)}), so no one input "
                         "pipeline can feed either; use a mesh.model that divides the devices of a "
                         "host")
-    return len(groups), groups.index(rows_by_process[process])
+    index = {rows: i for i, rows in enumerate(groups)}
+    return {process: (len(groups), index[rows]) for process, rows in rows_by_process.items()}
 
 
 def feed_rows(rows_by_process: dict, global_batch: int) -> dict[int, list[int]]:

@@ -36,9 +36,10 @@ def describe(config, tpu_type: str) -> dict:
         return result
     grid = mesh_lib.device_grid(chips, slices, *(mesh[a] for a in mesh_lib.AXES))
     rows = mesh_lib.batch_rows(grid, mesh["model"])
+    pipeline_of = mesh_lib.pipelines(rows)
     one_slice = grid[:mesh["data"]]  # ring hops inside a slice; slices meet over the DCN
     result["by_host"] = [{"host": h, "chips": chips_of[h], "batch_rows": list(rows[h]),
-                          "input_pipeline": mesh_lib.input_pipelines(rows, h)}
+                          "input_pipeline": pipeline_of[h]}
                          for h in sorted(rows)]
     result["ring_hops"] = {
         name: round(network.ring_hops(one_slice, axes, found.chip_shape, found.wraparound), 3)
