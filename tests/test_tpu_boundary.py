@@ -72,18 +72,30 @@ def fake_resolver_cls(slice_name, calls):
     return FakeTPUClusterResolver
 
 
+SLICES = ("v4-8", "v4-32", "v5litepod-8", "v5litepod-16", "v6e-16")  # the slices faked here
+CHIPS_BY_HOST = """
+import json, sys
+from tpu_keras.cluster import libtpu
+def by_host(chips):
+    hosts = sorted({chip.process_index for chip in chips})
+    return [[list(c.coords) for c in sorted(chips, key=lambda c: c.id) if c.process_index == h]
+            for h in hosts]
+print(json.dumps({name: by_host(libtpu.devices(name)) for name in sys.argv[1:]}))
+"""
+
+
 @functools.lru_cache(maxsize=None)
-def libtpu_chips(slice_name):
-    """[host][device] chip coordinates of `slice_name` as libtpu describes it (`info --tpu`)."""
-    layout = run([sys.executable, "-m", "tpu_keras.info", f"--tpu={slice_name}", "--json"],
-                 timeout=120, merge_stderr=False).stdout
-    return [host["chips"] for host in json.loads(layout)["by_host"]]
+def libtpu_chips():
+    """{slice: [host][device] chip coordinates} of SLICES as libtpu describes them (one
+    process for all; libtpu runs without a TPU)."""
+    return json.loads(run([sys.executable, "-c", CHIPS_BY_HOST, *SLICES], timeout=120,
+                          merge_stderr=False).stdout)
 
 
 def fake_topology(slice_name):
     """The real `Topology` of the slice: its chips' coordinates as libtpu gives them, one
     device per chip (every generation here has one core per device)."""
-    coordinates = np.array([[chip[:3] + [0] for chip in host] for host in libtpu_chips(slice_name)],
+    coordinates = np.array([[chip[:3] + [0] for chip in host] for host in libtpu_chips()[slice_name]],
                            np.int32)
     mesh_shape = coordinates.reshape(-1, 4).max(axis=0) + 1
     return tf.tpu.experimental.Topology(mesh_shape=mesh_shape.tolist(), device_coordinates=coordinates)
