@@ -85,4 +85,3 @@ def test_xla_per_replica_step_matches_the_unjitted_step_under_mirrored():
     assert xla_losses[-1] < xla_losses[0] / 2
     assert xla_losses == pytest.approx(plain_losses, rel=1e-3)
     assert float(values(output, "WEIGHTS_XLA")[0]) == pytest.approx(float(values(output, "WEIGHTS")[0]), rel=1e-4)
-
