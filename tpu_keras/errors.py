@@ -23,6 +23,13 @@ class Preempted(Exception):
         self.step = step
 
 
+def first_line(error, limit: int = 200) -> str:
+    """The first line of an exception's message (at most `limit` characters), or its type's
+    name: what a one-line error quotes of a library's own words."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 def closest(name, candidates):
     """Returns ' (did you mean X?)' for the nearest candidate, or ''."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)

@@ -24,7 +24,7 @@ import importlib.util
 import os
 
 from tpu_keras.cluster import topology, tpu
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 # Set by `python -m tpu_keras.launch --tpu=TYPE` for every simulated host.
 SIMULATED_TPU_ENV = "TPU_KERAS_SIMULATED_TPU"
@@ -57,8 +57,8 @@ def devices(tpu_type: str) -> tuple:
         with _quiet_load(found):
             described = topologies.get_topology_desc(found.topology_name, "tpu", **options)
     except Exception as error:  # JaxRuntimeError and friends: libtpu's words, one line
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise UserError(f"libtpu cannot describe {tpu_type} as {found.topology_name} ({reason}); "
+        raise UserError(f"libtpu cannot describe {tpu_type} as {found.topology_name} "
+                        f"({first_line(error)}); "
                         "check the TPU type, or install the libtpu of the JAX in use: "
                         f"{INSTALL}") from None
     return tuple(described.devices)

@@ -35,7 +35,7 @@ import os
 
 import keras
 
-from tpu_keras.errors import UserError, closest
+from tpu_keras.errors import UserError, closest, first_line
 from tpu_keras.models import hub_layouts, hub_presets
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
 from tpu_keras.models.registry import Builder, register_family
@@ -139,7 +139,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
         except (OSError, ValueError, ConnectionError) as error:
             if not _is_handle(preset):
                 raise
-            raise UserError(f"model.preset={preset!r} could not be fetched ({_first_line(error)}); "
+            raise UserError(f"model.preset={preset!r} could not be fetched ({first_line(error, 160)}); "
                             "a handle needs the network: where there is one, save the preset "
                             "with save_to_preset and set model.preset to that folder") from None
     else:
@@ -223,11 +223,6 @@ def _is_handle(preset: str) -> bool:
     if preset.startswith(("kaggle://", "hf://", "modelscope://")):
         return True
     return "://" not in preset and "/" not in preset and not os.path.exists(preset)
-
-
-def _first_line(error) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:160] if text else type(error).__name__
 
 
 def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: float = 300) -> None:

@@ -21,7 +21,7 @@ when it spans slices.
 
 import math
 
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 AXES = ("data", "fsdp", "model")  # the device mesh's axes, as Keras and JAX name them
 BATCH_AXES = ("data", "fsdp")  # the axes the batch is split over
@@ -164,9 +164,8 @@ def _torus_grid(chips, slices: int, shape):
     try:
         return build(shape, allow_split_physical_axes=True)
     except (NotImplementedError, ValueError) as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         raise UserError(f"mesh data={shape[0]} x fsdp={shape[1]} x model={shape[2]} cannot be laid "
-                        f"on this slice's chips ({reason}); "
+                        f"on this slice's chips ({first_line(error, 160)}); "
                         f"{_nearest_buildable(build, shape)} can") from None
 
 

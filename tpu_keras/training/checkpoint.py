@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from tpu_keras import workdir as workdir_lib
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 # Reading errors that mean "this checkpoint is damaged", as opposed to "it is
 # a checkpoint of another model".
@@ -83,9 +83,9 @@ class TFCheckpointer:
         try:
             self._checkpoint.restore(path).assert_existing_objects_matched()
         except _UNREADABLE as error:
-            raise Unreadable(f"checkpoint {path} is unreadable ({_first_line(error)})") from None
+            raise Unreadable(f"checkpoint {path} is unreadable ({first_line(error)})") from None
         except (AssertionError, ValueError, tf.errors.OpError) as error:
-            raise UserError(f"the checkpoint {path} does not fit this model ({_first_line(error)}); "
+            raise UserError(f"the checkpoint {path} does not fit this model ({first_line(error)}); "
                             "use a new --workdir for a different model") from None
 
     def restore_latest(self) -> int:
@@ -165,10 +165,10 @@ class OrbaxCheckpointer:
             values = self._manager.restore(step, args=self._ocp.args.StandardRestore(target))
         except (FileNotFoundError, OSError) as error:
             raise Unreadable(f"checkpoint {step} in {self.shared_dir} is unreadable "
-                             f"({_first_line(error)})") from None
+                             f"({first_line(error)})") from None
         except (ValueError, KeyError, TypeError) as error:
             raise UserError(f"the checkpoint at step {step} in {self.shared_dir} does not fit "
-                            f"this model ({_first_line(error)}); use a new --workdir for a "
+                            f"this model ({first_line(error)}); use a new --workdir for a "
                             "different model") from None
         for group, group_values in values.items():
             for variable, value in zip(variables[group], group_values):
@@ -199,8 +199,3 @@ class SaveEvery(keras.callbacks.Callback):
         step = self._checkpointer.step
         if step % self._every == 0 or step >= self._total:
             self._checkpointer.save()
-
-
-def _first_line(error) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__

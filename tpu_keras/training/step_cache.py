@@ -41,6 +41,8 @@ import zlib
 
 from absl import logging
 
+from tpu_keras.errors import first_line
+
 FOLDER = "steps"
 # JAX monitoring events (compile_cache.Watch counts them): a step loaded whole from this
 # cache, and the time span of each first call's lookup, load or compile.
@@ -132,7 +134,7 @@ class CachedStep:
                 return compiled
             except Exception as error:  # noqa: BLE001 -- any unreadable entry is a miss
                 logging.warning("%s step: cached executable %s did not load (%s); compiling "
-                                "it again", self.name, path, _first_line(error))
+                                "it again", self.name, path, first_line(error))
         served_before = _JaxCacheHits.count
         compiled = self._jitted.lower(*args).compile()
         if _JaxCacheHits.count > served_before:
@@ -143,7 +145,7 @@ class CachedStep:
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError) as error:
-            logging.info("%s step: not kept whole (%s)", self.name, _first_line(error))
+            logging.info("%s step: not kept whole (%s)", self.name, first_line(error))
             return compiled
         _write(path, {"sources": loaded_sources(), "executable": executable,
                       "in_tree": in_tree, "out_tree": out_tree,
@@ -268,7 +270,7 @@ def _read(path: str):
     except tf.errors.NotFoundError:
         return None
     except tf.errors.OpError as error:
-        logging.warning("step cache: cannot read %s (%s); compiling the step", path, _first_line(error))
+        logging.warning("step cache: cannot read %s (%s); compiling the step", path, first_line(error))
         return None
     try:
         entry = pickle.loads(zlib.decompress(data))
@@ -276,7 +278,7 @@ def _read(path: str):
             raise ValueError("not an entry of this cache")
     except Exception as error:  # noqa: BLE001 -- a truncated or foreign file is a miss
         logging.warning("step cache: %s is not a readable entry (%s); compiling the step",
-                        path, _first_line(error))
+                        path, first_line(error))
         _remove(path)  # one warning, not one per run; a new entry takes its place
         return None
     if "://" not in path:
@@ -301,7 +303,7 @@ def _write(path: str, entry: dict) -> None:
         _prune(os.path.dirname(path), LOCAL_MAX_BYTES)
     except (tf.errors.OpError, OSError) as error:
         logging.warning("step cache: cannot write %s (%s); the step is compiled again next time",
-                        path, _first_line(error))
+                        path, first_line(error))
 
 
 def _remove(path: str) -> None:
@@ -352,8 +354,3 @@ def _cpu_flags() -> str:
         return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
     except OSError:
         return platform.processor()
-
-
-def _first_line(error) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
