@@ -10,6 +10,7 @@ from conftest import assert_one_line_error, run, run_in_one_process, train, trai
 LM_TINY = "configs/lm_stdlib.py:tiny"
 DIGITS_TINY = "configs/digits.py:tiny"
 DATA = "--config.data.data_dir={data_dir}"
+LLAMA_TINY = "configs/llama_stdlib.py:tiny"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,8 @@ def inputs(tmp_path_factory):
         f"    config.data.files = config.data.eval_files = {str(folder / 'garbage.tfrecord')!r}\n"
         "    config.data.features = {'image': 'float32[8,8,1]', 'label': 'int64'}\n")))
     (folder / "syntax_error.py").write_text("def get_config(:\n")
+    (folder / "corrupt_preset").mkdir()
+    (folder / "corrupt_preset" / "config.json").write_text("{not json")
     (folder / "doc.txt").write_text("def f():\n    return 1\n" * 40)
     (folder / "docs.jsonl").write_text('{"body": "no text key here"}\n')
     (folder / "pairs.jsonl").write_text('{"prompt": "a", "response": "b"}\n'
@@ -160,6 +163,16 @@ CASES = [
                            "--config.model.vocab_size=300", DATA],
                  ["has 256 tokens but the model's embedding has 300", "vocab_size) to 256"],
                  id="vocabulary-does-not-match-the-model"),
+    # Presets.
+    pytest.param(LLAMA_TINY, ["--config.model.preset={inputs}/no-such-preset"],
+                 ["model.preset=", "no-such-preset' does not exist", "save_pretrained wrote"],
+                 id="preset-path-does-not-exist"),
+    pytest.param(LLAMA_TINY, ["--config.model.preset=llama2_7b_enn"],
+                 ["model.preset='llama2_7b_enn' is neither a folder nor one of keras-hub's",
+                  "'llama2_7b_en'"], id="preset-name-typo"),
+    pytest.param(LLAMA_TINY, ["--config.model.preset={inputs}/corrupt_preset"],
+                 ["corrupt_preset", "config.json is not JSON", "write the preset again"],
+                 id="preset-config-not-json"),
     # The command line and the workdir.
     pytest.param("configs/nope.py", [], ["configs/nope.py"], id="missing-config-file"),
     pytest.param("configs/digits.py:huge", [], ["unknown variant 'huge'", "'tiny'"],

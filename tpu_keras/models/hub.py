@@ -88,6 +88,11 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
     """The backbone's constructor arguments: a local preset's (any format) with `kwargs` over it."""
     own = _backbone_kwargs(kwargs)
     preset = kwargs.get("preset", "")
+    if preset and _is_handle(preset) and "/" not in preset and preset not in backbone_cls.presets:
+        raise UserError(f"model.preset={preset!r} is neither a folder nor one of keras-hub's "
+                        f"{backbone_cls.__name__} presets{closest(preset, backbone_cls.presets)}; "
+                        "give a folder's path, a handle such as 'hf://...', or a name from "
+                        f"keras_hub.models.{backbone_cls.__name__}.presets")
     if not preset or _is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
         # A handle's config is known once it is downloaded, when the model is built; a
         # preset the run writes (`prepare_preset`) is made from these arguments.

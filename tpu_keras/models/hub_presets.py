@@ -11,8 +11,9 @@ same arguments `from_preset` will build with, and no second mapping exists.
 
 import functools
 import inspect
+import json
 
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 # The weights of a transformers folder: one file, or an index of shards.
 _TRANSFORMERS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -52,12 +53,25 @@ def source_config(preset: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def _loader(preset: str):
     from keras_hub.src.utils.preset_utils import CONFIG_FILE, check_file_exists, get_preset_loader
-    if not check_file_exists(preset, CONFIG_FILE):
+    try:
+        found = check_file_exists(preset, CONFIG_FILE)
+    except ValueError:  # keras-hub 0.32: "Unknown preset identifier" for a path that is not there
+        raise UserError(f"model.preset={preset!r} does not exist; point it at a folder that "
+                        "save_to_preset or transformers' save_pretrained wrote (config.json and "
+                        "the weights), or at a keras-hub handle such as 'kaggle://...' or "
+                        "'hf://...'") from None
+    if not found:
         raise UserError(f"model.preset={preset!r} has no {CONFIG_FILE}; point it at a folder that "
                         "save_to_preset or transformers' save_pretrained wrote, or at a keras-hub "
                         "handle such as 'kaggle://...' or 'hf://...'")
     try:
         return get_preset_loader(preset)
+    except json.JSONDecodeError as error:
+        raise UserError(f"model.preset={preset!r}: its {CONFIG_FILE} is not JSON ({error}); "
+                        "write the preset again, or point at an intact copy") from None
+    except OSError as error:
+        raise UserError(f"model.preset={preset!r} cannot be read ({first_line(error)}); check the "
+                        "folder's permissions, or point at a readable copy") from None
     except ValueError as error:
         first = " ".join(str(error).split(". Create")[0].split())[:200].rstrip(".")
         raise UserError(f"model.preset={preset!r}: {first}; use a checkpoint of a family "
