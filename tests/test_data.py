@@ -341,3 +341,25 @@ def test_instruction_tuning_learns_a_fixed_response(tmp_path, data_dir, stdlib_t
     assert "tokens per byte (of the responses)" in result.stdout
     first, last = (float(v) for v in re.findall(r"val_bits_per_token ([\d.]+)", result.stdout))
     assert last < first / 2, result.stdout[-2000:]
+    # The run's generator gives the model a prompt as training gave it one: start token first.
+    out = run([sys.executable, "-c", GENERATOR_PROMPT, str(tmp_path / "run")]).stdout
+    generated, given, trained, start = json.loads(out.splitlines()[-1])
+    assert given == trained and given[0] == start, (given, trained, start)
+    assert generated.startswith("Tell me about item 5.\n") and len(generated) > 22, generated
+
+
+GENERATOR_PROMPT = """
+import json, sys
+import tensorflow as tf
+from tpu_keras.data import text, tokenizers
+from tpu_keras.tools import sampling
+config = sampling.read_run_config(sys.argv[1])
+generator = sampling.from_run(sys.argv[1], config)
+prompt = "Tell me about item 5.\\n"
+tokenizer = tokenizers.make(config.data)
+tokens, _, prompt_tokens = text.document_recipe(config.data).tokenize(
+    tokenizer, {"prompt": tf.constant([prompt]), "response": tf.constant(["x"])})
+trained = [int(t) for t in tokens[0][:int(prompt_tokens[0])].numpy()]
+generated = generator.generate([prompt], 40, sampling.make_sampler(0, 0, 0))[0]
+print(json.dumps([generated, generator.encode(prompt), trained, tokenizer.start_id]))
+"""

@@ -41,6 +41,10 @@ class Text:
                                  [line], tf.string, stateful=False)
         return tf.ensure_shape(text, [])
 
+    def prompt_start(self, tokenizer) -> list:
+        """The tokens a document starts with before its own: none (packed text)."""
+        return []
+
     def tokenize(self, tokenizer, texts):
         """(tokens, weights or None, prompt tokens) of a block of documents: ragged."""
         tokens = _concat([tokenizer.tokenize(texts), _column(texts, tokenizer.eos_id)])
@@ -71,10 +75,15 @@ class Instructions:
         prompt, response = tf.numpy_function(pair, [line], (tf.string, tf.string), stateful=False)
         return {"prompt": tf.ensure_shape(prompt, []), "response": tf.ensure_shape(response, [])}
 
+    def prompt_start(self, tokenizer) -> list:
+        """The tokens before each prompt: the start token, where the tokenizer has one (a
+        generator puts them before a prompt too)."""
+        return [] if tokenizer.start_id is None else [tokenizer.start_id]
+
     def tokenize(self, tokenizer, block):
         prompt = tokenizer.tokenize(block["prompt"])
-        if tokenizer.start_id is not None:
-            prompt = _concat([_column(block["prompt"], tokenizer.start_id), prompt])
+        for token in self.prompt_start(tokenizer):
+            prompt = _concat([_column(block["prompt"], token), prompt])
         response = _concat([tokenizer.tokenize(block["response"]),
                             _column(block["response"], tokenizer.eos_id)])
         weights = _concat([tf.zeros_like(prompt), tf.ones_like(response)])

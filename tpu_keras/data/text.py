@@ -196,10 +196,7 @@ def _open(config, training: bool, hosts) -> PackedSource:
                for key in ("text_files", "eval_text_files", "vocabulary")):
             offline.prepare(data_dir)
     tokenizer = tokenizers.make(config)
-    if config.instructions:
-        recipe = documents_lib.Instructions(config.prompt_field, config.response_field)
-    else:
-        recipe = documents_lib.Text(config.text_field)
+    recipe = document_recipe(config)
     if config.text_files:
         key = "data.text_files" if training else "data.eval_text_files"
         pattern = config.text_files if training else config.eval_text_files
@@ -232,6 +229,13 @@ def _open(config, training: bool, hosts) -> PackedSource:
                  documents.num_examples, f"{sum(source.tokens_per_file):,}",
                  source.tokens_per_byte, " (of the responses)" if config.instructions else "")
     return source
+
+
+def document_recipe(config):
+    """What a document is in `config` (the data section): instructions or plain text."""
+    if config.instructions:
+        return documents_lib.Instructions(config.prompt_field, config.response_field)
+    return documents_lib.Text(config.text_field)
 
 
 LINES = -1  # a .jsonl file's take until its lines are counted

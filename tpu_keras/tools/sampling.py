@@ -31,9 +31,13 @@ LM_HEADLINES = ("bits_per_byte", "bits_per_token")
 @dataclasses.dataclass
 class Generator:
     context: int                               # the most tokens, prompt included
-    count: Callable[[str], int]                # the tokens a prompt takes
+    encode: Callable[[str], list]              # the token ids the model is given for a prompt
     generate: Callable[[list, int, object], list]  # (prompts, max_length, sampler) -> texts
     step: int = -1                             # the checkpoint's step (-1: a preset)
+
+    def count(self, prompt: str) -> int:
+        """The tokens a prompt takes, a start token included."""
+        return len(self.encode(prompt))
 
 
 def read_run_config(workdir: str):
@@ -78,19 +82,23 @@ def from_run(workdir: str, config) -> Generator:
     data = config.data if text.is_text(config.data) else types.SimpleNamespace(
         tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
     tokenizer = tokenizers.make(data)
+    # A prompt starts as training started one: instruction data puts the start token first.
+    start = text.document_recipe(config.data).prompt_start(tokenizer) if text.is_text(
+        config.data) else []
     context = model.input_shape[1]
     task = next((layer for layer in model.layers
                  if isinstance(layer, keras_hub.models.CausalLM)), None)
     if task is None:
-        generator = _ids_generator(tokenizer, context, _whole_sequence(model, context))
+        generator = _ids_generator(tokenizer, start, context, _whole_sequence(model, context))
     else:
         preprocessor_cls = task.preprocessor_cls
         if preprocessor_cls is not None and isinstance(tokenizer.layer,
                                                         preprocessor_cls.tokenizer_cls):
-            task.preprocessor = preprocessor_cls(tokenizer=tokenizer.layer, sequence_length=context)
+            task.preprocessor = preprocessor_cls(tokenizer=tokenizer.layer, sequence_length=context,
+                                                 add_start_token=bool(start))
             generator = _task_generator(task, context)
         else:
-            generator = _ids_generator(tokenizer, context, _task_on_ids(task))
+            generator = _ids_generator(tokenizer, start, context, _task_on_ids(task))
     generator.step = step
     return generator
 
@@ -124,21 +132,24 @@ def make_sampler(temperature: float, top_k: int, seed: int):
 
 def _task_generator(task, context: int) -> Generator:
     """keras-hub's own `CausalLM.generate`, its preprocessor tokenizing and detokenizing."""
-    import tensorflow as tf
+    import keras
     preprocessor = task.preprocessor
 
-    def count(prompt):
-        ids = preprocessor.tokenizer.tokenize(tf.constant(prompt))
-        return int(tf.shape(ids)[0]) + int(getattr(preprocessor, "add_start_token", False))
+    def encode(prompt):
+        inputs = preprocessor.generate_preprocess([prompt])  # as generate gives them the model
+        ids, mask = (keras.ops.convert_to_numpy(inputs[key][0]) for key in ("token_ids",
+                                                                            "padding_mask"))
+        return [int(i) for i in ids[mask.astype(bool)]]
 
     def generate(prompts, max_length, sampler):
         task.compile(sampler=sampler)
         return [_string(text) for text in task.generate(prompts, max_length=max_length)]
-    return Generator(context, count, generate)
+    return Generator(context, encode, generate)
 
 
-def _ids_generator(tokenizer, context: int, extend) -> Generator:
-    """Prompts tokenized by the run's tokenizer, `extend` continuing their ids, then detokenized.
+def _ids_generator(tokenizer, start: list, context: int, extend) -> Generator:
+    """Prompts tokenized by the run's tokenizer after the `start` ids, `extend` continuing
+    their ids, then detokenized (the `start` ids left out of the text).
 
     `extend(tokens, mask, index, stop_ids, sampler)` returns the sequences with every position
     that `mask` leaves open filled, or stopped after an id of `stop_ids`."""
@@ -146,7 +157,7 @@ def _ids_generator(tokenizer, context: int, extend) -> Generator:
     import tensorflow as tf
 
     def encode(prompt):
-        return [int(i) for i in tokenizer.tokenize(tf.constant([prompt]))[0].numpy()]
+        return start + [int(i) for i in tokenizer.tokenize(tf.constant([prompt]))[0].numpy()]
 
     def decode(ids):
         if tokenizer.layer is None:
@@ -166,9 +177,9 @@ def _ids_generator(tokenizer, context: int, extend) -> Generator:
             new = [int(t) for t in row[len(ids):]]
             if tokenizer.eos_id in new:
                 new = new[:new.index(tokenizer.eos_id)]
-            texts.append(decode(ids + new))
+            texts.append(decode(ids[len(start):] + new))
         return texts
-    return Generator(context, lambda prompt: len(encode(prompt)), generate)
+    return Generator(context, encode, generate)
 
 
 def _task_on_ids(task):
