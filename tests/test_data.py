@@ -315,13 +315,13 @@ def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, 
     assert eos.group(1) == eos.group(2)  # exactly the documents that end before the cut
     assert "PRESET preset " in result.stdout and re.search(r"PRESET .* True", result.stdout)
     # Instructions: the packed tokens and weights are numpy's (start, prompt at 0, response
-    # and end at 1); the loss is numpy's sum over response targets alone, whatever the prompt
+    # and end at 1); the loss is numpy's mean over response targets alone, whatever the prompt
     # targets are; bits per token over the response tokens, per byte over the response bytes.
-    same, loss, reference, prompt_free, unmasked, bits, bits_ref, per_byte, per_byte_ref, \
+    same, loss, reference, prompt_free, over_every_position, bits, bits_ref, per_byte, per_byte_ref, \
         tokens_per_byte, tokens_per_byte_ref = re.search(r"INSTRUCT (.*)", result.stdout).group(1).split()
     assert same == "True" and prompt_free == "True"
     assert float(loss) == pytest.approx(float(reference), rel=1e-6)
-    assert float(unmasked) > float(loss) * 1.5  # prompts counted, the loss would differ
+    assert float(loss) > float(over_every_position) * 1.5  # not divided by the prompt targets too
     assert float(bits) == pytest.approx(float(bits_ref), rel=1e-6)
     assert float(per_byte) == pytest.approx(float(per_byte_ref), rel=1e-6)
     assert float(tokens_per_byte) == pytest.approx(float(tokens_per_byte_ref), rel=1e-12)

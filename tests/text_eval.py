@@ -76,7 +76,8 @@ preset_sequences = np.stack([s["tokens"] for s in preset_source.read(preset_sour
 print("PRESET", preset_source.tokenizer.name, np.array_equal(preset_sequences, sequences))
 
 # Instructions: start, prompt, response, end; the prompt's tokens weigh exactly 0 in the loss
-# and the metrics, as numpy says; bits per byte over the responses' bytes alone.
+# (the mean over response targets) and the metrics, as numpy says; bits per byte over the
+# responses' bytes alone.
 pairs = [(f"Question {i}: what is {i} times {i + 1}?\n", f"It is {i * (i + 1)}." * (i % 3 + 1))
          for i in range(12)]
 with open(f"{folder}/pairs.jsonl", "w") as lines:
@@ -102,7 +103,7 @@ same = (np.array_equal(np.stack([s["tokens"] for s in packed]), stream)
 response_bytes = sum(len(r.encode()) for _, r in pairs)
 with cluster.scope():
     model = models.build(instruct.model)
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(loss=models.registry.get(instruct.model)[0].loss(),  # the builder's own loss
                   weighted_metrics=[bits_per_token_metric(),
                                     bits_per_byte(source.tokens_per_byte)])
 tpu_keras.distributed_steps(model)
@@ -118,6 +119,6 @@ nll = -np.take_along_axis(logp, y[..., None], -1)[..., 0]
 evaluation, steps = data.build(instruct.data, cluster, 8, training=False)
 metrics = model.evaluate(evaluation, steps=steps, verbose=0, return_dict=True)
 bits = (nll * w).sum() / w.sum() / np.log(2)  # per response token: the end token included
-print("INSTRUCT", same, loss, (nll * w).sum() / nll.size, prompt_free == loss, nll.mean(),
+print("INSTRUCT", same, loss, (nll * w).sum() / w.sum(), prompt_free == loss, (nll * w).sum() / w.size,
       metrics["bits_per_token"], bits, metrics["bits_per_byte"], bits * source.tokens_per_byte,
       source.tokens_per_byte, weights.sum() / response_bytes)

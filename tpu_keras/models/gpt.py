@@ -8,7 +8,7 @@ import keras
 from keras import layers
 
 from tpu_keras.parallelism import Rule, replicated
-from tpu_keras.models.metrics import bits_per_byte
+from tpu_keras.models.metrics import bits_per_byte, token_mean_loss
 from tpu_keras.models.registry import register
 
 
@@ -25,7 +25,7 @@ class PositionEmbedding(layers.Layer):
 
 
 @register("gpt",
-          loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+          loss=token_mean_loss,
           metrics=lambda: [bits_per_byte()],
           headline="bits_per_byte",
           tokens_per_example=lambda kwargs: kwargs.get("context_length", 128),

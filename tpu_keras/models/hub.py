@@ -37,7 +37,7 @@ import keras
 
 from tpu_keras.errors import UserError, closest, first_line
 from tpu_keras.models import hub_layouts, hub_presets
-from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
+from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
@@ -70,7 +70,7 @@ def builder(task_name: str, kwargs: dict) -> Builder:
         headline, tokens_per_example = "accuracy", lambda kw: 0
     return Builder(
         make=functools.partial(_make, task_cls, kind),
-        loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=token_mean_loss,
         metrics=lambda: [metric()], headline=headline, tokens_per_example=tokens_per_example,
         layout=functools.partial(_layout, backbone_cls),
         ties=lambda kw: hub_layouts.ties(backbone_cls), arguments=arguments)

@@ -1,8 +1,18 @@
-"""Metrics shared by builders."""
+"""The loss and metrics shared by builders."""
 
 import math
 
 import keras
+
+
+def token_mean_loss():
+    """Cross-entropy averaged over the weighted targets: the sum over them divided by the sum
+    of their weights, not by every position (Keras's default). With instruction data the
+    prompt's targets weigh 0, so a batch's loss is the mean over its response tokens, and the
+    gradient's scale does not follow the batch's share of response tokens. Without weights
+    it is the plain mean."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      reduction="mean_with_sample_weight")
 
 
 def bits_per_token(y_true, y_pred):
