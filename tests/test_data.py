@@ -363,3 +363,22 @@ trained = [int(t) for t in tokens[0][:int(prompt_tokens[0])].numpy()]
 generated = generator.generate([prompt], 40, sampling.make_sampler(0, 0, 0))[0]
 print(json.dumps([generated, generator.encode(prompt), trained, tokenizer.start_id]))
 """
+
+
+def test_a_token_count_whose_counting_host_died_ends_in_bounded_time(tmp_path):
+    """Host 0 of 2 counts its file; host 1 never writes the other's record (it died): host 0
+    stops after its wait with one line naming host 1 and the file, instead of polling forever."""
+    from tpu_keras.data import sources, token_counts
+    from tpu_keras.errors import UserError
+    paths = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for path in paths:
+        path.write_text("some text\n")
+    files = [sources.FileSlice(str(path), 0, 1) for path in paths]
+    with pytest.raises(UserError) as refused:
+        token_counts.gather(files, "recipe", lambda indices: {i: {"tokens": 3} for i in indices},
+                            str(tmp_path / "counts"), 0, 2, wait_seconds=1)
+    message = str(refused.value)
+    assert "\n" not in message and "host 1" in message and str(paths[1]) in message, message
+    assert "data.token_counts" in message, message
+    # The record host 0 wrote stays: a restart counts nothing it already counted.
+    assert len([n for n in (tmp_path / "counts").iterdir() if n.suffix == ".json"]) == 1

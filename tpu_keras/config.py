@@ -103,6 +103,9 @@ def defaults() -> ml_collections.ConfigDict:
         # Where each text file's token count is kept, made once and read by every host and
         # restart (tpu_keras.data.token_counts); empty: DIR/token_counts.
         token_counts="",
+        # How long a host waits without any new count arriving before it stops with an
+        # error naming the host and file it waited for (a host that died while counting).
+        token_counts_wait_seconds=3600.0,
     )
 
     # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.

@@ -215,7 +215,8 @@ def _open(config, training: bool, hosts) -> PackedSource:
     fingerprint = f"{tokenizer.fingerprint} {recipe}"
     records = token_counts.gather(documents.files, fingerprint,
                                   lambda indices: _count(documents, recipe, tokenizer, indices),
-                                  os.path.expanduser(config.token_counts), *hosts)
+                                  os.path.expanduser(config.token_counts), *hosts,
+                                  wait_seconds=config.token_counts_wait_seconds)
     documents = dataclasses.replace(documents, files=tuple(
         dataclasses.replace(f, take=r["documents"]) if f.take == LINES else f
         for f, r in zip(documents.files, records)))

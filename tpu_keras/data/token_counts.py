@@ -13,15 +13,22 @@ folder, finds them all and counts nothing.
 
 A record's name is a hash of what its numbers depend on: the file's path,
 size and modification time (its slice, for TFDS), the tokenizer's
-fingerprint and what is counted (the fields read), so a changed file,
-tokenizer or field is counted anew, never read stale. Only a file's owner
+fingerprint, what is counted (the fields read) and the versions of the
+libraries that tokenize (TensorFlow, keras-hub, TF Text, SentencePiece), so
+a changed file, tokenizer, field or library is counted anew, never read
+stale. Only a file's owner
 writes its record, to a temporary name of its own and then a rename, so no
 reader sees half of one (two runs sharing the folder may both write one
 record: the same numbers). A file with a bad line gets its error as its
 record, so every host stops on the same one-line error instead of waiting.
+A host that waits `wait_seconds` without any new record arriving (the
+counting host died, or the folder is not one every host sees) stops with a
+one-line error naming the host and the file it waited for.
 """
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import time
@@ -39,7 +46,11 @@ LOG_EVERY_SECONDS = 60.0
 _THREADS = 32              # stats and reads in flight: on gs:// each is a round trip
 
 
-def gather(files, recipe: str, count, folder: str, process: int = 0, processes: int = 1) -> list:
+_TOKENIZING_LIBRARIES = ("tensorflow", "keras-hub", "tensorflow-text", "sentencepiece")
+
+
+def gather(files, recipe: str, count, folder: str, process: int = 0, processes: int = 1,
+           wait_seconds: float = 3600.0) -> list:
     """The record of each of `files` (FileSlices), in order.
 
     `count(indices)` counts those files here and returns {index: record};
@@ -55,7 +66,7 @@ def gather(files, recipe: str, count, folder: str, process: int = 0, processes: 
     if own:
         for index, record in count(own).items():
             _write(os.path.join(folder, names[index]), json.dumps(record))
-    records = _wait_for(names, folder, processes)
+    records = _wait_for(names, folder, processes, files, wait_seconds)
     logging.info("token counts: %d of %d file(s) counted here, the rest read from %s",
                  len(own), len(files), folder)
     return _raise_first_error(records, files)
@@ -64,15 +75,29 @@ def gather(files, recipe: str, count, folder: str, process: int = 0, processes: 
 def _names(files, recipe: str) -> list:
     def name(file):
         stat = tf.io.gfile.stat(file.path)
-        identity = [file.path, file.skip, file.take, stat.length, stat.mtime_nsec, recipe]
+        identity = [file.path, file.skip, file.take, stat.length, stat.mtime_nsec, recipe,
+                    _library_versions()]
         return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32] + ".json"
     with futures.ThreadPoolExecutor(_THREADS) as pool:
         return list(pool.map(name, files))
 
 
-def _wait_for(names, folder, processes) -> dict:
-    """Every record, read as soon as it is there (the other hosts are counting theirs)."""
+@functools.lru_cache(maxsize=None)
+def _library_versions() -> tuple:
+    """The installed versions of the libraries that tokenize ('' for one not installed)."""
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+    return tuple(version(name) for name in _TOKENIZING_LIBRARIES)
+
+
+def _wait_for(names, folder, processes, files, wait_seconds) -> dict:
+    """Every record, read as soon as it is there (the other hosts are counting theirs); a
+    one-line error once `wait_seconds` pass with no new record."""
     records, started, logged = {}, time.monotonic(), time.monotonic()
+    progressed = started
     with futures.ThreadPoolExecutor(_THREADS) as pool:
         while True:
             present = set(tf.io.gfile.listdir(folder))
@@ -80,9 +105,19 @@ def _wait_for(names, folder, processes) -> dict:
             for index, record in zip(ready, pool.map(
                     lambda i: _read(os.path.join(folder, names[i])), ready)):
                 records[index] = record
+                progressed = time.monotonic()
             missing = [i for i in range(len(names)) if i not in records]
             if not missing:
                 return records
+            if time.monotonic() - progressed > wait_seconds:
+                first = missing[0]
+                raise UserError(
+                    f"token counts: waited {wait_seconds:g} s for the count of "
+                    f"{files[first].path} (and {len(missing) - 1} more file(s)), which host "
+                    f"{first % processes} writes into {folder}, and none came; that host "
+                    "stopped (check its log) or does not see this folder: set data.token_counts "
+                    "to a folder every host sees, such as gs://..., and restart (counts made "
+                    "are kept), or raise data.token_counts_wait_seconds for a very large file")
             if time.monotonic() - logged > LOG_EVERY_SECONDS:
                 logged = time.monotonic()
                 hosts = sorted({i % processes for i in missing})
