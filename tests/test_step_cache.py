@@ -51,8 +51,15 @@ print("SWITCHED", float(switching(jnp.full((), 2.0), jnp.arange(4.0))[0]["loss"]
 """
 
 
+def in_a_file(code, tmp_path):
+    """`code` as a script: a step that lives in no file is never kept (test below)."""
+    script = tmp_path / "probe.py"
+    script.write_text(code)
+    return str(script)
+
+
 def probe(folder, with_jax_cache):
-    result = run([sys.executable, "-c", PROBE, str(folder), str(int(with_jax_cache))],
+    result = run([sys.executable, in_a_file(PROBE, folder.parent), str(folder), str(int(with_jax_cache))],
                  env={"KERAS_BACKEND": "jax"}, merge_stderr=False)
     calls = [json.loads(line[5:]) for line in result.stdout.splitlines() if line.startswith("CALL ")]
     return result, calls
@@ -117,7 +124,45 @@ for _ in range(2):  # compiled and kept, then loaded whole
 def test_a_step_on_a_mesh_in_another_device_order_loads_for_that_order(tmp_path):
     """On a TPU the mesh does not list devices in JAX's order. A kept step must run on its
     mesh's devices as compiled: loaded in JAX's order, it aborted the process."""
-    result = run([sys.executable, "-c", MESH_ORDER_PROBE, str(tmp_path / "steps")],
+    result = run([sys.executable, in_a_file(MESH_ORDER_PROBE, tmp_path), str(tmp_path / "steps")],
                  env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
     assert result.stdout.count("CALL 56.0") == 2, result.stdout[-3000:]
     assert len(os.listdir(tmp_path / "steps")) == 1
+
+
+FILELESS_PROBE = """
+import sys, jax, jax.numpy as jnp
+from absl import logging
+from tpu_keras.training import step_cache
+logging.set_verbosity(logging.INFO)
+factor = float(sys.argv[2])
+def step(state, batch):  # code that lives in no file: `python -c`, as a notebook cell
+    return {"loss": jnp.sum(batch * state) * factor}, state
+cached = step_cache.CachedStep(jax.jit(step), "train", sys.argv[1], "{}")
+print("CALL", float(cached(jnp.full((), 2.0), jnp.arange(4.0))[0]["loss"]), flush=True)
+"""
+
+
+def test_a_step_whose_code_lives_in_no_file_is_never_served_from_the_cache(tmp_path):
+    """Same config, same shapes, other code: each process computes with its own code (a kept
+    step would have served the first one's program to the second)."""
+    folder = tmp_path / "steps"
+    first, second = (run([sys.executable, "-c", FILELESS_PROBE, str(folder), factor], merge_stderr=False,
+                         env={"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}) for factor in ("1", "2"))
+    assert "CALL 12.0" in first.stdout and "CALL 24.0" in second.stdout, first.stdout + second.stdout
+    assert "lives in no file" in second.stderr, second.stderr[-2000:]
+    assert not folder.exists() or not os.listdir(folder)
+
+
+def test_the_key_covers_the_model_s_architecture_and_compiled_constants():
+    import keras
+    from tpu_keras.models.metrics import bits_per_byte
+
+    def described(units=3, scale=0.5):
+        keras.backend.clear_session()  # the layers' names as in a new process
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units)])
+        model.compile(loss="mse", metrics=[bits_per_byte(scale)], optimizer="adam")
+        return step_cache.describe_model(model)
+    assert described() == described()
+    assert described(units=5) != described()  # a preset's changed value, say
+    assert described(scale=0.25) != described()  # a corpus with other tokens per byte

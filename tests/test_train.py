@@ -115,6 +115,25 @@ def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path
     assert accuracy >= 0.95
 
 
+def test_a_second_tf_start_reads_its_xla_programs_from_the_cache(tmp_path, data_dir):
+    """TensorFlow reads its cache folder once, as it makes its devices: the run gives it the
+    folder before that, so a run writes its XLA programs and a rerun reads them. TensorFlow
+    keys a program on its names too, which count the functions traced before it in the
+    process: the suite's first run also measures the machine's matmul ceiling (kept for
+    later runs), so the run after it is the one a rerun repeats."""
+    cache = tmp_path / "cache"
+    args = (f"--config.data.data_dir={data_dir}", "--config.train.jit_compile=true",
+            f"--config.train.compile_cache={cache}", "--config.train.steps=10")
+    outputs, listings = [], []
+    for name in ("first", "second", "third"):
+        outputs.append(train("configs/digits.py:tiny", tmp_path / name, *args).stdout)
+        listings.append(sorted(os.listdir(cache)))
+    assert re.search(r"\| compile [\d.]+ \(compiled: not in the cache\)", outputs[0]), outputs[0][-2000:]
+    assert listings[0] and all(name.startswith("xla_compile_cache") for name in listings[0])
+    assert re.search(r"\| compile [\d.]+ \(from the cache\)", outputs[2]), (listings, outputs[2][-1000:])
+    assert listings[2] == listings[1]  # the rerun compiled nothing anew
+
+
 @pytest.fixture(scope="module")
 def jax_run(tmp_path_factory, data_dir):
     """The digits on the jax engine, 20 steps, with a compile cache of its own (so that it

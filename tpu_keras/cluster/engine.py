@@ -85,7 +85,7 @@ def keep_cpu_memory() -> None:
     global _ALLOCATOR_SET_LATE
     if CPU_ALLOCATOR_ENV not in os.environ:
         os.environ[CPU_ALLOCATOR_ENV] = "true"
-        _ALLOCATOR_SET_LATE = _tensorflow_started()
+        _ALLOCATOR_SET_LATE = tensorflow_started()
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         megabytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
         os.environ.setdefault(CPU_MEMORY_LIMIT_ENV, str(megabytes))
@@ -108,7 +108,7 @@ def keeps_cpu_memory() -> bool:
     return wanted and not _ALLOCATOR_SET_LATE
 
 
-def _tensorflow_started() -> bool:
+def tensorflow_started() -> bool:
     """Whether TensorFlow's runtime, and so its CPU allocator, exists yet: it is made with
     the eager context, at the first op, not at import (TensorFlow 2.21)."""
     context = sys.modules.get("tensorflow.python.eager.context")

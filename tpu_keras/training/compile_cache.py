@@ -18,7 +18,10 @@ half an entry. On `gs://` an object appears whole when its upload ends.
 tf engine: TensorFlow's XLA cache (`TF_XLA_FLAGS=--tf_xla_persistent_cache_
 directory`), which serves `jit_compile` functions on CPU and GPU (written
 through a rename); TPUStrategy compiles through the TPU compile op, which
-never reads it (docs/design.md).
+never reads it (docs/design.md). TensorFlow reads `TF_XLA_FLAGS` once, when
+it makes its devices (TensorFlow 2.21), so `prepare` sets it before the
+cluster connects; where TensorFlow had started before (a notebook that ran
+TensorFlow ops first), the run says so in one line and goes without it.
 
 On the jax engine the train and test steps are also kept whole, as
 executables loaded without tracing (`step_cache`, under `steps/`).
@@ -59,12 +62,37 @@ def folder(setting: str, workdir: str) -> str:
     return os.path.join(os.path.dirname(peak.cache_file()), FOLDER)
 
 
+_TF_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
+# The folder `prepare` gave TensorFlow before it started ('' if none, or too late).
+_tf_folder_in_time = ""
+
+
+def prepare(setting: str, workdir: str, engine_name: str) -> None:
+    """tf engine: gives TensorFlow the cache folder while it can still read it, before the
+    cluster makes its devices."""
+    global _tf_folder_in_time
+    from tpu_keras.cluster import engine
+    path = folder(setting, workdir) if engine_name == "tf" else ""
+    if not path:
+        return
+    if engine.tensorflow_started():
+        return  # too late for another folder (an earlier run of this process set its own)
+    flags = [f for f in os.environ.get("TF_XLA_FLAGS", "").split() if not f.startswith(_TF_CACHE_FLAG)]
+    os.environ["TF_XLA_FLAGS"] = " ".join(flags + [f"{_TF_CACHE_FLAG}={path}"])
+    _tf_folder_in_time = path
+
+
 def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
     """Turns the cache on for this process (before its steps compile); returns its `Watch`."""
     engine = cluster.engine
     path = folder(setting, workdir)
     if engine == "tf" and (not jit_compile or cluster.kind == "tpu"):
         path = ""  # no XLA program, or one TensorFlow's cache never sees
+    if path and engine == "tf" and path != _tf_folder_in_time:
+        logging.warning("compile cache %s: TensorFlow had started before it could be told of it "
+                        "(it reads TF_XLA_FLAGS once); its steps compile every run (start the "
+                        "run before any TensorFlow op, or in a new process)", path)
+        path = ""
     if path and not _writable(path):
         path = ""
     if path and engine == "jax":
@@ -73,10 +101,6 @@ def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_compilation_cache_max_size", -1 if "://" in path else LOCAL_MAX_BYTES)
-    elif path:
-        flags = [f for f in os.environ.get("TF_XLA_FLAGS", "").split()
-                 if not f.startswith("--tf_xla_persistent_cache_directory")]
-        os.environ["TF_XLA_FLAGS"] = " ".join(flags + [f"--tf_xla_persistent_cache_directory={path}"])
     if path:
         logging.info("compile cache: %s", path)
     return Watch(path, engine)
@@ -150,10 +174,10 @@ class Watch:
         if self.engine == "jax":
             requests, hits, loaded = (self._counts[e] - self._start[e] for e in _JAX_EVENTS)
             requests, hits, self.loaded = requests + loaded, hits + loaded, self.loaded + loaded
-        elif self.path:
+        elif self.path:  # a first call compiles at least one program, or reads it
             written = set(_listing(self.path)) - self._entries
-            requests = len(written) + (1 if self._entries and not written else 0)
-            hits = requests - len(written)
+            requests = max(len(written), 1)
+            hits = 0 if written or not self._entries else 1
         else:
             return
         self.requests += requests

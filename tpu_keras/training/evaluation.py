@@ -31,10 +31,12 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     from tpu_keras import config as config_lib
     config_lib.check(config)
     engine.select(config.engine, config.cluster.virtual_devices)
+    from tpu_keras.training import compile_cache
+    compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
     import tensorflow as tf
     from tpu_keras import cluster as cluster_lib
     from tpu_keras import data, models
-    from tpu_keras.training import checkpoint, compile_cache, defaults
+    from tpu_keras.training import checkpoint, defaults
     from tpu_keras.training.run import build_model, with_text_metrics
 
     cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)

@@ -38,12 +38,14 @@ def train(config, workdir: str, started: float | None = None):
     config_lib.check(config)
     # Before Keras is imported: it reads its backend once.
     engine.select(config.engine, config.cluster.virtual_devices)
+    from tpu_keras.training import compile_cache
+    compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
     import keras
     import tensorflow as tf
     from tpu_keras import cluster as cluster_lib
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.measurement import flops, peak
-    from tpu_keras.training import (callbacks, checkpoint, compile_cache, defaults, nonfinite,
+    from tpu_keras.training import (callbacks, checkpoint, defaults, nonfinite,
                                     preemption, profiler)
     run_timings = timings.RunTimings(started)
     builder, model_kwargs = models.registry.get(config.model)

@@ -10,15 +10,25 @@ rerun still pays (1.5 s of 2 s for the default gpt on a CPU).
 This cache keys a step's serialized executable on everything that decides
 its program *before* it is traced:
 
-- the run's resolved config (the model, optimizer, precision, ...),
+- the run's resolved config (the model, optimizer, precision, ...), and the
+  model's own Keras config and compile config (its architecture as built,
+  a preset's values included, and its loss, metrics and optimizer with
+  their constants, a tokens-per-byte scale among them),
 - the step's abstract arguments: the pytree of state and batch, each
   array's shape, dtype and sharding over which devices,
 - the devices and this process's place among them, and the versions and
   flags of Python, JAX, XLA and Keras,
 - and, as Python itself decides that a `.pyc` is stale, the size and
   modification time of the file of every module that was loaded when the
-  step was traced, the user's own code included: an entry serves only
-  while each of them is unchanged.
+  step was traced, and of every file whose code ran in the trace, the
+  user's own code included: an entry serves only while each of them is
+  unchanged.
+
+Code that lives in no file (a notebook cell, `python -c`, `exec` of a
+string) cannot be checked that way, so a step whose trace ran any gets no
+entry: it is compiled (through JAX's cache, which keys on the lowered
+program) every time, with one line saying why. So does a model whose
+Keras config cannot be written.
 
 Anything else is a miss: the step is traced and compiled as before
 (through JAX's cache, so often still no XLA compile) and its entry written
@@ -71,7 +81,8 @@ def install(model, cache_dir: str, config_json: str):
             # jitted step it builds is wrapped (its host loop and shardings stay Keras's own).
             jit = keras_jax_trainer.jit
             keras_jax_trainer.jit = lambda fn, **kwargs: CachedStep(
-                jit(fn, **kwargs), name, folder, config_json)
+                jit(fn, **kwargs), name, folder, config_json, lambda: describe_model(model),
+                lambda: model_code(model) | code_of(fn))
             try:
                 return make(force)
             finally:
@@ -84,9 +95,12 @@ class CachedStep:
     """A jitted step that, on its first call, loads its executable from the cache or
     compiles and stores it; later calls run that executable."""
 
-    def __init__(self, jitted, name: str, folder: str, config_json: str):
+    def __init__(self, jitted, name: str, folder: str, config_json: str, describe=lambda: "",
+                 model_code=lambda: set()):
         _JaxCacheHits.listen()
         self._jitted, self.name, self._folder, self._config = jitted, name, folder, config_json
+        self._describe = describe  # the model's description for the key; None: no entry
+        self._model_code = model_code  # {(file, module)} of the model's own code
         self._compiled = None
         self._plain = False  # called with other arguments than it was compiled for: plain jit
 
@@ -118,7 +132,12 @@ class CachedStep:
     def _load_or_compile_untimed(self, args):
         import jax
         from jax.experimental import serialize_executable
-        key = entry_key(self.name, self._config, args)
+        model = self._describe()
+        if model is None:
+            logging.info("%s step: not kept whole (the model's Keras config cannot be written, "
+                         "so a changed model would not be told apart)", self.name)
+            return self._jitted.lower(*args).compile()
+        key = entry_key(self.name, self._config, args, model)
         path = _join(self._folder, f"{self.name}-{key}")
         entry = _read(path)
         if entry is not None and (stale := stale_sources(entry["sources"])):
@@ -136,7 +155,16 @@ class CachedStep:
                 logging.warning("%s step: cached executable %s did not load (%s); compiling "
                                 "it again", self.name, path, first_line(error))
         served_before = _JaxCacheHits.count
-        compiled = self._jitted.lower(*args).compile()
+        if _interactive():  # cells and `python -c` live in no file: see what the trace runs
+            lowered, traced_files = _tracing_code(lambda: self._jitted.lower(*args))
+        else:  # a script: the model's own code is enough to look at (a trace runs 2.5x slower)
+            lowered, traced_files = self._jitted.lower(*args), self._model_code()
+        compiled = lowered.compile()
+        if (fileless := code_without_a_file(traced_files)):
+            logging.info("%s step: not kept whole (its trace ran code that lives in no file, "
+                         "%s, so a change to it could not be told apart); compiled through "
+                         "JAX's cache, which keys on the program", self.name, fileless)
+            return compiled
         if _JaxCacheHits.count > served_before:
             # XLA:CPU serializes an executable it loaded from JAX's cache without its
             # kernels (the loaded copy fails: "Function ... not found"). Kept when it compiles.
@@ -147,7 +175,8 @@ class CachedStep:
         except (ValueError, NotImplementedError) as error:
             logging.info("%s step: not kept whole (%s)", self.name, first_line(error))
             return compiled
-        _write(path, {"sources": loaded_sources(), "executable": executable,
+        sources = {**loaded_sources(), **_stats(path for path, _ in traced_files)}
+        _write(path, {"sources": sources, "executable": executable,
                       "in_tree": in_tree, "out_tree": out_tree,
                       "devices": _execution_device_ids(compiled)})
         return compiled
@@ -194,18 +223,114 @@ class _JaxCacheHits:
             cls.count += 1
 
 
-# Entries before 2 lack the devices' order, and load wrong on a mesh in another order.
-_ENTRY_FORMAT = 2
+# Entries before 2 lack the devices' order, and load wrong on a mesh in another order;
+# before 3, the model's config and the files of the traced code.
+_ENTRY_FORMAT = 3
 
 
-def entry_key(name: str, config_json: str, args) -> str:
+def describe_model(model) -> str | None:
+    """The model's Keras config and compile config as JSON, or None where Keras cannot
+    write them (a subclassed model without `get_config`)."""
+    try:
+        return json.dumps([model.get_config(), model.get_compile_config()], sort_keys=True,
+                          default=repr)
+    except (NotImplementedError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _interactive() -> bool:
+    """Whether this process may hold code in no file: `python -c`, stdin, IPython or Jupyter."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return not (isinstance(main_file, str) and os.path.isfile(main_file)) or "IPython" in sys.modules
+
+
+def model_code(model) -> set:
+    """{(file, module)} of the code of `model`, its layers, loss, metrics and optimizer: the
+    Python the step runs beyond Keras's own."""
+    objects = [model, *model._flatten_layers(include_self=False), getattr(model, "optimizer", None)]
+    loss = getattr(model, "loss", None)
+    objects += [loss, getattr(loss, "fn", None)]
+    for metric in getattr(model, "metrics", []):
+        objects += [metric, getattr(metric, "_fn", None)]
+    files = set()
+    for item in objects:
+        if item is not None:
+            files |= code_of(item)
+    return files
+
+
+def code_of(item) -> set:
+    """{(file, module)} of a function's code, or of every method a class (or an instance's
+    class) defines."""
+    if callable(item) and hasattr(item, "__code__"):
+        return {(item.__code__.co_filename, item.__module__)}
+    cls = item if isinstance(item, type) else type(item)
+    return {(value.__code__.co_filename, cls.__module__) for klass in cls.__mro__
+            for value in vars(klass).values() if hasattr(value, "__code__")}
+
+
+def _tracing_code(trace):
+    """(trace(), {(file, module globals' name)} of every Python function called in it)."""
+    codes, generated = set(), {}
+    add = codes.add
+
+    def profile(frame, event, arg):  # kept small: it runs at every call of the trace
+        code = frame.f_code
+        if code not in codes:
+            add(code)
+            if code.co_filename[:1] == "<":
+                generated[code] = frame.f_globals.get("__name__")
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = trace()
+    finally:
+        sys.setprofile(previous)
+    return result, {(code.co_filename, generated.get(code)) for code in codes}
+
+
+# The namespace `collections.namedtuple` compiles a tuple's methods in (their class's own
+# module holds the definition, and is among the loaded modules).
+_GENERATED_BY_THE_STANDARD_LIBRARY = "namedtuple_"
+
+
+def code_without_a_file(traced_files) -> str:
+    """The first code of `traced_files` that lives in no file ('' if none): its source is
+    neither a file on disk nor generated inside a module that has one (as dataclasses
+    generate their methods)."""
+    for path, module_name in sorted(traced_files, key=lambda item: (item[0], str(item[1]))):
+        if os.path.isfile(path) or path.startswith("<frozen ") or str(module_name).startswith(
+                _GENERATED_BY_THE_STANDARD_LIBRARY):
+            continue
+        module = sys.modules.get(module_name) if module_name else None
+        module_file = getattr(module, "__file__", None) if module is not None else None
+        if not (isinstance(module_file, str) and os.path.isfile(module_file)
+                and module_name != "__main__"):
+            return f"{path} in {module_name or 'no module'}"
+    return ""
+
+
+def _stats(paths) -> dict:
+    """{path: [size, mtime_ns]} of those of `paths` that are files."""
+    stats = {}
+    for path in paths:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        stats[path] = [stat.st_size, stat.st_mtime_ns]
+    return stats
+
+
+def entry_key(name: str, config_json: str, args, model: str = "") -> str:
     """The hex digest of what decides step `name`'s program, short of its source files."""
     import jax
     import keras
     leaves, treedef = jax.tree.flatten(args)
     devices = jax.devices()
     described = {
-        "entry": _ENTRY_FORMAT, "step": name, "config": config_json, "tree": str(treedef),
+        "entry": _ENTRY_FORMAT, "step": name, "config": config_json, "model": model,
+        "tree": str(treedef),
         "leaves": [_describe_leaf(leaf) for leaf in leaves],
         "devices": [devices[0].platform, devices[0].client.platform_version,
                     sorted({d.device_kind for d in devices}), len(devices),
