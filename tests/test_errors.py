@@ -160,8 +160,8 @@ CASES = [
                  ["data.tokenizer='LlamaTokeniser'", "'LlamaTokenizer'"], id="unknown-tokenizer"),
     pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
                            "--config.data.eval_text_files={inputs}/doc.txt",
-                           "--config.model.vocab_size=300", DATA],
-                 ["has 256 tokens but the model's embedding has 300", "vocab_size) to 256"],
+                           "--config.model.vocab_size=200", DATA],
+                 ["has 256 tokens but the model's embedding has 200", "vocab_size) to 256"],
                  id="vocabulary-does-not-match-the-model"),
     # Presets.
     pytest.param(LLAMA_TINY, ["--config.model.preset={inputs}/no-such-preset"],

@@ -72,3 +72,48 @@ def test_evaluate_refuses_a_folder_without_a_run_and_a_step_not_saved(tiny_run, 
     assert_one_line_error(evaluate(tmp_path, check=False), "holds no training run")
     assert_one_line_error(evaluate(tiny_run[0], "--step=15", check=False),
                           "step 15 is not saved", "the saved steps are 10, 20")
+
+
+def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
+    """A transformers checkpoint fine-tuned with LoRA: the run copies it, all but its weights,
+    into DIR/model. `evaluate` then gives the run's own figures after the checkpoint's
+    config.json changed a value that no shape shows (rope_theta), and after the folder was
+    deleted; `export` still writes the transformers folder with the source's config."""
+    import json
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
+    import hf_checkpoints
+    checkpoint, workdir = tmp_path / "checkpoint", tmp_path / "run"
+    hf_checkpoints.write(checkpoint, "llama")
+    (tmp_path / "text").mkdir()
+    for i in range(4):
+        (tmp_path / "text" / f"{i}.txt").write_text(hf_checkpoints.TEXT[i] * 20)
+    run([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
+         f"--workdir={workdir}", "--config.engine=tf", "--config.mesh.model=1",
+         "--config.train.precision=float32", "--config.train.remat=none",
+         f"--config.model.preset={checkpoint}", "--config.model.lora_rank=4",
+         "--config.model.context_length=32", f"--config.data.text_files={tmp_path}/text/*.txt",
+         f"--config.data.eval_text_files={tmp_path}/text/*.txt", "--config.train.batch_size=4",
+         "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.eval_every=4",
+         "--config.log.every_steps=4", "--config.checkpoint.every_steps=4",
+         "--config.train.compile_cache=off", "--config.export.formats=('transformers',)"])
+    kept = sorted(os.listdir(workdir / "model"))
+    assert "config.json" in kept and "tokenizer.json" in kept, kept
+    assert not any(name.endswith(".safetensors") for name in kept), kept  # no second copy
+    ran = scalars(workdir / "tensorboard")
+
+    def assert_evaluates_as_the_run_did():
+        evaluate(workdir, "--step=4")
+        evaluated = scalars(workdir / "tensorboard" / "eval")
+        assert evaluated and all(abs(value - ran[key]) <= 1e-5 for key, value in evaluated.items()), (
+            evaluated, ran)
+        shutil.rmtree(workdir / "tensorboard" / "eval")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0}))
+    assert_evaluates_as_the_run_did()
+    shutil.rmtree(checkpoint)
+    assert_evaluates_as_the_run_did()
+    shutil.rmtree(workdir / "export")
+    run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--step=4",
+         "--formats=transformers"])
+    exported = json.loads((workdir / "export" / "transformers" / "config.json").read_text())
+    assert exported["rope_theta"] == config["rope_theta"], exported  # the run's, not the edit's

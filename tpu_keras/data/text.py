@@ -58,9 +58,10 @@ def resolve(config, workdir: str = "") -> None:
 
 
 def check_vocabulary(tokenizer, model_vocabulary: int, config) -> None:
-    """A one-line error, before training, when the tokenizer's ids and the model's
-    embedding do not match."""
-    if tokenizer.vocabulary_size != model_vocabulary:
+    """A one-line error, before training, when the tokenizer's ids do not fit the model's
+    embedding. An embedding with more rows than the tokenizer has ids is a checkpoint's
+    padding (Qwen 2 pads 151,665 ids to 151,936 rows), not a mismatch."""
+    if tokenizer.vocabulary_size > model_vocabulary:
         raise UserError(
             f"data.tokenizer={config.tokenizer!r} ({tokenizer.name}) has "
             f"{tokenizer.vocabulary_size:,} tokens but the model's embedding has "

@@ -36,7 +36,7 @@ import os
 import keras
 
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import hub_layouts, hub_presets
+from tpu_keras.models import hub_layouts, hub_presets, kept
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
@@ -140,7 +140,8 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
     if preset:
         try:
             with host_placement.placed_from_host():  # no whole weight on one device
-                backbone = backbone_cls.from_preset(preset, dtype=dtype, **backbone_kwargs)
+                backbone = backbone_cls.from_preset(  # a run's kept model: its checkpoint's weights
+                    preset, dtype=dtype, load_weights=not kept.is_kept(preset), **backbone_kwargs)
         except (OSError, ValueError, ConnectionError) as error:
             if not _is_handle(preset):
                 raise

@@ -14,6 +14,7 @@ import inspect
 import json
 
 from tpu_keras.errors import UserError, first_line
+from tpu_keras.models import kept
 
 # The weights of a transformers folder: one file, or an index of shards.
 _TRANSFORMERS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -29,7 +30,8 @@ def describe(preset: str) -> tuple[type, dict]:
     if converter is None:  # keras-hub's own format: the saved constructor arguments
         return backbone_cls, dict(loader.config.get("config", {}))
     from keras_hub.src.utils.preset_utils import check_file_exists
-    if not any(check_file_exists(preset, name) for name in _TRANSFORMERS_WEIGHTS):
+    if not kept.is_kept(preset) and not any(check_file_exists(preset, name)
+                                            for name in _TRANSFORMERS_WEIGHTS):
         raise UserError(f"model.preset={preset!r} is a transformers checkpoint without weights "
                         f"(no {' or '.join(_TRANSFORMERS_WEIGHTS)}); save it with "
                         "save_pretrained(..., safe_serialization=True), or point at the folder "

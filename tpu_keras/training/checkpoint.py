@@ -39,6 +39,17 @@ class Unreadable(Exception):
     """A checkpoint that is gone (deleted by `checkpoint.keep` meanwhile) or damaged."""
 
 
+def any_saved(workdir: str) -> bool:
+    """Whether the run in `workdir` has committed a checkpoint, known before its model is
+    built (TensorFlow's state file, or an Orbax step folder)."""
+    folder = os.path.join(workdir, "checkpoints")
+    try:
+        names = tf.io.gfile.listdir(folder)
+    except tf.errors.NotFoundError:
+        return False
+    return any(name.rstrip("/") == "checkpoint" or name.rstrip("/").isdigit() for name in names)
+
+
 def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
     """The checkpointer for the engine Keras runs on (both have step/restore_latest/save)."""
     if keras.backend.backend() == "jax":

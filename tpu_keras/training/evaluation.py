@@ -46,6 +46,7 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     defaults.resolve(config, cluster)
     cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
                                        config.train.jit_compile)
+    models.kept.use(config.model, workdir, checkpointed=True)  # the checkpoints' weights
     builder, _ = models.registry.get(config.model)
     models.hub.prepare_preset(config.model, workdir, cluster.is_chief)
     if data.text.is_text(config.data):

@@ -19,6 +19,7 @@ def load(workdir: str, config, step=None, purpose: str = "export"):
     from tpu_keras.training.run import build_model
 
     models.hub.prepare_preset(config.model, workdir, is_chief=True)  # a {workdir} preset
+    models.kept.use(config.model, workdir, checkpointed=True)  # the checkpoint's weights
     config.mesh.update(slices=1, data=1, fsdp=1, model=1)
     config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
                           virtual_devices=0)

@@ -48,6 +48,8 @@ def train(config, workdir: str, started: float | None = None):
     from tpu_keras.training import (callbacks, checkpoint, defaults, nonfinite,
                                     preemption, profiler)
     run_timings = timings.RunTimings(started)
+    # Resumed from a checkpoint: the model the run kept, whatever model.preset holds now.
+    models.kept.use(config.model, workdir, checkpointed=checkpoint.any_saved(workdir))
     builder, model_kwargs = models.registry.get(config.model)
     workdir_lib.prepare(workdir)
     if threading.current_thread() is threading.main_thread():
@@ -77,6 +79,8 @@ def train(config, workdir: str, started: float | None = None):
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with run_timings.phase("model"):
         model = build_model(config, cluster, builder)
+    if cluster.is_chief:
+        models.kept.keep(config.model, workdir)
     compile_cache.keep_steps(model, cache_watch, config)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], config.data)

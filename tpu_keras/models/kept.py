@@ -1,0 +1,95 @@
+"""The model a run trains, kept in its workdir: its architecture and tokenizer outlive `model.preset`.
+
+A run's `config.json` names `model.preset`, a folder or handle that can
+change or vanish after the run started (a shared folder someone updates,
+an `hf://` handle whose upstream moves, a cleaned scratch disk). So the
+chief copies the preset, all but its weights, into `DIR/model/` once the
+model is built: keras-hub's config (or a transformers checkpoint's
+`config.json`, which export reads too), the tokenizer's files and assets.
+Once the run has a checkpoint, every later step (a resume, `evaluate`,
+`export`, `generate`) builds the model from `DIR/model/` without weights
+and restores the checkpoint into it, which holds every weight. A resume
+with no checkpoint yet reads the weights from `model.preset` again, and
+first checks that it still describes the kept model.
+
+Presets inside the workdir (`{workdir}/base_preset`) are kept already,
+and a model without a preset is all in `config.json`.
+"""
+
+import json
+import os
+
+from tpu_keras.errors import UserError
+
+FOLDER = "model"
+MARKER = "kept.json"  # {"source": the model.preset it was copied from}
+# Files of weights, left out of the copy (the checkpoints hold the run's weights).
+_WEIGHT_ENDINGS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".h5",
+                   ".pt", ".pth", ".msgpack", ".ckpt", ".gguf", ".npz")
+
+
+def folder(workdir: str) -> str:
+    return os.path.join(workdir, FOLDER)
+
+
+def is_kept(preset: str) -> bool:
+    """Whether `preset` is a run's kept model: a preset without weights."""
+    import tensorflow as tf
+    return bool(preset) and tf.io.gfile.exists(os.path.join(preset, MARKER))
+
+
+def keep(model_config, workdir: str) -> None:
+    """The chief's copy of `model.preset`, all but its weights, into DIR/model (once): from
+    the folder, or for a handle from where keras-hub put the files it downloaded."""
+    import tensorflow as tf
+    preset = model_config.get("preset", "")
+    target = folder(workdir)
+    if not preset or tf.io.gfile.exists(target) or _inside(preset, workdir) or is_kept(preset):
+        return
+    from tpu_keras.models import hub
+    source = preset
+    if hub._is_handle(preset):  # downloaded by now: keras-hub's local copy of its files
+        from keras_hub.src.utils.preset_utils import CONFIG_FILE, get_file
+        source = os.path.dirname(get_file(preset, CONFIG_FILE))
+    partial = f"{target}.partial"
+    if tf.io.gfile.exists(partial):
+        tf.io.gfile.rmtree(partial)
+    for directory, _, names in tf.io.gfile.walk(source):
+        relative = os.path.relpath(directory, source)
+        for name in names:
+            if name.endswith(_WEIGHT_ENDINGS) or name == MARKER:
+                continue
+            destination = os.path.normpath(os.path.join(partial, relative, name))
+            tf.io.gfile.makedirs(os.path.dirname(destination))
+            tf.io.gfile.copy(os.path.join(directory, name), destination, overwrite=True)
+    with tf.io.gfile.GFile(os.path.join(partial, MARKER), "w") as file:
+        file.write(json.dumps({"source": preset}))
+    tf.io.gfile.rename(partial, target, overwrite=True)
+
+
+def use(model_config, workdir: str, checkpointed: bool) -> None:
+    """Points `model.preset` at DIR/model where the run kept its model and the weights come
+    from a checkpoint; with no checkpoint yet, checks that `model.preset` still describes
+    the kept model (its weights are read from there)."""
+    import tensorflow as tf
+    target = folder(workdir)
+    preset = model_config.get("preset", "")
+    if not preset or not tf.io.gfile.exists(os.path.join(target, MARKER)):
+        return  # nothing kept: no preset, one inside the workdir, or a run from before
+    if checkpointed:
+        model_config.preset = target
+        return
+    from tpu_keras.models import hub_presets
+    try:
+        now = hub_presets.describe(preset)
+    except UserError as error:
+        raise UserError(f"{workdir} has no checkpoint yet, so its weights come from "
+                        f"model.preset again, and {error}".replace("error: ", "")) from None
+    if now != hub_presets.describe(target):
+        raise UserError(f"model.preset={preset!r} is not the model this run started with (kept "
+                        f"in {target}): put the original back, or start the new model in "
+                        "another --workdir")
+
+
+def _inside(preset: str, workdir: str) -> bool:
+    return os.path.normpath(preset).startswith(os.path.normpath(workdir) + os.sep)
