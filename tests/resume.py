@@ -97,8 +97,8 @@ def weights(workdir, step=STEPS):
     if orbax_dir.is_dir():
         import orbax.checkpoint as ocp
         tree = ocp.StandardCheckpointer().restore(str(orbax_dir))
-        return {f"{group}/{i}": np.asarray(value) for group, values in tree.items()
-                for i, value in enumerate(values)}
+        return {f"{group}/{key}": np.asarray(value) for group, values in tree.items()
+                for key, value in (values.items() if isinstance(values, dict) else enumerate(values))}
     import tensorflow as tf
     reader = tf.train.load_checkpoint(str(workdir / "checkpoints" / f"ckpt-{step}"))
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()

@@ -250,7 +250,16 @@ def test_verbose_shows_the_traceback_too(tmp_path, override):
 
 
 def test_resuming_a_different_model_on_the_same_workdir(tmp_path, data_dir, tiny_run):
-    shutil.copytree(tiny_run[0] / "checkpoints", tmp_path / "checkpoints")
-    result = train(LM_TINY, tmp_path, f"--config.data.data_dir={data_dir}",
-                   "--config.model.width=64", check=False)
-    assert_one_line_error(result, "does not fit this model", "use a new --workdir")
+    # The tiny gpt (width 32, depth 1) restored into a wider model, and into a deeper one:
+    # the first weight that differs, by name; both in one process.
+    changes = {"wider": ["--config.model.width=64"], "deeper": ["--config.model.depth=2"]}
+    for name in changes:
+        shutil.copytree(tiny_run[0] / "checkpoints", tmp_path / name / "checkpoints")
+    results = run_in_one_process("tpu_keras.train", {
+        name: train_args(LM_TINY, tmp_path / name, f"--config.data.data_dir={data_dir}", *change)
+        for name, change in changes.items()})
+    assert_one_line_error(results["wider"], "does not fit this model: weight 'token_embedding/embeddings' "
+                          "is [256, 32] in the checkpoint and [256, 64] in this model", "use a new --workdir")
+    assert_one_line_error(results["deeper"], "does not fit this model: weight "
+                          "'block1_attention_norm/gamma' [32] of this model is not in the checkpoint",
+                          "use a new --workdir")

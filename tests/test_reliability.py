@@ -1,4 +1,5 @@
-"""A run loses nothing: exact resume after kill -9 and SIGTERM, and atomic saves.
+"""A run loses nothing: exact resume after kill -9 and SIGTERM, atomic saves, and each
+weight restored under its own name.
 
 A resumed run must end with the same weights (max abs difference <= 1e-6)
 as a run that went through, having trained on the same examples (see
@@ -6,16 +7,18 @@ as a run that went through, having trained on the same examples (see
 """
 
 import glob
+import json
 import os
 import random
 import re
 import shutil
 import signal
+import sys
 import time
 
 import pytest
 
-from conftest import train
+from conftest import run, train
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish, read_until,
                     resumed_step, seen_over_the_run, start, train_args)
 
@@ -120,3 +123,28 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference,
     assert re.search(rf"ckpt-{STEPS} is unreadable .*trying the one before it", output), output[-2000:]
     assert resumed_step(output) == 30
     assert_same_weights(tmp_path, reference[0])
+
+
+@pytest.mark.parametrize("engine", ["tf", "jax"])
+def test_a_checkpoint_restores_each_weight_by_name_and_names_what_does_not_fit(engine, tmp_path):
+    # One process per engine (tests/checkpoint_probe.py): a layer that creates query and key
+    # in the other order, models that do not fit, and a checkpoint stored by position.
+    out = run([sys.executable, "tests/checkpoint_probe.py", engine, str(tmp_path)]).stdout
+    r = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+         if line.split(" ", 1)[0] in ("SWAPPED", "WIDER", "EXTRA", "OLD")}
+    assert set(r) == {"SWAPPED", "WIDER", "EXTRA", "OLD"}, out[-3000:]
+    swapped = r["SWAPPED"]
+    assert swapped["saved_order"][:2] == ["probe/attention/query", "probe/attention/key"], swapped
+    assert swapped["loaded_order"][:2] == ["probe/attention/key", "probe/attention/query"], swapped
+    # Every weight and optimizer slot has the saved value of its own name; by position the
+    # query and the key would have swapped.
+    assert swapped["step"] == 4 and swapped["names"] and swapped["apart"] == 0.0, swapped
+    assert swapped["by_position_apart"] > 0.1 and swapped["predictions_apart"] <= 1e-6, swapped
+    for error, fragment in ((r["WIDER"], "weight 'probe/attention/query' is [4, 4] in the checkpoint "
+                                         "and [4, 8] in this model (and 2 more differences)"),
+                            (r["EXTRA"], "weight 'probe/extra/kernel' [4, 4] of this model is not "
+                                         "in the checkpoint")):
+        assert error and "\n" not in error and "does not fit this model: " + fragment in error, error
+        assert error.endswith("use a new --workdir for a different model"), error
+    assert r["OLD"] == {"step": 4, "apart": 0.0}, r["OLD"]
+    assert "stores its variables by position (written before checkpoints named them)" in out

@@ -79,9 +79,11 @@ from ml_collections import config_flags
 import sys; sys.path.insert(0, "configs")
 import lm_stdlib
 from tpu_keras import models
+from tpu_keras.models import weight_paths
 config = lm_stdlib.get_config("tiny")
 model = models.build(config.model)
-tf.train.Checkpoint(model=model).restore(r"{workdir}/checkpoints/ckpt-20").expect_partial()
+tf.train.Checkpoint(model_by_path=weight_paths.model_variables(model)).restore(
+    r"{workdir}/checkpoints/ckpt-20").expect_partial()  # the model's weights, by path
 tokens = np.random.default_rng(0).integers(0, 256, (3, config.model.context_length)).astype("int32")
 exported = tf.saved_model.load(r"{workdir}/export")
 np.testing.assert_allclose(exported.serve(tokens).numpy(), model(tokens).numpy(), atol=1e-5)

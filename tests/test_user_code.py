@@ -26,9 +26,12 @@ def test_readme_example_is_short_and_trains_under_two_replicas(engine_env):
     assert accuracies and accuracies[-1] > 0.8, result.stdout[-2000:]
 
 
+PROBE_TAGS = ("SINGLE", "REMOVED", "SECOND", "ACCUM", "PLAN", "MEASURE", "SCALE")  # user_code_probe.py's
+
+
 def probe_results(output):
     return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in output.splitlines()
-            if line.split(" ", 1)[0] in ("SINGLE", "REMOVED", "SECOND", "ACCUM", "PLAN", "MEASURE")}
+            if line.split(" ", 1)[0] in PROBE_TAGS}
 
 
 def test_readme_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model():
@@ -36,7 +39,7 @@ def test_readme_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model
     out = run([sys.executable, "tests/user_code_probe.py"], timeout=600,
               env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}).stdout
     r = probe_results(out)
-    assert set(r) == {"SINGLE", "REMOVED", "SECOND", "ACCUM", "PLAN", "MEASURE"}, out[-3000:]
+    assert set(r) == set(PROBE_TAGS), out[-3000:]
     # fsdp=2 x model=2 trains as one device does.
     single = r["SINGLE"]
     assert single["devices"] == [1] and len(single["mesh"]) == 3, single
@@ -63,6 +66,14 @@ def test_readme_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model
     measure = r["MEASURE"]
     assert measure["measured"]["devices"] == 4 and measure["measured"]["total"] > 0, measure
     assert measure["measured"]["sent_per_step"]["total"] > 0 and measure["restored"], measure
+    # float16: an overflow halves the loss scale and skips the update, as plain Keras does.
+    scale = r["SCALE"]
+    assert scale["toolkit"] == scale["keras"], scale
+    scales = [2.0**24] + scale["keras"]["scales"]
+    assert scales[-1] < 2.0**24 and 0 < scale["keras"]["updates"] < 20, scale  # some overflowed
+    assert sum(b < a for a, b in zip(scales, scales[1:])) == 20 - scale["keras"]["updates"], scale
+    # The same updates and no others (float16 gradients summed over 2 devices: 3e-5 apart seen).
+    assert scale["apart"] <= 1e-3, scale
 
 
 TF_MODEL_AXIS = """

@@ -13,9 +13,14 @@ per check:
   process: how its weights and the first model's are laid out;
 - ACCUM: one update from 4 micro-batches of 16 against one from the 64 together;
 - PLAN: `plan_model` against the CLI's plan of the model registered as a builder;
-- MEASURE: `plan_model(..., measure=True)` on a 4-device slice.
+- MEASURE: `plan_model(..., measure=True)` on a 4-device slice;
+- SCALE: a float16 model with a loss scale so large that its gradients overflow,
+  20 steps under plain Keras (one device) and under `distributed_steps` (data
+  parallel over the mesh): the loss scale after each step, the updates made
+  and how far the weights ended apart.
 """
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -124,3 +129,39 @@ measured = tpu_keras.plan_model(transformer, RULES, loss=LOSS, replicate_below=4
 report("MEASURE", {"plan": measured["per_device"], "sent": measured["sent_per_step"],
                    "measured": measured["measured"],
                    "restored": keras.distribution.distribution() is connected})
+
+
+# ----- float16 loss scaling: plain Keras against the toolkit's step ---------------------
+class Scales(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.scales = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.jax_state_sync()  # Keras's jax loop writes the variables back here
+        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
+
+
+x = rng.normal(size=(20 * 16, 8)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+scaled = {}
+for name in ("keras", "toolkit"):
+    keras.distribution.set_distribution(None if name == "keras" else connected)
+    # The toolkit's model: every weight whole on every device, the batch split over fsdp.
+    with contextlib.nullcontext() if name == "keras" else cluster.layout([], replicate_below=10**9):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(16, activation="relu", dtype="mixed_float16"),
+                                  keras.layers.Dense(1, dtype="mixed_float16")])
+        # 2**24 times the loss overflows float16's 65504 in the backward pass.
+        model.compile(keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01), initial_scale=2.0**24, dynamic_growth_steps=4), "mse")
+    if name == "toolkit":
+        tpu_keras.distributed_steps(model)
+    scales = Scales()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[scales])
+    scaled[name] = {"scales": scales.scales, "updates": int(model.optimizer.iterations.numpy()),
+                    "weights": model.get_weights()}
+keras.distribution.set_distribution(connected)
+report("SCALE", {**{name: {k: v for k, v in r.items() if k != "weights"} for name, r in scaled.items()},
+                 "apart": largest(scaled["keras"]["weights"], scaled["toolkit"]["weights"])})

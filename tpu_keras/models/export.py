@@ -14,7 +14,9 @@
 
 The keras-hub formats are written from a host copy of the task: a fresh
 task of the same config built in host memory (no distribution, the CPU
-device), into which the run's weights are copied one variable at a time.
+device), into which the run's weights are copied one variable at a time,
+each to the weight of the same path (`weight_paths`; a weight missing or
+shaped differently in the copy is a one-line error).
 A sharded weight goes from its devices to host memory shard by shard
 (`numpy.asarray` of a jax array assembles the shards on the host), so no
 device holds more than it did in training. keras-hub's savers write local
@@ -29,6 +31,9 @@ import sys
 import tempfile
 
 from absl import logging
+
+from tpu_keras.errors import UserError
+from tpu_keras.models import weight_paths
 
 LORA_FILE = "lora.weights.h5"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -144,11 +149,17 @@ def host_copy(task, preset: str = ""):
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)
-        if len(host.weights) != len(task.weights):
-            raise RuntimeError(f"the host copy of {type(task).__name__} has {len(host.weights)} "
-                               f"weights, the run's {len(task.weights)}")
+    sources, targets = weight_paths.weights(task), weight_paths.weights(host)
+    detail = weight_paths.mismatch({k: w.shape for k, w in sources.items()},
+                                   {k: w.shape for k, w in targets.items()},
+                                   there="the trained task", here="the copy")
+    if detail:
+        raise UserError(f"the keras-hub formats are written from a copy of {type(task).__name__} "
+                        f"that keras-hub rebuilds from its config, and it differs: {detail}; "
+                        "export the SavedModel alone (export.formats=['saved_model'])")
     with _on_host():
-        for source, target in zip(task.weights, host.weights):
+        for key, target in targets.items():  # by name: same-shaped weights cannot swap
+            source = sources[key]
             value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
             if target._value is None:  # made without its initialiser: the run's value is its first
                 target._initialize_with_initializer(lambda shape, dtype, value=value: value)

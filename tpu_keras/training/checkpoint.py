@@ -1,11 +1,21 @@
 """Save and restore everything a run needs to continue exactly where it stopped.
 
-A checkpoint holds the model, the optimizer (whose `iterations` is the
-step) and the model's non-trainable variables, named apart because they
-hold its random-number state (dropout's seed generators), which
-TensorFlow's object graph does not reach by itself. The input position is
-not saved: the pipeline is a pure function of the step (see
-`data.pipeline`), so a resumed run rebuilds it from the step.
+A checkpoint holds the model's variables (its weights and its random-number
+state: dropout's seed generators) and the optimizer's (whose `iterations`
+is the step). The input position is not saved: the pipeline is a pure
+function of the step (see `data.pipeline`), so a resumed run rebuilds it
+from the step.
+
+Variables are stored by name (`models.weight_paths`: a weight by its
+`variable.path`), in two groups, `model_by_path` and `optimizer_by_path`, and
+restored by name: a model whose layers create same-shaped weights in another
+order (query and key, gate and up) gets each value back under its own name.
+Before restoring, the names and shapes are compared, and the first weight
+missing on either side, or shaped differently, is a one-line `UserError`.
+Checkpoints written before names were stored (their groups are `model`,
+`optimizer` and `rng` on tf, lists `model` and `optimizer` on jax) still
+restore, with a warning, by position as they were saved: they hold no names
+to pair by, so same-shaped weights created in another order since would swap.
 
 Saves are atomic. On the tf engine every host writes the checkpoint files
 (TensorFlow requires all of them to take part under MultiWorkerMirrored-
@@ -21,6 +31,7 @@ the same: it writes into a temporary folder and renames it when complete.
 """
 
 import os
+import re
 
 from absl import logging
 import keras
@@ -28,6 +39,13 @@ import tensorflow as tf
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, first_line
+from tpu_keras.models import weight_paths
+
+# The groups of a checkpoint, each {key: variable} (`weight_paths`); their names also tell
+# these checkpoints from those stored by position before.
+MODEL, OPTIMIZER = "model_by_path", "optimizer_by_path"
+_POSITIONAL_NOTE = ("checkpoint %s stores its variables by position (written before checkpoints "
+                    "named them): restoring it by position")
 
 # Reading errors that mean "this checkpoint is damaged", as opposed to "it is
 # a checkpoint of another model".
@@ -50,6 +68,30 @@ def any_saved(workdir: str) -> bool:
     return any(name.rstrip("/") == "checkpoint" or name.rstrip("/").isdigit() for name in names)
 
 
+def keyed_variables(model: keras.Model) -> dict:
+    """{MODEL: {key: variable}, OPTIMIZER: {key: variable}}: what a checkpoint holds."""
+    return {MODEL: weight_paths.model_variables(model),
+            OPTIMIZER: weight_paths.optimizer_variables(model.optimizer)}
+
+
+def check_fits(saved: dict, variables: dict, where: str) -> None:
+    """Raises a one-line `UserError` naming the first variable that `saved` ({group: {key:
+    shape}}) lacks, holds beyond `variables` (`keyed_variables`), or shapes otherwise."""
+    shapes = {group: {key: v.shape for key, v in keyed.items()} for group, keyed in variables.items()}
+
+    def random(key):
+        return key.startswith(weight_paths.RANDOM_STATE)
+    for group, noun, chosen in ((MODEL, "weight", lambda key: not random(key)),
+                                (MODEL, "random-number state", random),
+                                (OPTIMIZER, "optimizer variable", lambda key: True)):
+        detail = weight_paths.mismatch(
+            {k: v for k, v in saved.get(group, {}).items() if chosen(k)},
+            {k: v for k, v in shapes[group].items() if chosen(k)}, noun)
+        if detail:
+            raise UserError(f"{where} does not fit this model: {detail}; build the model it was "
+                            "saved from, or use a new --workdir for a different model")
+
+
 def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
     """The checkpointer for the engine Keras runs on (both have step/restore_latest/save)."""
     if keras.backend.backend() == "jax":
@@ -64,8 +106,8 @@ class TFCheckpointer:
         self._own_dir = (self.shared_dir if cluster.is_chief
                          else os.path.join(workdir, "tmp", f"host{cluster.host_index}"))
         self._model, self._keep = model, keep
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                               rng=list(model.non_trainable_variables))
+        self._variables = keyed_variables(model)
+        self._checkpoint = tf.train.Checkpoint(**self._variables)
         self._checkpoint.save_counter  # created now, so every checkpoint holds it and restores match
 
     @property
@@ -92,7 +134,16 @@ class TFCheckpointer:
 
     def _restore(self, path: str) -> None:
         try:
-            self._checkpoint.restore(path).assert_existing_objects_matched()
+            saved = _tf_shapes(tf.train.load_checkpoint(path).get_variable_to_shape_map())
+            if MODEL in saved:
+                check_fits(saved, self._variables, f"the checkpoint {path}")
+                checkpoint = self._checkpoint
+            else:
+                logging.warning(_POSITIONAL_NOTE, path)
+                checkpoint = tf.train.Checkpoint(model=self._model, optimizer=self._model.optimizer,
+                                                 rng=list(self._model.non_trainable_variables))
+                checkpoint.save_counter
+            checkpoint.restore(path).assert_existing_objects_matched()
         except _UNREADABLE as error:
             raise Unreadable(f"checkpoint {path} is unreadable ({first_line(error)})") from None
         except (AssertionError, ValueError, tf.errors.OpError) as error:
@@ -138,6 +189,23 @@ class TFCheckpointer:
         logging.info("saved checkpoint %s", path)
 
 
+_TF_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _tf_shapes(shapes: dict) -> dict:
+    """{group: {key: shape}} of a TensorFlow checkpoint's {name: shape}, for the groups stored
+    by name. TensorFlow names a variable by the path of objects that leads to it (here: the
+    group, then the dict's key), with '.' escaped as '..' and '/' as '.S' within each name."""
+    keyed = {}
+    for name, shape in shapes.items():
+        group, _, rest = name.partition("/")
+        if group in (MODEL, OPTIMIZER) and rest.endswith(_TF_VALUE):
+            key = re.sub(r"\.([.S])", lambda m: "/" if m.group(1) == "S" else ".",
+                         rest[:-len(_TF_VALUE)])
+            keyed.setdefault(group, {})[key] = shape
+    return keyed
+
+
 class OrbaxCheckpointer:
     """Saves the model's and the optimizer's variables, sharded as they are, with Orbax."""
 
@@ -145,8 +213,10 @@ class OrbaxCheckpointer:
         import orbax.checkpoint as ocp
         self._ocp, self._model = ocp, model
         self.shared_dir = workdir_lib.absolute(os.path.join(workdir, "checkpoints"))
+        # The handler named, so that a new process reads a checkpoint's metadata (its names).
         self._manager = ocp.CheckpointManager(self.shared_dir, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False))
+            max_to_keep=keep, enable_async_checkpointing=False),
+            item_handlers=ocp.StandardCheckpointHandler())
 
     @property
     def step(self) -> int:
@@ -157,7 +227,7 @@ class OrbaxCheckpointer:
         return self._manager.latest_step()
 
     def _variables(self):
-        return {"model": self._model.variables, "optimizer": self._model.optimizer.variables}
+        return keyed_variables(self._model)
 
     def saved_steps(self) -> list[int]:
         """The steps of the committed checkpoints, oldest first (read afresh: another
@@ -169,7 +239,21 @@ class OrbaxCheckpointer:
         """Restores the checkpoint of `step`, resharded onto this model's layout (which may
         differ from the one it was saved from); raises `Unreadable` if it is gone."""
         import jax
-        variables = self._variables()
+        try:
+            saved = self._manager.item_metadata(step)
+        except (FileNotFoundError, OSError) as error:
+            raise Unreadable(f"checkpoint {step} in {self.shared_dir} is unreadable "
+                             f"({first_line(error)})") from None
+        saved = getattr(saved, "tree", saved)  # Orbax 0.11 on: a TreeMetadata
+        where = f"the checkpoint at step {step} in {self.shared_dir}"
+        if isinstance(saved, dict) and saved.get("model") is not None and MODEL not in saved:
+            logging.warning(_POSITIONAL_NOTE, f"{step} in {self.shared_dir}")
+            variables = {"model": self._model.variables, "optimizer": self._model.optimizer.variables}
+        else:
+            variables = self._variables()
+            if isinstance(saved, dict) and MODEL in saved:
+                check_fits({group: {key: meta.shape for key, meta in keyed.items()}
+                            for group, keyed in saved.items()}, variables, where)
         target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding),
                               variables, is_leaf=lambda v: isinstance(v, keras.Variable))
         try:
@@ -178,11 +262,13 @@ class OrbaxCheckpointer:
             raise Unreadable(f"checkpoint {step} in {self.shared_dir} is unreadable "
                              f"({first_line(error)})") from None
         except (ValueError, KeyError, TypeError) as error:
-            raise UserError(f"the checkpoint at step {step} in {self.shared_dir} does not fit "
-                            f"this model ({first_line(error)}); use a new --workdir for a "
-                            "different model") from None
+            raise UserError(f"{where} does not fit this model ({first_line(error)}); use a new "
+                            "--workdir for a different model") from None
         for group, group_values in values.items():
-            for variable, value in zip(variables[group], group_values):
+            keyed = variables[group]
+            pairs = (zip(keyed, group_values) if isinstance(keyed, list)  # by position
+                     else ((keyed[key], value) for key, value in group_values.items()))
+            for variable, value in pairs:
                 variable.assign(value)
 
     def restore_latest(self) -> int:
@@ -193,7 +279,8 @@ class OrbaxCheckpointer:
         return self.step
 
     def save(self) -> None:
-        state = {group: [v.value for v in vs] for group, vs in self._variables().items()}
+        state = {group: {key: v.value for key, v in keyed.items()}
+                 for group, keyed in self._variables().items()}
         self._manager.save(self.step, args=self._ocp.args.StandardSave(state), force=True)
         self._manager.wait_until_finished()
         logging.info("saved checkpoint %s/%d", self.shared_dir, self.step)

@@ -10,6 +10,16 @@ optax's `apply_if_finite` does): the step count does not advance either,
 which is how the host sees, after a host call of several steps, that one of
 them was skipped (see `nonfinite`).
 
+With a `keras.optimizers.LossScaleOptimizer` (float16; `compile` wraps the
+optimizer in one under `mixed_float16`) the gradients are those of the
+scaled loss, and an overflow among them is the optimizer's signal to halve
+its scale and skip the update, as in plain Keras. So the guard keeps its
+weights and its inner optimizer's state on a non-finite step as always, but
+takes the loss-scaling optimizer's own variables (the scale and its growth
+count) from the step: dropping them too kept the scale where it was, so
+every step overflowed again and none made an update. The norm logged is the
+unscaled gradients' (Inf in a step that overflowed).
+
 With `grad_accum_steps` k above 1 the batch holds k micro-batches; a
 `lax.scan` runs them one after another (so only one micro-batch's
 activations are alive at a time) and the update applies their mean
@@ -89,15 +99,40 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
         x, y, sample_weight, y_pred = (jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), t)
                                        for t in (x, y, sample_weight, y_pred))
     grad_norm = global_norm(gradients)
+    scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+    if scaling:  # float16: the gradients of the scaled loss; the norm logged is the unscaled one
+        grad_norm = grad_norm / loss_scale(self.optimizer, optimizer_state)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(unscaled_loss)
     new_trainable, new_optimizer_state = self.optimizer.stateless_apply(
         optimizer_state, gradients, trainable)
-    trainable, optimizer_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old),
-        (new_trainable, new_optimizer_state), (trainable, optimizer_state))
+
+    def keep(new, old):  # the step's new value where it is finite, else the old one
+        return jnp.where(finite, new, old)
+
+    trainable = jax.tree.map(keep, new_trainable, trainable)
+    if scaling:
+        # The loss-scaling optimizer's own variables (its scale and growth count) take their
+        # new values even in a skipped step: an overflow is how its scale comes down.
+        own = own_variables(self.optimizer)
+        optimizer_state = [new if id(variable) in own else keep(new, old) for variable, new, old
+                           in zip(self.optimizer.variables, new_optimizer_state, optimizer_state)]
+    else:
+        optimizer_state = jax.tree.map(keep, new_optimizer_state, optimizer_state)
     logs, metrics = self._update_metrics_variables(
         metrics, unscaled_loss, x, y, y_pred, sample_weight)
     return {**logs, GRAD_NORM: grad_norm}, (trainable, non_trainable, optimizer_state, metrics)
+
+
+def loss_scale(optimizer, optimizer_state) -> jax.Array:
+    """A `keras.optimizers.LossScaleOptimizer`'s current scale, read from the step's state."""
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_state))):
+        return jnp.asarray(optimizer.scale_loss(1.0), "float32")
+
+
+def own_variables(optimizer) -> set[int]:
+    """The ids of a `LossScaleOptimizer`'s own variables, not its inner optimizer's."""
+    inner = {id(v) for v in optimizer.inner_optimizer.variables}
+    return {id(v) for v in optimizer.variables if id(v) not in inner}
 
 
 def global_norm(arrays) -> jax.Array:
