@@ -48,6 +48,7 @@ GPU or TPU, examples/s and MFU against the published peak; one line and
 exit 0 where there is none (see accelerator_benchmark.py).
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -357,35 +358,46 @@ def _run_modes(modes):
 
 def main(argv):
     del argv
-    if _FIT.value and _PEER.value:
+    if _FIT.value and _PEER.value:  # the plain-Keras peer: it replies on stdout
         serve_plain_keras(_MODE.value, _CONFIGS.value[0], _PEER.value, _SECONDS.value)
         return
+    report = sys.stdout
+    # Only the JSON goes to stdout: what the libraries print on the way (TFDS's "Downloading
+    # and preparing dataset ..." on a first run) goes to stderr, so `| python -c json.load`
+    # reads the result on any run.
+    with contextlib.redirect_stdout(sys.stderr):
+        _benchmark(report)
+    # Out before the interpreter's teardown: once here, a --repeat run whose two runs had
+    # finished exited with nothing printed to a redirected stdout.
+    report.flush()
+
+
+def _benchmark(report):
+    def emit(text):
+        print(text, file=report)
     if _FIT.value:
         if _MODE.value:
             results = fit_benchmark(_MODE.value, _CONFIGS.value, _SECONDS.value, _ROUNDS.value,
                                     _QUALITY.value)
         else:
             results = _run_modes(_MODES.value)
-        print(json.dumps({"benchmark": "fit", "results": results}, indent=2))
+        emit(json.dumps({"benchmark": "fit", "results": results}, indent=2))
     elif _RUN.value and _REPEAT.value > 1:
-        print(json.dumps({"benchmark": "run", "repeated": repeated_runs(
+        emit(json.dumps({"benchmark": "run", "repeated": repeated_runs(
             _RUN_CONFIG.value, _REPEAT.value, _RUN_ENGINE.value)}, indent=2))
     elif _RUN.value:
-        print(json.dumps({"benchmark": "run", "results": [run_benchmark(_RUN_CONFIG.value)]}, indent=2))
+        emit(json.dumps({"benchmark": "run", "results": [run_benchmark(_RUN_CONFIG.value)]}, indent=2))
     elif _ACCELERATOR.value:
         import accelerator_benchmark
         configs = _CONFIGS.value if _CONFIGS.present else accelerator_benchmark.DEFAULT_CONFIGS
         result = accelerator_benchmark.run(configs, _SECONDS.value, _ROUNDS.value,
                                            allow_cpu=_ON_CPU.value)
-        print(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
+        emit(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
-        print(json.dumps({"benchmark": "data", "results": results}, indent=2))
+        emit(json.dumps({"benchmark": "data", "results": results}, indent=2))
     else:
         raise app.UsageError("choose a benchmark: --data, --fit, --run or --accelerator")
-    # Out before the interpreter's teardown: once here, a --repeat run whose two runs had
-    # finished exited with nothing printed to a redirected stdout.
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """scripts/benchmark.py: --accelerator on a machine without GPU or TPU is one line and exit 0;
-the race of --fit favours no model by its place or by the model run before it."""
+stdout holds the JSON alone, even while a dataset is prepared; the race of --fit favours no
+model by its place or by the model run before it."""
 
+import json
 import os
 import sys
 
@@ -14,6 +16,14 @@ def test_accelerator_benchmark_without_accelerator_says_so_in_one_line():
     assert result.returncode == 0
     assert len(lines) == 1 and lines[0].startswith("no accelerator here: JAX sees only cpu devices"), lines
     assert "python scripts/benchmark.py --accelerator" in lines[0]
+
+
+def test_stdout_is_the_json_alone_while_a_dataset_is_prepared(tmp_path):
+    """A fresh home: TFDS prepares the digits and says so, on stderr, not in the JSON."""
+    result = run([sys.executable, "scripts/benchmark.py", "--data", "--configs=digits",
+                  "--seconds=0.2"], merge_stderr=False, env={"HOME": str(tmp_path)})
+    assert json.loads(result.stdout)["benchmark"] == "data", result.stdout[-2000:]
+    assert "Dataset digits" in result.stderr or "preparing" in result.stderr, result.stderr[-2000:]
 
 
 def test_the_race_order_gives_no_model_a_place_or_a_predecessor_more_often(monkeypatch):
