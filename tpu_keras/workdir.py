@@ -46,8 +46,20 @@ def unwritable(folder: str) -> str:
         return reason.strip().splitlines()[0] if reason.strip() else type(error).__name__
 
 
-def write_text(path: str, text: str) -> None:
-    """Writes `path` whole or not at all: a temporary file, then a rename."""
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-        f.write(text)
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+# Object stores: an object appears whole when its upload ends, and a rename is a copy.
+_OBJECT_STORES = ("gs://", "s3://")
+
+
+def write_whole(path: str, data) -> None:
+    """Writes `data` (text or bytes) to `path` whole or not at all. Elsewhere than on an
+    object store, under a temporary name of this writer's own and then a rename: two
+    writers of one path (two runs sharing a folder) each rename a complete file."""
+    mode = "wb" if isinstance(data, bytes) else "w"
+    if path.startswith(_OBJECT_STORES):
+        with tf.io.gfile.GFile(path, mode) as f:
+            f.write(data)
+        return
+    temporary = f"{path}.{uuid.uuid4().hex}.tmp"
+    with tf.io.gfile.GFile(temporary, mode) as f:
+        f.write(data)
+    tf.io.gfile.rename(temporary, path, overwrite=True)

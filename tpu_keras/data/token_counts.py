@@ -32,12 +32,12 @@ import importlib.metadata
 import json
 import os
 import time
-import uuid
 from concurrent import futures
 
 from absl import logging
 import tensorflow as tf
 
+from tpu_keras import workdir
 from tpu_keras.errors import UserError
 
 ERROR = "error"            # a record of a file that cannot be read: its one-line message
@@ -65,7 +65,7 @@ def gather(files, recipe: str, count, folder: str, process: int = 0, processes: 
     own = [i for i in range(process, len(files), processes) if names[i] not in present]
     if own:
         for index, record in count(own).items():
-            _write(os.path.join(folder, names[index]), json.dumps(record))
+            workdir.write_whole(os.path.join(folder, names[index]), json.dumps(record))
     records = _wait_for(names, folder, processes, files, wait_seconds)
     logging.info("token counts: %d of %d file(s) counted here, the rest read from %s",
                  len(own), len(files), folder)
@@ -125,15 +125,6 @@ def _wait_for(names, folder, processes, files, wait_seconds) -> dict:
                              "into %s (data.token_counts must be a folder every host sees, "
                              "such as gs://...)", logged - started, len(missing), hosts, folder)
             time.sleep(POLL_SECONDS)
-
-
-def _write(path: str, text: str) -> None:
-    """Whole or not at all, under a temporary name of this writer's own: two runs that share
-    a folder may count one file at once, and each then renames a complete record."""
-    temporary = f"{path}.{uuid.uuid4().hex}.tmp"
-    with tf.io.gfile.GFile(temporary, "w") as file:
-        file.write(text)
-    tf.io.gfile.rename(temporary, path, overwrite=True)
 
 
 def _read(path: str) -> dict:

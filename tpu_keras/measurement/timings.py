@@ -105,7 +105,7 @@ class RunTimings:
                                 if value >= 0.05 or name == "compile"))
         if path:
             from tpu_keras import workdir  # TensorFlow's filesystems; this module stays light
-            workdir.write_text(path, json.dumps(report, indent=2))
+            workdir.write_whole(path, json.dumps(report, indent=2))
         return report
 
 

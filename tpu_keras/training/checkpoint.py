@@ -134,7 +134,10 @@ class TFCheckpointer:
 
     def _restore(self, path: str) -> None:
         try:
-            saved = _tf_shapes(tf.train.load_checkpoint(path).get_variable_to_shape_map())
+            # The reader of this prefix itself: load_checkpoint asks gfile whether the prefix is a
+            # folder, which ram:// answers yes to (its files start with it), then finds none there.
+            reader = tf.compat.v1.train.NewCheckpointReader(path)
+            saved = _tf_shapes(reader.get_variable_to_shape_map())
             if MODEL in saved:
                 check_fits(saved, self._variables, f"the checkpoint {path}")
                 checkpoint = self._checkpoint
@@ -180,7 +183,7 @@ class TFCheckpointer:
         # reads (a text proto), with names relative to the folder, as CheckpointManager
         # writes it, so the folder can be moved (to gs:// and back).
         names = [os.path.basename(p) for p in kept + [path]]
-        workdir_lib.write_text(os.path.join(self.shared_dir, "checkpoint"), "".join(
+        workdir_lib.write_whole(os.path.join(self.shared_dir, "checkpoint"), "".join(
             [f'model_checkpoint_path: "{names[-1]}"\n']
             + [f'all_model_checkpoint_paths: "{name}"\n' for name in names]))
         for old in previous[:len(previous) - len(kept)]:

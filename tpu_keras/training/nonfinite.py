@@ -108,4 +108,4 @@ def save_skipped(checkpoint_dir: str, positions: list[int]) -> None:
     import tensorflow as tf
     from tpu_keras import workdir
     tf.io.gfile.makedirs(checkpoint_dir)
-    workdir.write_text(os.path.join(checkpoint_dir, SKIPPED_FILE), json.dumps(sorted(positions)))
+    workdir.write_whole(os.path.join(checkpoint_dir, SKIPPED_FILE), json.dumps(sorted(positions)))

@@ -62,7 +62,7 @@ def train(config, workdir: str, started: float | None = None):
     cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
                                        config.train.jit_compile)
     if cluster.is_chief:
-        workdir_lib.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+        workdir_lib.write_whole(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
     keras.utils.set_random_seed(config.seed)
     if config.deterministic and config.engine == "tf":
         tf.config.experimental.enable_op_determinism()

@@ -46,7 +46,6 @@ import pickle
 import platform
 import sys
 import time
-import uuid
 import zlib
 
 from absl import logging
@@ -406,26 +405,21 @@ def _read(path: str):
                         path, first_line(error))
         _remove(path)  # one warning, not one per run; a new entry takes its place
         return None
-    if "://" not in path:
-        os.utime(path)  # recently used: pruned last
+    if "://" not in path:  # local: recently used, pruned last
+        os.utime(path)
     return entry
 
 
 def _write(path: str, entry: dict) -> None:
     """Writes `entry` whole or not at all; a failure costs the entry, not the run."""
     import tensorflow as tf
+    from tpu_keras import workdir
     data = zlib.compress(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), 1)
     try:
         tf.io.gfile.makedirs(os.path.dirname(path))
-        if "://" in path:  # an object store's object appears whole
-            with tf.io.gfile.GFile(path, "wb") as f:
-                f.write(data)
-            return
-        partial = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
-        _prune(os.path.dirname(path), LOCAL_MAX_BYTES)
+        workdir.write_whole(path, data)
+        if not workdir.is_remote(path):
+            _prune(os.path.dirname(path), LOCAL_MAX_BYTES)
     except (tf.errors.OpError, OSError) as error:
         logging.warning("step cache: cannot write %s (%s); the step is compiled again next time",
                         path, first_line(error))
