@@ -9,8 +9,6 @@ pod, `os.makedirs("gs://bucket/run")` would quietly create
 import os
 import uuid
 
-import tensorflow as tf
-
 from tpu_keras.errors import UserError
 
 
@@ -34,6 +32,7 @@ def prepare(workdir: str) -> None:
 
 def unwritable(folder: str) -> str:
     """Creates `folder` (or finds it) and writes a file there: '' if that works, else why not."""
+    import tensorflow as tf  # lazily: is_remote and absolute serve before TensorFlow loads
     probe = os.path.join(folder, f".write_check_{uuid.uuid4().hex}")
     try:
         tf.io.gfile.makedirs(folder)
@@ -54,6 +53,7 @@ def write_whole(path: str, data) -> None:
     """Writes `data` (text or bytes) to `path` whole or not at all. Elsewhere than on an
     object store, under a temporary name of this writer's own and then a rename: two
     writers of one path (two runs sharing a folder) each rename a complete file."""
+    import tensorflow as tf
     mode = "wb" if isinstance(data, bytes) else "w"
     if path.startswith(_OBJECT_STORES):
         with tf.io.gfile.GFile(path, mode) as f:

@@ -8,6 +8,7 @@ import os
 
 import tensorflow_datasets as tfds
 
+from tpu_keras import workdir
 from tpu_keras.data.digits import Digits
 from tpu_keras.data.stdlib_bytes import StdlibBytes
 from tpu_keras.errors import UserError, closest
@@ -25,7 +26,7 @@ def exclusive(data_dir: str):
     preparers must take turns. flock only coordinates processes of one machine;
     a remote data_dir (gs://...) is left unlocked and must be prepared by one host.
     """
-    if "://" in data_dir:
+    if workdir.is_remote(data_dir):
         yield
         return
     try:

@@ -15,6 +15,7 @@ from typing import Callable
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from tpu_keras import workdir
 from tpu_keras.data import builders
 from tpu_keras.errors import UserError, closest
 
@@ -113,7 +114,7 @@ def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split",
         raise UserError(f"unknown dataset {name!r}{closest(name.split('/')[0], tfds.list_builders())}; "
                         f"use one of {known}") from None
     if not builder.info.splits:
-        missing = "" if "://" in data_dir or os.path.isdir(data_dir) else " (no such directory)"
+        missing = "" if workdir.is_remote(data_dir) or os.path.isdir(data_dir) else " (no such directory)"
         raise UserError(f"dataset {name!r} is not prepared in data.data_dir={data_dir!r}{missing}; "
                         f"set data.data_dir to where it is, or prepare it there with "
                         f"`tfds build {name} --data_dir={data_dir}`")

@@ -104,8 +104,8 @@ def _complete_config(folder: str, preset: str) -> None:
     import json
     if not preset or "{workdir}" in preset:
         return
-    from tpu_keras.models import hub, hub_presets
-    if hub._is_handle(preset) or not hub_presets.is_transformers(preset):
+    from tpu_keras.models import hub_presets
+    if hub_presets.is_handle(preset) or not hub_presets.is_transformers(preset):
         return
     path = os.path.join(folder, "config.json")
     with open(path) as file:

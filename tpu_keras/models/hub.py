@@ -36,7 +36,7 @@ import os
 import keras
 
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import hub_layouts, hub_presets, kept
+from tpu_keras.models import hub_layouts, hub_presets
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
@@ -88,12 +88,12 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
     """The backbone's constructor arguments: a local preset's (any format) with `kwargs` over it."""
     own = _backbone_kwargs(kwargs)
     preset = kwargs.get("preset", "")
-    if preset and _is_handle(preset) and "/" not in preset and preset not in backbone_cls.presets:
+    if preset and hub_presets.is_handle(preset) and "/" not in preset and preset not in backbone_cls.presets:
         raise UserError(f"model.preset={preset!r} is neither a folder nor one of keras-hub's "
                         f"{backbone_cls.__name__} presets{closest(preset, backbone_cls.presets)}; "
                         "give a folder's path, a handle such as 'hf://...', or a name from "
                         f"keras_hub.models.{backbone_cls.__name__}.presets")
-    if not preset or _is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
+    if not preset or hub_presets.is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
         # A handle's config is known once it is downloaded, when the model is built; a
         # preset the run writes (`prepare_preset`) is made from these arguments.
         return own
@@ -141,9 +141,9 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
         try:
             with host_placement.placed_from_host():  # no whole weight on one device
                 backbone = backbone_cls.from_preset(  # a run's kept model: its checkpoint's weights
-                    preset, dtype=dtype, load_weights=not kept.is_kept(preset), **backbone_kwargs)
+                    preset, dtype=dtype, load_weights=not hub_presets.is_kept(preset), **backbone_kwargs)
         except (OSError, ValueError, ConnectionError) as error:
-            if not _is_handle(preset):
+            if not hub_presets.is_handle(preset):
                 raise
             raise UserError(f"model.preset={preset!r} could not be fetched ({first_line(error, 160)}); "
                             "a handle needs the network: where there is one, save the preset "
@@ -222,13 +222,6 @@ def _layout(backbone_cls, kwargs):
     mesh = keras.distribution.DeviceMesh((1, 1), ["data", "model"], np.array([["cpu:0"]]))
     return rules_from_layout_map(backbone_cls.get_layout_map(
         mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
-
-
-def _is_handle(preset: str) -> bool:
-    """A keras-hub handle (downloaded), as opposed to a folder (local or on gs://)."""
-    if preset.startswith(("kaggle://", "hf://", "modelscope://")):
-        return True
-    return "://" not in preset and "/" not in preset and not os.path.exists(preset)
 
 
 def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: float = 300) -> None:

@@ -12,9 +12,9 @@ same arguments `from_preset` will build with, and no second mapping exists.
 import functools
 import inspect
 import json
+import os
 
 from tpu_keras.errors import UserError, first_line
-from tpu_keras.models import kept
 
 # The weights of a transformers folder: one file, or an index of shards.
 _TRANSFORMERS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -30,7 +30,7 @@ def describe(preset: str) -> tuple[type, dict]:
     if converter is None:  # keras-hub's own format: the saved constructor arguments
         return backbone_cls, dict(loader.config.get("config", {}))
     from keras_hub.src.utils.preset_utils import check_file_exists
-    if not kept.is_kept(preset) and not any(check_file_exists(preset, name)
+    if not is_kept(preset) and not any(check_file_exists(preset, name)
                                             for name in _TRANSFORMERS_WEIGHTS):
         raise UserError(f"model.preset={preset!r} is a transformers checkpoint without weights "
                         f"(no {' or '.join(_TRANSFORMERS_WEIGHTS)}); save it with "
@@ -40,6 +40,24 @@ def describe(preset: str) -> tuple[type, dict]:
     if len(inspect.signature(convert).parameters) != 1:
         return backbone_cls, dict(convert(loader.config, backbone_cls))
     return backbone_cls, dict(convert(loader.config))
+
+
+def is_handle(preset: str) -> bool:
+    """A keras-hub handle (downloaded), as opposed to a folder (local or on gs://)."""
+    if preset.startswith(("kaggle://", "hf://", "modelscope://")):
+        return True
+    return "://" not in preset and "/" not in preset and not os.path.exists(preset)
+
+
+# In a run's copy of its preset without the weights (models/kept.py).
+KEPT_MARKER = "kept.json"
+
+
+def is_kept(preset: str) -> bool:
+    """Whether `preset` is a run's kept model: a preset without weights, which come from
+    the run's checkpoints."""
+    import tensorflow as tf
+    return bool(preset) and tf.io.gfile.exists(os.path.join(preset, KEPT_MARKER))
 
 
 def is_transformers(preset: str) -> bool:

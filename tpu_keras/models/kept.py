@@ -20,9 +20,9 @@ import json
 import os
 
 from tpu_keras.errors import UserError
+from tpu_keras.models import hub_presets
 
 FOLDER = "model"
-MARKER = "kept.json"  # {"source": the model.preset it was copied from}
 # Files of weights, left out of the copy (the checkpoints hold the run's weights).
 _WEIGHT_ENDINGS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".h5",
                    ".pt", ".pth", ".msgpack", ".ckpt", ".gguf", ".npz")
@@ -32,23 +32,16 @@ def folder(workdir: str) -> str:
     return os.path.join(workdir, FOLDER)
 
 
-def is_kept(preset: str) -> bool:
-    """Whether `preset` is a run's kept model: a preset without weights."""
-    import tensorflow as tf
-    return bool(preset) and tf.io.gfile.exists(os.path.join(preset, MARKER))
-
-
 def keep(model_config, workdir: str) -> None:
     """The chief's copy of `model.preset`, all but its weights, into DIR/model (once): from
     the folder, or for a handle from where keras-hub put the files it downloaded."""
     import tensorflow as tf
     preset = model_config.get("preset", "")
     target = folder(workdir)
-    if not preset or tf.io.gfile.exists(target) or _inside(preset, workdir) or is_kept(preset):
+    if not preset or tf.io.gfile.exists(target) or _inside(preset, workdir) or hub_presets.is_kept(preset):
         return
-    from tpu_keras.models import hub
     source = preset
-    if hub._is_handle(preset):  # downloaded by now: keras-hub's local copy of its files
+    if hub_presets.is_handle(preset):  # downloaded by now: keras-hub's local copy of its files
         from keras_hub.src.utils.preset_utils import CONFIG_FILE, get_file
         source = os.path.dirname(get_file(preset, CONFIG_FILE))
     partial = f"{target}.partial"
@@ -57,12 +50,12 @@ def keep(model_config, workdir: str) -> None:
     for directory, _, names in tf.io.gfile.walk(source):
         relative = os.path.relpath(directory, source)
         for name in names:
-            if name.endswith(_WEIGHT_ENDINGS) or name == MARKER:
+            if name.endswith(_WEIGHT_ENDINGS) or name == hub_presets.KEPT_MARKER:
                 continue
             destination = os.path.normpath(os.path.join(partial, relative, name))
             tf.io.gfile.makedirs(os.path.dirname(destination))
             tf.io.gfile.copy(os.path.join(directory, name), destination, overwrite=True)
-    with tf.io.gfile.GFile(os.path.join(partial, MARKER), "w") as file:
+    with tf.io.gfile.GFile(os.path.join(partial, hub_presets.KEPT_MARKER), "w") as file:
         file.write(json.dumps({"source": preset}))
     tf.io.gfile.rename(partial, target, overwrite=True)
 
@@ -74,12 +67,11 @@ def use(model_config, workdir: str, checkpointed: bool) -> None:
     import tensorflow as tf
     target = folder(workdir)
     preset = model_config.get("preset", "")
-    if not preset or not tf.io.gfile.exists(os.path.join(target, MARKER)):
+    if not preset or not tf.io.gfile.exists(os.path.join(target, hub_presets.KEPT_MARKER)):
         return  # nothing kept: no preset, one inside the workdir, or a run from before
     if checkpointed:
         model_config.preset = target
         return
-    from tpu_keras.models import hub_presets
     try:
         now = hub_presets.describe(preset)
     except UserError as error:

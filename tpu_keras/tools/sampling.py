@@ -23,6 +23,7 @@ import os
 import types
 from typing import Callable
 
+from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError
 
 LM_HEADLINES = ("bits_per_byte", "bits_per_token")
@@ -45,7 +46,7 @@ def read_run_config(workdir: str):
     did not write), or a one-line error."""
     from tpu_keras import config as config_lib
     path = os.path.join(workdir, "config.json")
-    if "://" in workdir:  # gs://: TensorFlow reads it (and brings Keras on its own backend)
+    if workdir_lib.is_remote(workdir):  # gs://: TensorFlow reads it (and brings Keras on its own backend)
         import tensorflow as tf
         exists, opener = tf.io.gfile.exists, tf.io.gfile.GFile
     else:  # read before Keras loads, so that the engine can still be chosen

@@ -34,6 +34,7 @@ import os
 
 from absl import logging
 
+from tpu_keras import workdir as workdir_lib
 from tpu_keras.measurement import peak
 from tpu_keras.training import step_cache
 
@@ -56,8 +57,8 @@ def folder(setting: str, workdir: str) -> str:
     if setting.strip().lower() in OFF:
         return ""
     if setting != "auto":
-        return setting if "://" in setting else os.path.abspath(os.path.expanduser(setting))
-    if "://" in workdir:
+        return workdir_lib.absolute(setting)
+    if workdir_lib.is_remote(workdir):
         return os.path.join(workdir, FOLDER)
     return os.path.join(os.path.dirname(peak.cache_file()), FOLDER)
 
@@ -100,7 +101,8 @@ def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-        jax.config.update("jax_compilation_cache_max_size", -1 if "://" in path else LOCAL_MAX_BYTES)
+        jax.config.update("jax_compilation_cache_max_size",
+                          -1 if workdir_lib.is_remote(path) else LOCAL_MAX_BYTES)
     if path:
         logging.info("compile cache: %s", path)
     return Watch(path, engine)
@@ -115,8 +117,7 @@ def keep_steps(model, watch: "Watch", config) -> None:
 
 def _writable(path: str) -> bool:
     """Whether this process can create and write in `path`; else one warning line."""
-    from tpu_keras import workdir
-    reason = workdir.unwritable(path)
+    reason = workdir_lib.unwritable(path)
     if reason:
         logging.warning("compile cache %s cannot be written (%s); running without it (set "
                         "train.compile_cache to a folder you can write, or 'off')", path, reason)

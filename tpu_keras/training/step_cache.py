@@ -50,6 +50,7 @@ import zlib
 
 from absl import logging
 
+from tpu_keras import workdir
 from tpu_keras.errors import first_line
 
 FOLDER = "steps"
@@ -405,7 +406,7 @@ def _read(path: str):
                         path, first_line(error))
         _remove(path)  # one warning, not one per run; a new entry takes its place
         return None
-    if "://" not in path:  # local: recently used, pruned last
+    if not workdir.is_remote(path):  # local: recently used, pruned last
         os.utime(path)
     return entry
 
@@ -413,7 +414,6 @@ def _read(path: str):
 def _write(path: str, entry: dict) -> None:
     """Writes `entry` whole or not at all; a failure costs the entry, not the run."""
     import tensorflow as tf
-    from tpu_keras import workdir
     data = zlib.compress(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), 1)
     try:
         tf.io.gfile.makedirs(os.path.dirname(path))
@@ -454,7 +454,7 @@ def _prune(folder: str, max_bytes: int) -> None:
 
 
 def _join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if "://" in folder else os.path.join(folder, name)
+    return f"{folder.rstrip('/')}/{name}" if workdir.is_remote(folder) else os.path.join(folder, name)
 
 
 def _version(package: str) -> str:
