@@ -230,16 +230,18 @@ def _out_of_memory(message: str, found) -> dict:
 def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
     """The compiler's lines of the plan: memory per device against HBM, the step-time
     estimate and its MFU, and the collectives, most bytes first."""
-    lines = [f"{m['compiler']}, compiled for {m['devices']} devices ({m['topology']}"
-             + (f" x {m['slices']} slices" if m["slices"] > 1 else "")
-             + f") in {m['seconds']['compile']:.0f} s, per device:"]
+    where = (f"{m['devices']} device{'s' * (m['devices'] > 1)} ({m['topology']}"
+             + (f" x {m['slices']} slices" if m["slices"] > 1 else "") + ")")
     hbm = format_bytes(m["hbm_bytes_per_device"])
     if "out_of_memory" in m:
-        lines.append(f"  does not fit: {m['out_of_memory']}")
+        lines = [f"{m['compiler']} for {where}, {m['seconds']['compile']:.0f} s: out of memory",
+                 f"  does not fit: {m['out_of_memory']}"]
         if m.get("peak"):
-            lines.append(f"  {'needs':<16} {format_bytes(m['peak']):>11}  of {hbm} HBM "
-                         f"({m['share_of_hbm']:.0%})")
+            lines.append(f"  {'needs at least':<16} {format_bytes(m['peak']):>11}  of {hbm} HBM "
+                         f"per device ({m['share_of_hbm']:.0%}), by the compiler's words above")
         return lines
+    lines = [f"{m['compiler']}, the step compiled for {where} in "
+             f"{m['seconds']['compile']:.0f} s, per device:"]
     d = p["per_device"]
     lines += [f"  {'arguments':<16} {format_bytes(m['arguments']):>11}  weights, optimizer state, "
               "the batch",
@@ -261,6 +263,11 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
     lines.append(f"  {'sent per step':<16} {format_bytes(m['sent_per_step']['total']):>11}  by the "
                  f"compiled collectives (plan / compiler = "
                  f"{p['sent_per_step']['total'] / max(1, m['sent_per_step']['total']):.2f}):")
+    by_network = {name: sum(c[f"{name.lower()}_bytes"] for c in m["collectives"])
+                  for name in ("ICI", "DCN")}
+    lines.append(f"    over the chip interconnect (ICI) {format_bytes(by_network['ICI'])}"
+                 + (f", over the data-center network (DCN) {format_bytes(by_network['DCN'])}"
+                    if m["slices"] > 1 else "") + "; the largest:")
     shown = m["collectives"][:8]
     for c in shown:
         lines.append(f"    {c['op']:<18} {c['shape'][:40]:<40} x{c['count']:<4} over "
