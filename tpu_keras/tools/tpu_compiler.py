@@ -198,15 +198,19 @@ def _figures(compiled, found, slices: int, devices: int) -> dict:
 
 def _estimate(result: dict, model, config, found, devices: int) -> dict:
     """The MFU the compiler's step time implies: the update's model FLOPs over that time and
-    the devices' published bf16 peak (None without an estimate)."""
+    the devices' published bf16 peak (None without an estimate). Where the toolkit counts
+    no model FLOPs (a model whose layers it has no rule for), the compiler's own FLOPs
+    count instead, rematerialised ones included, and 'mfu_of' says so."""
     from tpu_keras.measurement import flops
     examples = config.train.batch_size * config.train.grad_accum_steps
-    model_flops = flops.training_flops_per_example(model) * examples
+    model_flops = flops.training_flops_per_example(model) * examples or None
+    counted, of = model_flops, "model FLOPs"
+    if not counted and result.get("flops_per_device"):
+        counted, of = result["flops_per_device"] * devices, "the compiler's FLOPs"
     seconds = result["step_seconds"]
-    mfu = (model_flops / (seconds * devices * found.peak_flops_per_device)
-           if seconds else None)
+    mfu = counted / (seconds * devices * found.peak_flops_per_device) if seconds and counted else None
     return {"model_flops_per_step": model_flops,
-            "mfu": round(mfu, 4) if mfu is not None else None}
+            "mfu": round(mfu, 4) if mfu is not None else None, "mfu_of": of}
 
 
 _GIB = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -254,9 +258,10 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
               + ("fits" if m["fits"] else "does NOT fit")
               + f" (plan / compiler = {d['total'] / max(1, m['peak']):.2f})"]
     if m["step_seconds"] is not None:
-        mfu = f", MFU {m['mfu']:.1%}" if m.get("mfu") is not None else ""
+        mfu = (f", MFU {m['mfu']:.1%} ({m['mfu_of']} of the update over that time and the "
+               "bf16 peak)" if m.get("mfu") is not None else "")
         lines.append(f"  {'step time':<16} {m['step_seconds'] * 1e3:>8.2f} ms  the compiler's "
-                     f"estimate{mfu} (the update's model FLOPs over that time and the bf16 peak)")
+                     f"estimate{mfu}")
     else:
         lines.append(f"  {'step time':<16} {'none':>11}  the compiler gave no estimate for this "
                      "program")
