@@ -4,6 +4,7 @@
     python scripts/benchmark.py --fit [--modes=one_device,mirrored4]
     python scripts/benchmark.py --run [--run_config=lm_stdlib] [--repeat=2 --run_engine=jax]
     python scripts/benchmark.py --accelerator [--configs=lm_stdlib,lm_stdlib:1b]
+    python scripts/benchmark.py --tpu_compile
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -46,6 +47,14 @@ TensorFlow's, and training pays it as well.
 --accelerator: the jax engine next to plain Keras on JAX on this machine's
 GPU or TPU, examples/s and MFU against the published peak; one line and
 exit 0 where there is none (see accelerator_benchmark.py).
+
+--tpu_compile: `python -m tpu_keras.plan --measure` of the Fine-tuning
+guide's 8B Llama 3 LoRA (configs/finetune.py with the 8B architecture as
+model.* keys, no checkpoint) on a v5litepod-8, in a process of its own: the
+TPU compiler (libtpu) compiles the real training step for the slice's 8
+chips on this machine, with nothing allocated. It prints the command's wall
+time, the compile time, the process's peak host memory (its maxrss), and
+the compiler's figures per device beside the plan's.
 """
 
 import contextlib
@@ -84,6 +93,9 @@ _ACCELERATOR = flags.DEFINE_bool("accelerator", False, "The jax engine vs plain 
                                   "this machine's GPU or TPU (--configs: lm_stdlib,lm_stdlib:1b).")
 _ON_CPU = flags.DEFINE_bool("accelerator_on_cpu", False, "--accelerator: run on a CPU too, to "
                             "check the code path (its figures mean nothing).")
+_TPU_COMPILE = flags.DEFINE_bool("tpu_compile", False, "The 8B Llama LoRA of the Fine-tuning "
+                                  "guide compiled by the TPU compiler for a v5litepod-8 (plan "
+                                  "--measure): time and peak host memory.")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -356,6 +368,40 @@ def _run_modes(modes):
     return results
 
 
+# The Fine-tuning guide's 8B Llama 3 (docs/fine_tuning.md), as model.* keys.
+LLAMA3_8B = ("--config.model.vocabulary_size=128256", "--config.model.num_layers=32",
+             "--config.model.hidden_dim=4096", "--config.model.intermediate_dim=14336",
+             "--config.model.num_query_heads=32", "--config.model.num_key_value_heads=8",
+             "--config.model.rope_max_wavelength=500000", "--config.train.batch_size=1")
+
+
+def tpu_compile_benchmark() -> dict:
+    """`plan --measure` of the 8B Llama LoRA on a v5litepod-8, timed from outside, with the
+    peak resident memory of its process (`getrusage` of the children: this is the only one)."""
+    import resource
+    import subprocess
+    command = [sys.executable, "-m", "tpu_keras.plan", "--config=configs/finetune.py",
+               "--tpu=v5litepod-8", *LLAMA3_8B, "--measure", "--json"]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - started
+    if done.returncode not in (0, 1):  # 1: it does not fit, which is an answer
+        raise SystemExit(f"error: {' '.join(command)} exited {done.returncode}: "
+                         f"{done.stderr.strip().splitlines()[-1:]}")
+    plan = json.loads(done.stdout)
+    m = plan["measured"]
+    keep = ("compiler", "jax", "topology", "devices", "arguments", "outputs", "temporaries",
+            "program", "peak", "hbm_bytes_per_device", "fits", "share_of_hbm", "step_seconds",
+            "flops_per_device", "model_flops_per_step", "mfu", "mfu_of", "out_of_memory")
+    return {"command": " ".join(command[1:]), "wall_seconds": round(wall, 1),
+            "build_seconds": m["seconds"]["build"], "compile_seconds": m["seconds"]["compile"],
+            "peak_host_memory_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            "plan_per_device": plan["per_device"],
+            "compiler": {key: m[key] for key in keep if key in m},
+            "sent_per_step": m.get("sent_per_step"),
+            "collectives": m.get("collectives", [])[:5]}
+
+
 def main(argv):
     del argv
     if _FIT.value and _PEER.value:  # the plain-Keras peer: it replies on stdout
@@ -393,11 +439,14 @@ def _benchmark(report):
         result = accelerator_benchmark.run(configs, _SECONDS.value, _ROUNDS.value,
                                            allow_cpu=_ON_CPU.value)
         emit(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
+    elif _TPU_COMPILE.value:
+        emit(json.dumps({"benchmark": "tpu_compile", "result": tpu_compile_benchmark()}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))
     else:
-        raise app.UsageError("choose a benchmark: --data, --fit, --run or --accelerator")
+        raise app.UsageError("choose a benchmark: --data, --fit, --run, --accelerator or "
+                             "--tpu_compile")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ which here ends the call instead of the process). Prints one line per call,
 then serves many calls of a command that keeps no state between them (`plan`,
 `layout`, `generate`), or many mistakes of one that does (`train` refusing
 bad input): a call that trains, picks another engine, or fixes its devices
-(`--config.cluster.virtual_devices`, `plan --measure`) needs a process of
-its own.
+(`--config.cluster.virtual_devices`, `plan --measure --compiler=cpu`) needs
+a process of its own.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do

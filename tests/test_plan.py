@@ -21,6 +21,8 @@ def plan(*args, check=True):
 
 # float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.measurement.memory).
 FLOAT32 = "--config.train.precision=float32"
+# These check the plan against XLA:CPU on fake devices; the TPU compiler: test_tpu_compiler.py.
+CPU = "--compiler=cpu"
 GPT = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
 BAD_INPUTS = {
     "unknown-slice": (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
@@ -58,7 +60,7 @@ def plans():
 def test_auto_recommendation_matches_the_compiled_sharded_step():
     # --auto on 8 devices picks a layout; --measure compiles that layout's real training
     # step on 8 fake CPU devices and reads XLA's memory_analysis().
-    result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--auto", "--measure")
+    result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--auto", "--measure", CPU)
     best, measured = result["recommended"], result["measured"]
     assert best["fits"] and measured["devices"] == 8 and measured["backend"] == "cpu"
     assert abs(best["per_device"]["total"] / measured["total"] - 1) <= 0.15, (best, measured)
@@ -71,7 +73,7 @@ def test_auto_recommendation_matches_the_compiled_sharded_step():
 def test_plan_against_the_compiled_sharded_step_on_three_axes():
     # data, fsdp and model at once (fsdp alone and data alone: the tests around this one).
     result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--config.engine=jax",
-                  "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2", "--measure")
+                  "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2", "--measure", CPU)
     measured = result["measured"]
     assert abs(result["per_device"]["total"] / measured["total"] - 1) <= 0.15, (result, measured)
     # The plan counts fsdp's all-gather twice (ZeRO-3) and a reduce-scatter where CPU XLA
@@ -86,7 +88,7 @@ def test_two_slices_in_bf16_send_what_the_partitioned_step_sends():
     # program sends 4.66); --measure counts the partitioner's and says so.
     result = plan("--config=configs/lm_stdlib.py", "--tpu=2xv5litepod-4", "--config.engine=jax",
                   "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.model=2",
-                  "--config.train.precision=mixed_bfloat16", "--measure")
+                  "--config.train.precision=mixed_bfloat16", "--measure", CPU)
     measured, sent = result["measured"], result["sent_per_step"]
     assert result["slices"] == 2 and result["devices"] == 8 and measured["slices"] == 2
     assert abs(sent["total"] / measured["sent_per_step"]["total"] - 1) <= 0.15, (sent, measured)
@@ -119,7 +121,7 @@ def test_pure_fsdp_gathers_weights_not_activations():
     result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--config.engine=jax",
                   "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.model.width=512",
                   "--config.model.num_heads=8", "--config.model.context_length=512",
-                  "--config.data.name=stdlib_bytes/ctx512", "--config.train.batch_size=8", "--measure")
+                  "--config.data.name=stdlib_bytes/ctx512", "--config.train.batch_size=8", "--measure", CPU)
     measured = result["measured"]
     assert abs(result["per_device"]["total"] / measured["total"] - 1) <= 0.15, (result, measured)
     sent = result["sent_per_step"]["total"] / measured["sent_per_step"]["total"]

@@ -8,15 +8,19 @@
 Parameters, optimizer state and gradients per device are exact; activations
 an estimate; the bytes sent per update are computed from the layout (see
 `tools.memory_plan`). `--auto` tries every mesh and remat setting and
-recommends a layout (`tools.layout_search`). `--measure` compiles the real
-sharded training step on as many fake CPU devices as the slice has and
-prints XLA's figures next to the plan's; on a TPU VM they are the TPU
-compiler's own. Several slices joined by the data-center network:
-`--tpu=2xv5litepod-256` (multislice, v4 and later).
+recommends a layout (`tools.layout_search`). `--measure` compiles the
+toolkit's real training step and prints the compiler's figures next to the
+plan's: where libtpu is installed (the `tpu` extra), the TPU compiler's own
+for the slice's devices, ahead of time on this machine and with nothing
+allocated, so any model size works (`tools.tpu_compiler`); elsewhere, or
+with `--compiler=cpu`, XLA:CPU's on as many fake CPU devices as the slice
+has, with the model allocated (`tools.compiled_step`). Several slices
+joined by the data-center network: `--tpu=2xv5litepod-256` (multislice, v4
+and later).
 
 Exit status: 0 when the config fits (with `--auto`: when some layout
-does), 1 when nothing fits, so a script can tell; 2 for a mistake in the
-flags or config.
+does; with the TPU compiler's figures: when they fit), 1 when nothing
+fits, so a script can tell; 2 for a mistake in the flags or config.
 """
 
 import json
@@ -36,10 +40,14 @@ _TPU = flags.DEFINE_string("tpu", None, "The slice to plan for: v4-32, v5litepod
                           "...; several slices (multislice): 2xv5litepod-256")
 _MARGIN = flags.DEFINE_float("margin", 0.1, "Share of HBM kept free for XLA's own buffers, "
                              "padding and fragmentation.")
-_MEASURE = flags.DEFINE_bool("measure", False, "Also build the model here, compile its sharded "
-                             "step on as many fake CPU devices as the slice has, and print XLA's "
-                             "memory and collectives next to the plan (small configs: the model "
-                             "is allocated).")
+_MEASURE = flags.DEFINE_bool("measure", False, "Also compile the real training step and print "
+                             "the compiler's memory per device, collectives and step-time "
+                             "estimate next to the plan: the TPU compiler's for the slice where "
+                             "libtpu is installed (nothing allocated), else XLA:CPU's on fake "
+                             "CPU devices (the model is allocated).")
+_COMPILER = flags.DEFINE_enum("compiler", "auto", ["auto", "tpu", "cpu"], "Which compiler "
+                              "--measure asks: tpu (libtpu, the TPU's own), cpu (XLA:CPU on fake "
+                              "devices), or auto: tpu where libtpu is installed.")
 _AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) of the slice with "
                           "each remat setting and recommend the one that fits with the least "
                           "estimated communication time (slices: data across them).")
@@ -53,20 +61,30 @@ def main(argv):
         raise UserError("give --config=configs/<name>.py and --tpu=<slice>, e.g. --tpu=v5p-64")
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(_CONFIG.value)
-    from tpu_keras.cluster import engine, topology
-    if _MEASURE.value:  # the real step, on as many fake CPU devices as the slices have
+    from tpu_keras.cluster import engine, libtpu, topology
+    compiler = _COMPILER.value
+    if compiler == "auto":
+        compiler = "tpu" if libtpu.installed() else "cpu"
+    if _MEASURE.value and compiler == "tpu":  # the slice's own devices, described by libtpu
+        if not libtpu.installed():
+            raise UserError(f"--compiler=tpu needs libtpu, the TPU runtime: {libtpu.INSTALL}; "
+                            "or --compiler=cpu")
+        engine.select("jax")
+    elif _MEASURE.value:  # the real step, on as many fake CPU devices as the slices have
         slices, found = topology.parse_tpu(_TPU.value)
         engine.select("jax", slices * found.devices)
     if not _AUTO.value:
         from tpu_keras.tools import memory_plan
-        result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
+        result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
+                                  compiler)
         print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
         fits = result["fits"]
     else:
         from tpu_keras.tools import layout_search
-        result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value)
+        result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
+                                      compiler)
         print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
-        fits = result["recommended"] is not None
+        fits = result["recommended"] is not None and result.get("measured", {}).get("fits", True)
     if not fits:
         sys.stdout.flush()
         sys.exit(NOTHING_FITS)

@@ -21,6 +21,8 @@ from tpu_keras.measurement import network
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(-start)?\(")
+_MEGASCALE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+send\(.*_xla_megascale_transfer_type="
+                        r'"(?P<kind>[A-Z_]+)"')
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
          "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
@@ -37,13 +39,56 @@ def sent_per_device(hlo_text: str, devices: int, slices: int = 1) -> dict:
     sent = {op.replace("-", "_"): 0.0 for op in _OPS}
     if slices > 1:
         sent.update({f"{op.replace('-', '_')}_across_slices": 0.0 for op in _OPS})
+    for each in _each(hlo_text, devices, slices):
+        key = each["op"].replace("-", "_")
+        sent[key] += each["inside"]
+        if each["across"]:
+            sent[f"{key}_across_slices"] += each["across"]
+    sent = {key: round(value) for key, value in sent.items()}
+    sent["total"] = sum(sent.values())
+    return sent
+
+
+def listed(hlo_text: str, devices: int, slices: int = 1) -> list[dict]:
+    """Each collective of the program, the same ones counted together (a list, JSON-ready,
+    most bytes sent first): its kind, result shape, devices per group, how many of them
+    the program has, and what one device sends in each over the chip interconnect inside
+    a slice ('ici') and over the data-center network between slices ('dcn'); 'network'
+    names which it crosses."""
+    rows = {}
+    for each in _each(hlo_text, devices, slices):
+        key = (each["op"], each["shape"], each["group_size"], each["slices_spanned"])
+        row = rows.setdefault(key, {"op": each["op"], "shape": each["shape"],
+                                    "result_bytes": each["result_bytes"],
+                                    "group_size": each["group_size"],
+                                    "slices_spanned": each["slices_spanned"], "count": 0,
+                                    "ici_bytes": 0.0, "dcn_bytes": 0.0})
+        row["count"] += 1
+        row["ici_bytes"] += each["inside"]
+        row["dcn_bytes"] += each["across"]
+    result = []
+    for row in rows.values():
+        row["ici_bytes"], row["dcn_bytes"] = round(row["ici_bytes"]), round(row["dcn_bytes"])
+        row["sent_bytes"] = row["ici_bytes"] + row["dcn_bytes"]
+        row["network"] = "+".join(name for name, value in (("ICI", row["ici_bytes"]),
+                                                           ("DCN", row["dcn_bytes"])) if value) or "ICI"
+        result.append(row)
+    return sorted(result, key=lambda r: (-r["sent_bytes"], r["op"], r["shape"]))
+
+
+def _each(hlo_text: str, devices: int, slices: int):
+    """One dict per collective instruction of the program: kind, shape, bytes, group."""
     per_slice = devices // slices
     for line in hlo_text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # '/*index=5*/' inside tuple shapes
         found = _LINE.search(line)
         if not found:
+            across = _MEGASCALE.search(line)
+            if across:
+                yield _between_slices(across, line, slices)
             continue
-        op, nbytes = found.group("op"), _bytes(found.group("shape"))
+        op, shape = found.group("op"), found.group("shape")
+        nbytes = _bytes(shape)
         if op == "collective-permute":
             pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split(
                 "source_target_pairs=", 1)[-1])]
@@ -54,13 +99,46 @@ def sent_per_device(hlo_text: str, devices: int, slices: int = 1) -> dict:
             n = len(group)
             spanned = len({d // per_slice for d in group})
         inside, across = network.hierarchical(op, nbytes, max(1, n // spanned), spanned)
-        key = op.replace("-", "_")
-        sent[key] += inside
-        if across:
-            sent[f"{key}_across_slices"] += across
-    sent = {key: round(value) for key, value in sent.items()}
-    sent["total"] = sum(sent.values())
-    return sent
+        yield {"op": op, "shape": _plain(shape), "result_bytes": nbytes, "group_size": n,
+               "slices_spanned": spanned, "inside": inside, "across": across}
+
+
+def _between_slices(found, line: str, slices: int) -> dict:
+    """A TPU multislice program's transfer over the data-center network: the TPU compiler
+    compiles one slice's program, whose collectives span its own devices, and hands what
+    crosses slices to the megascale runtime as a `send` of one device's shard, tagged
+    with the kind of collective and the slices it joins (`_xla_megascale_target=
+    "{1,2}x{0:15}"`: slices 1 and 2, devices 0 to 15). An all-reduce of a shard of B bytes
+    over S slices sends 2 (S-1)/S B from each device; any other kind, its B."""
+    op = found.group("kind").lower().replace("_", "-")
+    shard = _ARRAY.search(found.group("shape"))
+    nbytes = _bytes(shard.group(0)) if shard else 0
+    target = re.search(r'_xla_megascale_target="\{([^}]*)\}', line)
+    spanned = _count(target.group(1)) if target else slices
+    across = (2 * network.ring(spanned) * nbytes if op == "all-reduce" else float(nbytes))
+    return {"op": op, "shape": _plain(shard.group(0)) if shard else "", "result_bytes": nbytes,
+            "group_size": spanned, "slices_spanned": spanned, "inside": 0.0, "across": across}
+
+
+def _count(members: str) -> int:
+    """How many a '1,2' or '0:15' (inclusive) list names."""
+    total = 0
+    for part in members.split(","):
+        low, _, high = part.partition(":")
+        total += int(high) - int(low) + 1 if high else 1
+    return max(1, total)
+
+
+def _plain(shape: str) -> str:
+    """A result shape without its layout: 'bf16[512,128]'; a tuple's arrays counted:
+    '(f32[128] x10, f32[])', or '(26 arrays)' when they are of more than 3 shapes."""
+    arrays = [f"{m.group('dtype')}[{m.group('dims')}]" for m in _ARRAY.finditer(shape)]
+    if len(arrays) == 1:
+        return arrays[0]
+    counts = {a: arrays.count(a) for a in arrays}
+    if len(counts) > 3:
+        return f"({len(arrays)} arrays)"
+    return "(" + ", ".join(a + (f" x{n}" if n > 1 else "") for a, n in counts.items()) + ")"
 
 
 def _bytes(shape: str) -> int:

@@ -32,9 +32,11 @@ from tpu_keras.tools.layout_report import format_bytes
 from tpu_keras.tools.memory_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, usable_bytes
 
 
-def search(config, slice_name: str, margin: float = 0.1, measure: bool = False) -> dict:
+def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
+           compiler: str = "cpu") -> dict:
     """Every candidate layout of `config` on the slice, and the recommended one (a dict,
-    JSON-ready); with `measure`, XLA's figures for the recommended one's compiled step."""
+    JSON-ready); with `measure`, the figures of the recommended one's compiled step from
+    `compiler` ('cpu': XLA:CPU on fake devices; 'tpu': the TPU compiler, `tpu_compiler`)."""
     slices, found = memory_plan.tpu_slices(config, slice_name)
     usable = usable_bytes(found, margin)
     footprint = Footprint(config)
@@ -67,7 +69,11 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False) 
         "recommended": best,
         "flags": flags(best) if best else None,
     }
-    if measure and best:
+    if measure and best and compiler == "tpu":
+        from tpu_keras.tools import tpu_compiler
+        result["measured"] = tpu_compiler.measure(configured(config, best), slice_name,
+                                                  best["mesh"], best["batch_per_replica"])
+    elif measure and best:
         from tpu_keras.tools import compiled_step
         result["measured"] = compiled_step.measure(configured(config, best), best["mesh"],
                                                    best["batch_per_replica"], footprint.state_bytes,
@@ -192,7 +198,13 @@ def format_search(s: dict, rows: int = 12) -> str:
               f"  {format_bytes(best['per_device']['total'])} per device; sends "
               f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
               f"  {memory_plan.format_network(best['network'])}"]
-    if "measured" in s:
+    if s.get("measured", {}).get("backend") == "tpu":
+        from tpu_keras.tools import tpu_compiler
+        lines += ["  " + line for line in tpu_compiler.format_measured(best, s["measured"],
+                                                                        format_bytes)]
+        if "sent_per_step" in s["measured"]:
+            lines += memory_plan.measured_notes(sent, s["measured"])
+    elif "measured" in s:
         m = s["measured"]
         lines += [f"  XLA's compiled step on {m['devices']} {m['backend']} device(s) sends "
                   f"{format_bytes(m['sent_per_step']['total'])} per device (plan / XLA = "

@@ -184,8 +184,14 @@ def usable_bytes(found, margin: float) -> int:
     return int(found.hbm_bytes_per_device * (1 - margin))
 
 
-def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) -> dict:
-    """The memory plan of `config` on the slice `slice_name` (a dict, JSON-ready)."""
+def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
+         compiler: str = "cpu") -> dict:
+    """The memory plan of `config` on the slice `slice_name` (a dict, JSON-ready).
+
+    `measure` adds the compiled step's figures under 'measured', from `compiler`:
+    'cpu', XLA:CPU on as many fake devices as the slices have (`compiled_step`), or
+    'tpu', the TPU compiler for the slices' own devices (`tpu_compiler`), whose
+    verdict is then 'fits' (the plan's own is kept as 'plan_fits')."""
     slices, found = tpu_slices(config, slice_name)
     usable = usable_bytes(found, margin)
     mesh = one_slice_mesh(config, found)
@@ -215,7 +221,11 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False) ->
         "sent_per_step": sent,
         "network": network_estimate(sent, found, slices),
     }
-    if measure:
+    if measure and compiler == "tpu":
+        from tpu_keras.tools import tpu_compiler
+        result["measured"] = tpu_compiler.measure(config, slice_name, mesh, per_replica)
+        result["plan_fits"], result["fits"] = result["fits"], result["measured"]["fits"]
+    elif measure:
         from tpu_keras.tools import compiled_step
         result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes,
                                                    slices)
@@ -257,9 +267,11 @@ def measured_notes(sent: dict, m: dict) -> list[str]:
     lines = []
     if m.get("slices", 1) > 1:
         planned, compiled = network.across_slices(sent), network.across_slices(m["sent_per_step"])
-        lines.append(f"  {'across slices':<16} {format_bytes(compiled):>11}  by the compiled "
-                     f"collectives whose groups span slices (plan / XLA = "
-                     f"{planned / max(1, compiled):.2f})")
+        tpu = m.get("backend") == "tpu"
+        how = ("in the transfers the TPU compiler hands the data-center network (DCN)" if tpu
+               else "by the compiled collectives whose groups span slices")
+        lines.append(f"  {'across slices':<16} {format_bytes(compiled):>11}  {how} (plan / "
+                     f"{'compiler' if tpu else 'XLA'} = {planned / max(1, compiled):.2f})")
     if "cpu_sent_per_step" in m:
         lines.append(f"  note: XLA:CPU's own program sends {format_bytes(m['cpu_sent_per_step']['total'])} "
                      "after its backend passes, among them all-reduce-promotion and "
@@ -293,7 +305,12 @@ def format_plan(p: dict) -> str:
     lines += ["", f"sent per device per step: {format_bytes(p['sent_per_step']['total'])} "
                   f"({_sent_parts(p['sent_per_step'])})",
               f"  {format_network(p['network'])}", f"  {NETWORK_NOTE}"]
-    if "measured" in p:
+    if p.get("measured", {}).get("backend") == "tpu":
+        from tpu_keras.tools import tpu_compiler
+        lines += [""] + tpu_compiler.format_measured(p, p["measured"], format_bytes)
+        if "sent_per_step" in p["measured"]:
+            lines += measured_notes(p["sent_per_step"], p["measured"])
+    elif "measured" in p:
         m = p["measured"]
         lines += ["", f"XLA's figures for the compiled step on {m['devices']} {m['backend']} "
                       "device(s), per device:",
@@ -311,11 +328,21 @@ def format_plan(p: dict) -> str:
     lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
                   f"({p['margin']:.0%} kept free)", MARGIN_NOTE]
     share = d["total"] / p["usable_bytes_per_device"]
-    if p["fits"]:
-        lines.append(f"fits: yes, {share:.1%} of usable HBM" if share >= 0.001
-                     else "fits: yes, under 0.1% of usable HBM")
+    compiled = p.get("measured", {}) if p.get("measured", {}).get("backend") == "tpu" else None
+    if compiled:
+        lines.append(("fits by the TPU compiler: yes, " if compiled["fits"] else
+                      "fits by the TPU compiler: NO, ")
+                     + (f"peak {format_bytes(compiled['peak'])}, {compiled['share_of_hbm']:.1%} of "
+                        f"{format_bytes(compiled['hbm_bytes_per_device'])} HBM"
+                        if compiled.get("peak") else "out of memory")
+                     + ("" if compiled["fits"] else ": lower train.batch_size, split the weights "
+                        "over mesh.fsdp or mesh.model, set train.remat, or use a larger slice"))
+    if p.get("plan_fits", p["fits"]):
+        lines.append(("the plan: " if compiled else "")
+                     + (f"fits: yes, {share:.1%} of usable HBM" if share >= 0.001
+                        else "fits: yes, under 0.1% of usable HBM"))
     else:
-        lines.append(f"fits: NO, {share:.0%} of usable HBM: lower train.batch_size, split the "
+        lines.append(f"{'the plan: ' if compiled else ''}fits: NO, {share:.0%} of usable HBM: lower train.batch_size, split the "
                      "weights over mesh.fsdp or mesh.model (jax engine), or use a larger slice; "
                      "--auto searches the layouts")
     if p["largest_global_batch"]:

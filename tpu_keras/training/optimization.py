@@ -10,12 +10,15 @@ from tpu_keras.errors import UserError, closest
 from tpu_keras.training import defaults, distributed_steps
 
 
-def compile_model(model, builder, train_cfg, cluster):
+def compile_model(model, builder, train_cfg, cluster, optimizer=None):
     """Compiles `model` as a run does: the configured optimizer (its variables built, so
-    a checkpoint can fill them), the builder's loss and metrics, and the toolkit's steps."""
+    a checkpoint can fill them), the builder's loss and metrics, and the toolkit's steps.
+
+    `optimizer`: one `make_optimizer(train_cfg)` made already (the TPU compiler's
+    check makes it before the slice's distribution is set: `tools.compiled_step`)."""
     distributed_steps(model, train_cfg.get("grad_accum_steps", 1))
     with cluster.scope():
-        model.compile(optimizer=make_optimizer(train_cfg), loss=builder.loss(),
+        model.compile(optimizer=optimizer or make_optimizer(train_cfg), loss=builder.loss(),
                       # Weighted, so padded eval rows (weight 0) do not count.
                       weighted_metrics=builder.metrics(),
                       steps_per_execution=defaults.steps_per_execution(train_cfg, cluster),

@@ -1,0 +1,109 @@
+"""`python -m tpu_keras.plan --measure` on the TPU compiler: libtpu compiles the toolkit's real
+training step for a slice this CPU-only machine does not have, with nothing allocated.
+
+The calls share one process (a start of JAX, Keras and libtpu): the TPU
+compiler's path fakes no CPU devices, so nothing fixes the process to one slice.
+"""
+
+import json
+import sys
+
+import pytest
+
+from conftest import assert_one_line_error, run, run_in_one_process
+
+LM = ["--config=configs/lm_stdlib.py", "--config.engine=jax"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return run_in_one_process("tpu_keras.plan", {
+        # The issue's acceptance command.
+        "v5litepod_16": LM + ["--tpu=v5litepod-16", "--measure", "--json"],
+        "two_slices": LM + ["--tpu=2xv5litepod-16", "--config.mesh.fsdp=2",
+                            "--config.mesh.model=2", "--measure", "--json"],
+        "two_slices_text": LM + ["--tpu=2xv5litepod-16", "--config.mesh.fsdp=2",
+                                 "--config.mesh.model=2", "--measure"],
+        "out_of_memory": LM + ["--tpu=v5e-1", "--config.model.width=16384", "--config.model.depth=1",
+                               "--measure"],
+        "auto": LM + ["--tpu=v5litepod-8", "--auto", "--measure"],
+        "unknown_type": LM + ["--tpu=v9-8", "--measure"],
+    }, timeout=600)
+
+
+def test_plan_measure_asks_the_tpu_compiler_for_v5litepod_16(compiled):
+    result = compiled["v5litepod_16"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    p = json.loads(result.stdout)
+    m = p["measured"]
+    assert m["backend"] == "tpu" and m["compiler"].startswith("TPU compiler (libtpu 0.0.")
+    assert m["devices"] == 16 and m["topology"] == "v5e:4x4" and m["slices"] == 1
+    assert p["precision"] == "mixed_bfloat16"
+    # Per device: the compiler's buffers, their sum, and the peak against the chip's HBM.
+    assert m["arguments"] > 0 and m["temporaries"] > 0 and m["program"] > 0
+    assert m["peak"] == m["arguments"] + m["outputs"] + m["temporaries"] + m["program"]
+    assert m["hbm_bytes_per_device"] == p["hbm_bytes_per_device"] and m["fits"] and p["fits"]
+    # The weights and optimizer state the plan counts exactly are the compiler's arguments
+    # (less the batch and the metrics' few scalars), within 1%.
+    state = p["per_device"]["parameters"] + p["per_device"]["optimizer"]
+    assert abs(m["arguments"] / state - 1) < 0.01, (m, p["per_device"])
+    # Data parallel over 16 chips: the gradients' all-reduce is all it sends, as planned.
+    assert {c["op"] for c in m["collectives"]} == {"all-reduce"}
+    assert all(c["network"] == "ICI" and c["group_size"] == 16 for c in m["collectives"])
+    assert m["sent_per_step"]["total"] == sum(c["sent_bytes"] for c in m["collectives"])
+    assert abs(p["sent_per_step"]["total"] / m["sent_per_step"]["total"] - 1) < 0.02
+    # The compiler's own step-time estimate, and the MFU it implies.
+    assert 0 < m["step_seconds"] < 1 and 0 < m["mfu"] < 1
+
+
+def test_two_slices_send_across_the_data_center_network(compiled):
+    result = compiled["two_slices"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    p = json.loads(result.stdout)
+    m = p["measured"]
+    assert m["devices"] == 32 and m["slices"] == 2 and m["topology"] == "v5e:4x4"
+    networks = {c["network"] for c in m["collectives"]}
+    assert networks == {"ICI", "DCN"}, networks
+    # Only the gradients' all-reduce crosses slices: what libtpu hands the megascale runtime.
+    across = [c for c in m["collectives"] if c["network"] == "DCN"]
+    assert {c["op"] for c in across} == {"all-reduce"} and all(c["group_size"] == 2 for c in across)
+    assert m["sent_per_step"]["all_reduce_across_slices"] == sum(c["dcn_bytes"] for c in across) > 0
+    # fsdp and model split weights inside a slice: gathers and reduce-scatters over ICI.
+    assert {"all-gather", "reduce-scatter"} <= {c["op"] for c in m["collectives"]}
+    text = compiled["two_slices_text"].stdout
+    assert "TPU compiler (libtpu " in text and "(v5e:4x4 x 2 slices)" in text
+    assert "over the data-center network (DCN)" in text and "fits by the TPU compiler: yes" in text
+
+
+def test_a_step_the_compiler_cannot_fit_does_not_fit(compiled):
+    result = compiled["out_of_memory"]
+    assert result.returncode == 1, (result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "does not fit: RESOURCE_EXHAUSTED" in result.stdout
+    assert "fits by the TPU compiler: NO" in result.stdout and "of 15.75 GiB HBM" in result.stdout
+
+
+def test_auto_with_measure_compiles_the_recommended_layout(compiled):
+    result = compiled["auto"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recommended: " in result.stdout and "TPU compiler (libtpu " in result.stdout
+    assert "(v5e:2x4)" in result.stdout
+
+
+def test_measure_for_a_tpu_type_nothing_describes_is_one_error_line(compiled):
+    assert_one_line_error(compiled["unknown_type"], "unknown TPU slice 'v9-8'")
+    assert compiled["unknown_type"].returncode == 2
+
+
+def test_a_generation_libtpu_does_not_know_is_one_error_line():
+    # A table entry an older libtpu does not know: the v5litepod-8 of a generation 'v9'.
+    result = run([sys.executable, "-c", (
+        "import dataclasses\n"
+        "from tpu_keras import cli\n"
+        "from tpu_keras.cluster import libtpu, topology\n"
+        "found = topology.parse_slice('v5litepod-8')\n"
+        "later = dataclasses.replace(found, generation=dataclasses.replace(found.generation, name='v9'))\n"
+        "cli.run(lambda argv: libtpu.describe(1, later))\n")],
+        env={"JAX_PLATFORMS": "cpu"}, check=False)
+    assert_one_line_error(result, "libtpu cannot describe v5litepod-8 as v9:2x4", "TPU v9")
+    assert result.returncode == 2

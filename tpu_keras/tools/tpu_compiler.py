@@ -1,0 +1,287 @@
+"""The TPU compiler's own figures for the toolkit's training step, on a slice this machine lacks.
+
+`python -m tpu_keras.plan --measure` asks this where libtpu (the TPU
+runtime, the `tpu` extra) is installed. libtpu describes any slice without
+a chip (`cluster.libtpu`: the devices of a v5litepod-16, or of two), and
+its compiler compiles for them ahead of time, here, with JAX itself on the
+CPU. So the step is the one a run trains with, built as a run builds it
+(`training.run.build_model`): the config's model with its remat setting,
+its layout rules' `keras.distribution` on the slice's mesh (laid out on the
+chips' coordinates as on a TPU VM, the slices outermost in data), its
+optimizer, loss and metrics compiled by `training.optimization`, the
+guarded step of `training.jax_steps` with its accumulation, in the dtype
+policy a TPU run takes (`training.defaults`: `auto` is mixed_bfloat16).
+Nothing is allocated: the model and optimizer are built in a Keras
+`StatelessScope` whose variables stay uninitialised, and the step is
+lowered on abstract arrays (`jax.ShapeDtypeStruct` with the `NamedSharding`
+each variable would get, and the batch split over data and fsdp), so any
+model size compiles (MaxText's `train_compile.py` does the same for Flax).
+Only the optimizer's step counter is a real scalar, made on the CPU before
+the slice's distribution is set (Keras makes it from a value, which a
+stateless scope refuses).
+
+From the compiled program, per device:
+- `memory_analysis()`: the arguments (weights, optimizer state, the batch),
+  the outputs less those written over a donated argument, the temporaries,
+  and the program's code; their sum is the peak held against the chip's
+  HBM (`cluster.topology`: what the runtime lets a program use). The
+  compiler's out-of-memory error, which it raises when its buffers cannot
+  fit, is the same answer: does not fit, with its figures.
+- `as_text()`: each collective, with the bytes one device sends in it and
+  whether they cross the chip interconnect (ICI) or, between slices, the
+  data-center network (DCN) (`measurement.collectives`). A collective
+  inside a loop (the accumulation's micro-batches) counts once.
+- `cost_analysis()`: the FLOPs and the compiler's step-time estimate,
+  'optimal_seconds'. It is an estimate of the compiler's cost model, and
+  not always there: a missing, zero or negative value is none. The MFU it
+  implies is the model FLOPs of the update (`measurement.flops`, as the
+  training log counts them) over that time and the chips' bf16 peak.
+"""
+
+import copy
+import importlib.metadata
+import math
+import re
+import time
+
+from tpu_keras.cluster import libtpu, topology
+from tpu_keras.errors import UserError, first_line
+
+OOM = "RESOURCE_EXHAUSTED"
+
+
+def version() -> str:
+    """'libtpu 0.0.42.1' (and the JAX that drives it)."""
+    try:
+        found = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        found = "unknown version"
+    return f"libtpu {found}"
+
+
+def name() -> str:
+    """How the output names this compiler: 'TPU compiler (libtpu 0.0.42.1)'."""
+    return f"TPU compiler ({version()})"
+
+
+def measure(config, tpu: str, mesh: dict, batch_per_replica: int) -> dict:
+    """The TPU compiler's figures for one training step of `config` on the slice(s) `tpu`,
+    on `mesh` (one slice's data, fsdp, model) at `batch_per_replica` (a dict, JSON-ready).
+
+    Raises a one-line `UserError` where libtpu cannot describe `tpu`. A step the
+    compiler finds too large for HBM is no error: 'fits' is False and 'out_of_memory'
+    holds the compiler's words.
+    """
+    import jax
+    import keras
+    slices, found = topology.parse_tpu(tpu)
+    chips = libtpu.devices(tpu)  # a one-line error where libtpu does not describe it
+    previous = keras.distribution.distribution(), keras.config.dtype_policy()
+    started = time.perf_counter()
+    try:
+        model, config, backend_mesh = _built(config, found, slices, mesh, chips)
+        state, batch = _abstract_step_inputs(model, config, backend_mesh, batch_per_replica)
+        built = time.perf_counter()
+        step = jax.jit(model.train_step, donate_argnums=0,
+                       out_shardings=(None, jax.tree.map(lambda a: a.sharding, state)))
+        lowered = step.lower(state, batch)
+        result = {"compiler": name(), "backend": "tpu", "libtpu": version().split(" ", 1)[1],
+                  "jax": jax.__version__, "topology": found.topology_name,
+                  "devices": len(chips), "slices": slices,
+                  "hbm_bytes_per_device": found.hbm_bytes_per_device}
+        try:
+            compiled = lowered.compile()
+        except Exception as error:  # JaxRuntimeError; the compiler's out-of-memory is an answer
+            if OOM not in str(error):
+                raise UserError(f"the {name()} could not compile the step for {tpu}: "
+                                f"{first_line(error, 300)}") from None
+            result.update(_out_of_memory(str(error), found))
+        else:
+            result.update(_figures(compiled, found, slices, len(chips)))
+            result.update(_estimate(result, model, config, found, len(chips)))
+        result["seconds"] = {"build": round(built - started, 1),
+                             "compile": round(time.perf_counter() - built, 1)}
+        return result
+    finally:
+        keras.distribution.set_distribution(previous[0])
+        keras.config.set_dtype_policy(previous[1])
+
+
+def _built(config, found, slices: int, mesh: dict, chips):
+    """The config's model, compiled as a run compiles it, on the slice's devices; no memory
+    behind its weights. Returns (model, the config as the run resolves it, the jax mesh)."""
+    import keras
+    from tpu_keras import models
+    from tpu_keras.cluster.record import Cluster
+    from tpu_keras.parallelism import distribution
+    from tpu_keras.parallelism import mesh as mesh_lib
+    from tpu_keras.training import defaults, optimization
+
+    config = copy.deepcopy(config)
+    config.engine = "jax"
+    whole = {mesh_lib.SLICES: slices, **{axis: mesh[axis] for axis in mesh_lib.AXES}}
+    config.mesh = dict(whole)
+    config.train.steps_per_execution = 1  # one step is what is compiled
+    grid = mesh_lib.device_grid(list(chips), slices, *(mesh[axis] for axis in mesh_lib.AXES))
+    device_mesh = keras.distribution.DeviceMesh(grid.shape, mesh_lib.AXES, list(grid.flat))
+    cluster = Cluster(strategy=None, kind="tpu", num_hosts=found.hosts * slices, host_index=0,
+                      num_replicas=mesh_lib.batch_splits(whole),
+                      device_kind=f"{len(chips)} x {chips[0].device_kind}", engine="jax",
+                      mesh=whole, device_mesh=device_mesh)
+    defaults.resolve(config, cluster)  # the TPU's precision where it is 'auto'
+    builder, _ = models.registry.get(config.model)
+    placer = models.registry.placer(config.model, config.layout, whole)
+    keras.distribution.set_distribution(None)
+    optimizer = optimization.make_optimizer(config.train)  # its step counter: one scalar, here
+    distribution.set_layout(cluster, placer)
+    with keras.StatelessScope(initialize_variables=False):  # variables without values
+        model = models.build(config.model, remat=config.train.remat)
+        placer.check(model.weights)
+        for variable in model.weights:
+            # What Keras does as it initialises a variable: take its layout from the
+            # distribution. The optimizer's slots then take their weight's layout.
+            variable._initialize_layout()
+        optimization.compile_model(model, builder, config.train, cluster, optimizer)
+    return model, config, device_mesh.backend_mesh
+
+
+def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
+    """(state, batch) as `jax.ShapeDtypeStruct`s with their shardings, as Keras's trainer
+    hands them to the jitted step."""
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_keras.measurement import memory
+    from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
+
+    rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
+    split = NamedSharding(backend_mesh, PartitionSpec(BATCH_AXES))
+    batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=split)
+                  for spec in memory.abstract_inputs(model, rows))
+    distribution = keras.distribution.distribution()
+    with keras.StatelessScope(initialize_variables=False):
+        model._symbolic_build(data_batch=batch)  # the compiled loss and metrics, as fit does first
+
+    def abstract(variable):
+        layout = variable._layout or distribution.get_variable_layout(variable)
+        sharding = getattr(layout, "backend_layout", layout)
+        return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype, sharding=sharding)
+
+    state = tuple([abstract(v) for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+        model.metrics_variables))
+    return state, batch
+
+
+def _figures(compiled, found, slices: int, devices: int) -> dict:
+    """Memory per device, the collectives and the cost analysis of the compiled step."""
+    from tpu_keras.measurement import collectives
+    analysis = compiled.memory_analysis()
+    held = {"arguments": analysis.argument_size_in_bytes,
+            "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
+            "temporaries": analysis.temp_size_in_bytes}
+    program = analysis.generated_code_size_in_bytes
+    total = sum(held.values())
+    peak = total + program
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    estimate = cost.get("optimal_seconds")
+    return {**held, "total": total, "program": program, "peak": peak,
+            "fits": peak <= found.hbm_bytes_per_device,
+            "share_of_hbm": round(peak / found.hbm_bytes_per_device, 4),
+            "sent_per_step": collectives.sent_per_device(text, devices, slices),
+            "collectives": collectives.listed(text, devices, slices),
+            "flops_per_device": cost.get("flops"),
+            "step_seconds": float(estimate) if estimate and estimate > 0 else None}
+
+
+def _estimate(result: dict, model, config, found, devices: int) -> dict:
+    """The MFU the compiler's step time implies: the update's model FLOPs over that time and
+    the devices' published bf16 peak (None without an estimate). Where the toolkit counts
+    no model FLOPs (a model whose layers it has no rule for), the compiler's own FLOPs
+    count instead, rematerialised ones included, and 'mfu_of' says so."""
+    from tpu_keras.measurement import flops
+    examples = config.train.batch_size * config.train.grad_accum_steps
+    model_flops = flops.training_flops_per_example(model) * examples or None
+    counted, of = model_flops, "model FLOPs"
+    if not counted and result.get("flops_per_device"):
+        counted, of = result["flops_per_device"] * devices, "the compiler's FLOPs"
+    seconds = result["step_seconds"]
+    mfu = counted / (seconds * devices * found.peak_flops_per_device) if seconds and counted else None
+    return {"model_flops_per_step": model_flops,
+            "mfu": round(mfu, 4) if mfu is not None else None, "mfu_of": of}
+
+
+_GIB = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _out_of_memory(message: str, found) -> dict:
+    """The compiler's out-of-memory error as figures: what it needed, if it says, and HBM.
+
+    libtpu writes 'Ran out of memory on HBM, the total memory required for HLO
+    temporaries (43.28G) exceeds available HBM (15.75G)', or 'Used 20.50G of 15.75G hbm'.
+    """
+    text = message[message.index(OOM):]
+    words = " ".join(text.split("\n\n", 1)[0].split())
+    needed = (re.search(r"required[^(]*\(([\d.]+)([KMGT])i?B?\)", text)
+              or re.search(r"Used ([\d.]+)([KMGT])i?B? of", text))
+    required = round(float(needed.group(1)) * _GIB[needed.group(2)]) if needed else None
+    return {"fits": False, "out_of_memory": words[:400], "peak": required,
+            "share_of_hbm": round(required / found.hbm_bytes_per_device, 4) if required else None}
+
+
+def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
+    """The compiler's lines of the plan: memory per device against HBM, the step-time
+    estimate and its MFU, and the collectives, most bytes first."""
+    where = (f"{m['devices']} device{'s' * (m['devices'] > 1)} ({m['topology']}"
+             + (f" x {m['slices']} slices" if m["slices"] > 1 else "") + ")")
+    hbm = format_bytes(m["hbm_bytes_per_device"])
+    if "out_of_memory" in m:
+        lines = [f"{m['compiler']} for {where}, {m['seconds']['compile']:.0f} s: out of memory",
+                 f"  does not fit: {m['out_of_memory']}"]
+        if m.get("peak"):
+            lines.append(f"  {'needs at least':<16} {format_bytes(m['peak']):>11}  of {hbm} HBM "
+                         f"per device ({m['share_of_hbm']:.0%}), by the compiler's words above")
+        return lines
+    lines = [f"{m['compiler']}, the step compiled for {where} in "
+             f"{m['seconds']['compile']:.0f} s, per device:"]
+    d = p["per_device"]
+    lines += [f"  {'arguments':<16} {format_bytes(m['arguments']):>11}  weights, optimizer state, "
+              "the batch",
+              f"  {'outputs':<16} {format_bytes(m['outputs']):>11}  less those written over a "
+              "donated argument",
+              f"  {'temporaries':<16} {format_bytes(m['temporaries']):>11}  gradients, activations, "
+              "workspace",
+              f"  {'program':<16} {format_bytes(m['program']):>11}  the compiled code",
+              f"  {'peak':<16} {format_bytes(m['peak']):>11}  {m['share_of_hbm']:.1%} of {hbm} HBM: "
+              + ("fits" if m["fits"] else "does NOT fit")
+              + f" (plan / compiler = {d['total'] / max(1, m['peak']):.2f})"]
+    if m["step_seconds"] is not None:
+        mfu = (f", MFU {m['mfu']:.1%} ({m['mfu_of']} of the update over that time and the "
+               "bf16 peak)" if m.get("mfu") is not None else "")
+        lines.append(f"  {'step time':<16} {m['step_seconds'] * 1e3:>8.2f} ms  the compiler's "
+                     f"estimate{mfu}")
+    else:
+        lines.append(f"  {'step time':<16} {'none':>11}  the compiler gave no estimate for this "
+                     "program")
+    lines.append(f"  {'sent per step':<16} {format_bytes(m['sent_per_step']['total']):>11}  by the "
+                 f"compiled collectives (plan / compiler = "
+                 f"{p['sent_per_step']['total'] / max(1, m['sent_per_step']['total']):.2f}):")
+    by_network = {name: sum(c[f"{name.lower()}_bytes"] for c in m["collectives"])
+                  for name in ("ICI", "DCN")}
+    lines.append(f"    over the chip interconnect (ICI) {format_bytes(by_network['ICI'])}"
+                 + (f", over the data-center network (DCN) {format_bytes(by_network['DCN'])}"
+                    if m["slices"] > 1 else "") + "; the largest:")
+    shown = m["collectives"][:8]
+    for c in shown:
+        lines.append(f"    {c['op']:<18} {c['shape'][:40]:<40} x{c['count']:<4} over "
+                     f"{c['group_size']:>4} devices  {format_bytes(c['sent_bytes']):>11}  "
+                     f"{c['network']}")
+    rest = m["collectives"][len(shown):]
+    if rest:
+        lines.append(f"    and {len(rest)} more, {format_bytes(sum(c['sent_bytes'] for c in rest))} "
+                     "in all (--json lists each)")
+    if not m["collectives"]:
+        lines.append("    none")
+    return lines
