@@ -140,8 +140,9 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
     if preset:
         try:
             with host_placement.placed_from_host():  # no whole weight on one device
-                backbone = backbone_cls.from_preset(  # a run's kept model: its checkpoint's weights
-                    preset, dtype=dtype, load_weights=not hub_presets.is_kept(preset), **backbone_kwargs)
+                backbone = hub_presets.load_backbone(  # a run's kept model: its checkpoint's weights
+                    backbone_cls, preset, dtype=dtype, load_weights=not hub_presets.is_kept(preset),
+                    **backbone_kwargs)
         except (OSError, ValueError, ConnectionError) as error:
             if not hub_presets.is_handle(preset):
                 raise
@@ -245,7 +246,8 @@ def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: flo
     if is_chief:
         keras_hub = import_keras_hub()
         task_cls = _task_class(keras_hub, model_config.name[len(KERAS_HUB):])
-        backbone = task_cls.backbone_cls(dtype="float32", **_backbone_kwargs(dict(model_config)))
+        backbone = hub_presets.complete_get_config(
+            task_cls.backbone_cls(dtype="float32", **_backbone_kwargs(dict(model_config))))
         partial = path + ".partial"
         if tf.io.gfile.exists(partial):
             tf.io.gfile.rmtree(partial)

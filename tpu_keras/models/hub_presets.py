@@ -6,13 +6,18 @@ with `model_type`, model.safetensors, tokenizer.json), local or on gs://.
 keras-hub's own preset loader tells the two apart, and its own converter
 (`keras_hub.src.utils.transformers.convert_*`) maps a transformers config to
 the backbone's arguments: the layout rules, the metrics and `plan` see the
-same arguments `from_preset` will build with, and no second mapping exists.
+same arguments the model is built with (`load_backbone`), and no second mapping
+exists. Where keras-hub 0.32's converter leaves out a key of the config that
+changes the model, the key is passed through here (`_DROPPED`), in the one
+place both the arguments and the built model come from.
 """
 
 import functools
 import inspect
 import json
 import os
+
+import numpy as np
 
 from tpu_keras.errors import UserError, first_line
 
@@ -36,10 +41,138 @@ def describe(preset: str) -> tuple[type, dict]:
                         f"(no {' or '.join(_TRANSFORMERS_WEIGHTS)}); save it with "
                         "save_pretrained(..., safe_serialization=True), or point at the folder "
                         "that holds them")
-    convert = converter.convert_backbone_config  # as keras-hub's loader calls it
-    if len(inspect.signature(convert).parameters) != 1:
-        return backbone_cls, dict(convert(loader.config, backbone_cls))
-    return backbone_cls, dict(convert(loader.config))
+    return backbone_cls, {**_converted(loader, backbone_cls), **passed_through(preset)}
+
+
+def _converted(loader, backbone_cls) -> dict:
+    convert = loader.converter.convert_backbone_config  # as keras-hub's loader calls it
+    try:
+        if len(inspect.signature(convert).parameters) != 1:
+            return dict(convert(loader.config, backbone_cls))
+        return dict(convert(loader.config))
+    except (KeyError, ValueError) as error:  # a key it needs is missing, a value it refuses
+        what = f"no {error}" if isinstance(error, KeyError) else first_line(error, 160)
+        raise UserError(f"model.preset={loader.preset!r}: keras-hub's converter cannot read its "
+                        f"config.json ({what}); check the checkpoint's config.json") from None
+
+
+# keras-hub 0.32's converters (keras_hub.src.utils.transformers.convert_*) leave out these
+# keys of a transformers config.json, and the backbone then takes its own default: Llama 3's
+# rms_norm_eps of 1e-5 (every Llama 3 checkpoint's) became 1e-6, 3e-3 off transformers'
+# logits, and the transformers export then said 1e-06. {model_type: {key: backbone argument}}.
+_DROPPED = {
+    "llama": {"rms_norm_eps": "layer_norm_epsilon"},
+    "gemma": {"rms_norm_eps": "layer_norm_epsilon"},
+    "gemma2": {"rms_norm_eps": "layer_norm_epsilon"},
+}
+# Llama 3.1's rope scaling, as Llama3Backbone takes it. keras-hub 0.32 reads `rope_scaling`;
+# transformers 5's save_pretrained writes it as `rope_parameters` (rope_theta inside).
+_LLAMA3_ROPE = {"factor": "rope_frequency_adjustment_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_pretraining_sequence_length"}
+# Families whose keras-hub 0.32 converter reads no rope scaling at all.
+_NO_ROPE_SCALING = ("mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+@functools.lru_cache(maxsize=None)
+def passed_through(preset: str) -> dict:
+    """The backbone arguments that a transformers folder's config sets and keras-hub's
+    converter leaves out ({} for a keras-hub preset); a one-line error for a config that
+    the backbone cannot express (a rope scaling or head size keras-hub's layers lack)."""
+    loader = _loader(preset)
+    if getattr(loader, "converter", None) is None:
+        return {}
+    source, model_type = loader.config, loader.config.get("model_type")
+    converted = _converted(loader, loader.check_backbone_class())
+    arguments = {argument: source[key] for key, argument in _DROPPED.get(model_type, {}).items()
+                 if key in source}
+    rope = source.get("rope_scaling") or source.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+
+    def refuse(what):
+        raise UserError(f"model.preset={preset!r}: {what}; keras-hub 0.32's "
+                        f"{loader.check_backbone_class().__name__} cannot build that model")
+
+    if model_type == "llama":
+        if rope_type == "llama3":
+            arguments.update({argument: rope[key] for key, argument in _LLAMA3_ROPE.items()})
+        elif rope_type != "default":
+            refuse(f"rope_type {rope_type!r} (Llama3Backbone has 'llama3', Llama 3.1's, alone)")
+        head_dim = source.get("head_dim")
+        if head_dim and head_dim != source["hidden_size"] // source["num_attention_heads"]:
+            refuse(f"head_dim {head_dim} is not hidden_size / num_attention_heads")
+    elif model_type in _NO_ROPE_SCALING and rope_type != "default":
+        refuse(f"rope_type {rope_type!r}, which its converter does not read")
+    if model_type in ("gemma", "gemma2"):  # Gemma's attention has rope_theta 10000, fixed
+        theta = source.get("rope_theta", (source.get("rope_parameters") or {}).get("rope_theta", 10000))
+        if theta != 10000:
+            refuse(f"rope_theta {theta:g} (Gemma's attention has 10000 and no argument to change it)")
+    return {argument: value for argument, value in arguments.items() if argument not in converted}
+
+
+def load_backbone(backbone_cls, preset: str, load_weights: bool = True, **kwargs):
+    """`backbone_cls.from_preset(preset, load_weights, **kwargs)`; from a transformers folder,
+    built from `describe`'s arguments (the keys keras-hub's converter leaves out passed
+    through, `kwargs` over them) and given the checkpoint's weights in their own precision."""
+    loader = _loader(preset)
+    converter = getattr(loader, "converter", None)
+    if converter is None:
+        return backbone_cls.from_preset(preset, load_weights=load_weights, **kwargs)
+    from keras_hub.src.utils.preset_utils import jax_memory_cleanup
+    # keras-hub's TransformersPresetLoader.load_backbone builds cls(**{**converted, **kwargs}).
+    backbone = backbone_cls.from_preset(preset, load_weights=False, **{**passed_through(preset), **kwargs})
+    if load_weights:
+        jax_memory_cleanup(backbone)
+        with _exact_safetensors(preset) as weights:
+            converter.convert_weights(backbone, weights, loader.config)
+    return backbone
+
+
+def _exact_safetensors(preset):
+    """keras-hub's safetensors reader, whose converter hooks see arrays that keep their dtype:
+    keras-hub 0.32's Mistral converter casts every weight to float16 as it loads it
+    (`hf_tensor.astype(np.float16)`), which put a float32 checkpoint's logits 8e-3 from
+    transformers'."""
+    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
+
+    class ExactSafetensors(SafetensorLoader):
+        def port_weight(self, keras_variable, hf_weight_key, hook_fn=None):
+            tensor = self.get_tensor(hf_weight_key)
+            if hook_fn:
+                tensor = hook_fn(tensor.view(_KeepsPrecision), list(keras_variable.shape))
+            keras_variable.assign(np.asarray(tensor))
+
+    return ExactSafetensors(preset)
+
+
+class _KeepsPrecision(np.ndarray):
+    """An array whose astype(float16) keeps its own, wider dtype."""
+
+    def astype(self, dtype, *args, **kwargs):
+        if np.dtype(dtype) == np.float16 and self.dtype.itemsize > 2:
+            return self
+        return super().astype(dtype, *args, **kwargs)
+
+
+# Constructor arguments that keras-hub 0.32's get_config leaves out, by backbone class (and its
+# subclasses): LlamaBackbone's (Llama 3's too) omits tie_word_embeddings, so a copy made from
+# its config, or a preset save_to_preset wrote, was an untied model with one weight more.
+_UNSAVED = {"LlamaBackbone": ("tie_word_embeddings",)}
+
+
+def complete_get_config(backbone):
+    """`backbone`, whose get_config (and so from_config copies and save_to_preset) now holds
+    the arguments keras-hub's leaves out."""
+    missing = [key for cls in type(backbone).__mro__ for key in _UNSAVED.get(cls.__name__, ())]
+    if missing and not getattr(backbone, "_tpu_keras_complete_config", False):
+        get_config = backbone.get_config
+
+        def complete():
+            return {**get_config(), **{key: getattr(backbone, key) for key in missing}}
+
+        object.__setattr__(backbone, "get_config", complete)  # this instance's, not the class's
+        object.__setattr__(backbone, "_tpu_keras_complete_config", True)
+    return backbone
 
 
 def is_handle(preset: str) -> bool:
