@@ -84,8 +84,10 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
         if "keras_hub" in hub_formats:
             host.save_to_preset(os.path.join(local, "keras_hub"))
         if "transformers" in hub_formats:
-            host.export_to_transformers(os.path.join(local, "transformers"))
-            _complete_config(os.path.join(local, "transformers"), config.model.get("preset", ""))
+            with _every_gemma_head():
+                host.export_to_transformers(os.path.join(local, "transformers"))
+            _complete_config(os.path.join(local, "transformers"), config.model.get("preset", ""),
+                             host.backbone, _backbone_overrides(config))
         if "lora" in hub_formats and lora:
             host.backbone.save_lora_weights(os.path.join(local, "adapter.lora.h5"))
             os.rename(os.path.join(local, "adapter.lora.h5"), os.path.join(local, LORA_FILE))
@@ -95,12 +97,49 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
     return problems
 
 
-def _complete_config(folder: str, preset: str) -> None:
-    """keras-hub 0.32's exporters leave out what its own loader (and vLLM) read: Qwen's
-    `architectures`, sliding-window keys and tokenizer.json, Gemma's and GPT-2's
-    `architectures`. Where the run started from a transformers checkpoint of the same
-    model_type, the config keys the exporter did not write are kept from that checkpoint's
-    config.json, and its tokenizer files (fine-tuning leaves the tokenizer as it was)."""
+@contextlib.contextmanager
+def _every_gemma_head():
+    """keras-hub 0.32's Gemma exporter writes the first key/value head alone
+    (`key_dense.weights[0][0]`: right for Gemma 2B's one, wrong for Gemma 7B's 16) and the
+    query and value kernels without their LoRA factors (`weights[0]`, where Llama's exporter
+    reads `.kernel`, which adds them). While the toolkit exports, k_proj, v_proj and q_proj
+    hold every head of `.kernel`."""
+    import numpy as np
+    from keras import ops
+    from keras_hub.src.utils.transformers.export import hf_exporter
+    original = hf_exporter.MODEL_EXPORTERS["GemmaBackbone"]
+
+    def weights_map(backbone, include_lm_head=False):
+        weights = original(backbone, include_lm_head=include_lm_head)
+        for i in range(backbone.num_layers):
+            attention = backbone.get_layer(f"decoder_block_{i}").attention
+            for name, dense in (("q_proj", attention.query_dense), ("k_proj", attention.key_dense),
+                                ("v_proj", attention.value_dense)):
+                kernel = ops.convert_to_numpy(dense.kernel)  # (heads, hidden, head_dim)
+                weights[f"model.layers.{i}.self_attn.{name}.weight"] = np.ascontiguousarray(
+                    np.transpose(kernel, (0, 2, 1)).reshape(-1, kernel.shape[1]))
+        return weights
+
+    hf_exporter.MODEL_EXPORTERS["GemmaBackbone"] = weights_map
+    try:
+        yield
+    finally:
+        hf_exporter.MODEL_EXPORTERS["GemmaBackbone"] = original
+
+
+# Keys of the exporter's that describe the files it wrote, not the architecture.
+_EXPORTER_KEYS = ("torch_dtype", "dtype", "transformers_version")
+
+
+def _complete_config(folder: str, preset: str, backbone=None, overrides=None) -> None:
+    """Where the run started from a transformers checkpoint of the same model_type, its
+    config.json is the exported one's, the exporter's keys over it only where the run
+    changed the architecture (`model.*` backbone arguments, `overrides`) or where they
+    describe the files written (dtype). keras-hub 0.32's exporters write constants and
+    defaults for what a backbone does not hold (Llama's and Mistral's max_position_embeddings,
+    Mistral's head_dim as hidden_size / num_attention_heads) and leave out what its own loader
+    and vLLM read (Qwen's `architectures` and sliding-window keys, Gemma's rms_norm_eps).
+    The checkpoint's tokenizer files are kept too (fine-tuning leaves the tokenizer as it was)."""
     import json
     if not preset or "{workdir}" in preset:
         return
@@ -113,14 +152,54 @@ def _complete_config(folder: str, preset: str) -> None:
     source = hub_presets.source_config(preset)
     if source.get("model_type") != written.get("model_type"):
         return
-    missing = {key: value for key, value in source.items() if key not in written}
-    if missing:
-        with open(path, "w") as file:
-            json.dump({**written, **missing}, file, indent=2)
+    changed = _changed_keys(backbone, preset, overrides) if overrides else set()
+    kept = {key: value for key, value in source.items() if key not in _EXPORTER_KEYS
+            and key not in changed}
+    # The run's values inside the checkpoint's own groups too: transformers 5 writes rope_theta
+    # and the rope scaling inside `rope_parameters`, which keras-hub's loader reads first.
+    runs = {key: written[key] for key in changed}
+    runs.update(item for key in changed if isinstance(written[key], dict) for item in written[key].items())
+    kept = {key: {name: runs.get(name, inner) for name, inner in value.items()}
+            if isinstance(value, dict) else value for key, value in kept.items()}
+    replaced = sorted(key for key in kept if key in written and written[key] != kept[key])
+    if replaced:
+        logging.info("transformers export: the checkpoint's %s over keras-hub's exporter's",
+                     ", ".join(f"{key}={kept[key]!r}" for key in replaced))
+    with open(path, "w") as file:
+        json.dump({**written, **kept}, file, indent=2)
     import tensorflow as tf  # the checkpoint may be on gs://
     for name in _TOKENIZER_FILES:  # Qwen's exporter writes vocab.json, its loader reads these
         if not os.path.exists(os.path.join(folder, name)) and tf.io.gfile.exists(os.path.join(preset, name)):
             tf.io.gfile.copy(os.path.join(preset, name), os.path.join(folder, name))
+
+
+def _backbone_overrides(config) -> dict:
+    """The run's `model.*` backbone arguments (over the preset's)."""
+    from tpu_keras.models import hub
+    return hub._backbone_kwargs(dict(config.model))
+
+
+def _changed_keys(backbone, preset: str, overrides: dict) -> set:
+    """The config keys that keras-hub's exporter writes otherwise for `backbone` than for the
+    same backbone with the arguments in `overrides` set back to the checkpoint's: the keys the
+    run changed. Every exporter reads the backbone's attributes, named as its arguments."""
+    import inspect
+    import json
+    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_CONFIGS
+    from tpu_keras.models import hub_presets
+    _, arguments = hub_presets.describe(preset)
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(type(backbone).__init__).parameters.items()}
+    original = {key: arguments.get(key, defaults.get(key)) for key in overrides}
+
+    class AsCheckpoint:
+        def __getattr__(self, name):
+            return original[name] if name in original else getattr(backbone, name)
+
+    exporter_config = MODEL_CONFIGS[type(backbone).__name__]
+    run, checkpoint = (json.loads(json.dumps(exporter_config(view), default=str))
+                       for view in (backbone, AsCheckpoint()))
+    return {key for key in run if run[key] != checkpoint.get(key)}
 
 
 def find_task(model):
@@ -141,8 +220,10 @@ def host_copy(task, preset: str = ""):
     backbone = task.backbone
     # Made without running initialisers (jax would compile a random initialiser for each
     # shape, most of an export's time): each variable is assigned the run's value.
+    from tpu_keras.models.hub_presets import complete_get_config  # Llama's tie_word_embeddings
     with _on_host(), keras.StatelessScope(initialize_variables=False):
-        host_backbone = type(backbone).from_config(backbone.get_config())
+        host_backbone = complete_get_config(type(backbone).from_config(
+            complete_get_config(backbone).get_config()))
         rank = getattr(backbone, "_lora_rank", 0)
         if getattr(backbone, "_lora_enabled_layers", None):
             host_backbone.enable_lora(rank)
