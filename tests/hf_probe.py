@@ -1,17 +1,24 @@
-"""Transformers checkpoints in, exports out, for Llama 3 and Qwen 2, on one engine and mesh.
+"""Transformers checkpoints in, exports out, for every family, on one engine and mesh.
 
-    python tests/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [FAMILY:VARIANT,...]
+    python tests/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [NAME:RUN,...] [NAME,...]
 
-For each family: writes a small transformers-format checkpoint
-(tests/hf_checkpoints.py), builds the toolkit's model from it
-(`model.preset`) and keras-hub's own `from_preset`, and compares their
-logits before any step. The runs named last (`llama:lora`, `qwen2:full`)
-it then trains through `tpu_keras.training.run.train`, and reloads each of DIR/export/'s formats: keras-hub from the preset, keras-hub's
-transformers loader from the transformers folder, the base checkpoint plus
-lora.weights.h5, and on tf transformers' own AutoModelForCausalLM where it is
-installed. Qwen has no layout rules of the toolkit's: its mesh folds
-`model` into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
-differences, by family and check.
+For each checkpoint of tests/hf_checkpoints.py (Llama 3, Llama 3.1 in both
+config forms, Qwen 2, Gemma, Mistral; those named last, where given):
+writes it, builds the toolkit's model from it (`model.preset`) on the mesh
+and compares its logits before any step with transformers' own
+`AutoModelForCausalLM`'s (float32).
+
+The runs: `NAME:export` exports that model (`transformers` format alone),
+compares the exported config.json with the checkpoint's, and reads the
+export with transformers and with the toolkit; `NAME:theta` does the same
+with `model.rope_max_wavelength` set over the checkpoint's; `NAME:lora`
+and `NAME:full` train through `tpu_keras.training.run.train` and reload
+each of DIR/export/'s formats (keras-hub from the preset, transformers and
+the toolkit from the transformers folder, the base checkpoint plus
+lora.weights.h5). Reloads are read in host memory, with no distribution.
+Families without layout rules of the toolkit's (Qwen, Gemma) fold `model`
+into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
+differences and the config keys that differ, by checkpoint and check.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -23,7 +30,8 @@ import os
 import sys
 
 engine_name, out, data_dir, mesh = sys.argv[1:5]
-runs = sys.argv[5].split(",") if len(sys.argv) > 5 else []  # 'llama:lora', 'qwen2:full', ...
+runs = sys.argv[5].split(",") if len(sys.argv) > 5 and sys.argv[5] else []  # 'llama:lora', ...
+names = sys.argv[6].split(",") if len(sys.argv) > 6 else None  # 'llama', 'gemma', ...
 
 from tpu_keras.cluster import engine  # noqa: E402
 
@@ -35,12 +43,16 @@ import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
+from tpu_keras.models import export, hub_layouts, hub_presets  # noqa: E402
 from tpu_keras.training import run  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_checkpoints  # noqa: E402
 
-TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM"}
+TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCausalLM",
+         "mistral": "MistralCausalLM"}
+# Keys of a config.json that describe its files rather than the model.
+FILE_KEYS = ("torch_dtype", "dtype", "transformers_version")
 tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
@@ -53,30 +65,36 @@ def gap(a, b):
     return float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
 
 
-def read_by_transformers(folder, expected):
-    """{"torch": the gap to transformers' own logits from `folder`, "versions"}; None where
-    transformers and PyTorch are not installed."""
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return {"torch": None}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+def transformers_logits(folder):
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        torch_logits = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    return {"torch": gap(expected, torch_logits),
-            "versions": f"transformers {transformers.__version__}, torch {torch.__version__}"}
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def config_for(family, checkpoint, lora_rank=0):
+def config_differences(folder, checkpoint):
+    """{key: [checkpoint's, export's]} for each key of the checkpoint's config.json that the
+    exported one does not keep."""
+    with open(os.path.join(folder, "config.json")) as file:
+        exported = json.load(file)
+    with open(os.path.join(checkpoint, "config.json")) as file:
+        source = json.load(file)
+    return {key: [value, exported.get(key)] for key, value in source.items()
+            if key not in FILE_KEYS and exported.get(key) != value}
+
+
+def config_for(name, checkpoint, lora_rank=0, **backbone):
+    family = hf_checkpoints.CHECKPOINTS[name][0]
     config = defaults()
     config.engine = engine_name
     config.data.update(name="stdlib_bytes/ctx64", preprocess="next_token", data_dir=data_dir)
-    config.model = dict(name=f"keras_hub:{TASKS[family]}", preset=checkpoint, context_length=64)
+    config.model = dict(name=f"keras_hub:{TASKS[family]}", preset=checkpoint, context_length=64,
+                        **backbone)
     if lora_rank:
         config.model.lora_rank = lora_rank
     data, fsdp, model = (int(n) for n in mesh.split(","))
-    if family == "qwen2":
+    if not hub_layouts._has_llama_paths(getattr(keras_hub.models, TASKS[family]).backbone_cls):
         fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model)
     config.layout.replicate_below = 256
@@ -88,37 +106,80 @@ def config_for(family, checkpoint, lora_rank=0):
     return config
 
 
-result = {}
-for family in TASKS:
-    checkpoint = os.path.join(out, family, "checkpoint")
-    hf_checkpoints.write(checkpoint, family)
-    config = config_for(family, checkpoint)
+def build(config):
     cluster = tpu_keras.connect(config.cluster, engine=engine_name, mesh=config.mesh)
-    toolkit = run.build_model(config, cluster)
-    task_cls = getattr(keras_hub.models, TASKS[family])
-    reference = task_cls.from_preset(checkpoint, preprocessor=None)
+    return run.build_model(config, cluster)
+
+
+def read_back(name, folder, lora=None):
+    """The task the toolkit reads from a transformers folder (`hub_presets.load_backbone`, as
+    a run's model.preset), with the LoRA factors in `lora` if given, in host memory (no
+    distribution: the export's own host copy's scope). keras-hub's own reader would drop
+    Llama's rms_norm_eps."""
+    task_cls = getattr(keras_hub.models, TASKS[hf_checkpoints.CHECKPOINTS[name][0]])
+    with export._on_host():
+        task = task_cls(backbone=hub_presets.load_backbone(task_cls.backbone_cls, folder),
+                        preprocessor=None)
+        if lora:
+            task.backbone.load_lora_weights(lora)
+        return task
+
+
+def exported(model, config, folder, checkpoint, expected, name):
+    """Exports `model` in the transformers format alone, and reads it back with transformers
+    and with the toolkit."""
+    problems = export.write(model, config, folder, ("transformers",))
+    return {"problems": problems, "config": config_differences(f"{folder}/transformers", checkpoint),
+            "torch": gap(expected, transformers_logits(f"{folder}/transformers")),
+            "toolkit": gap(expected, logits(read_back(name, f"{folder}/transformers")))}
+
+
+result = {}
+for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
+    if names is not None and name not in names:
+        continue
+    checkpoint = os.path.join(out, name, "checkpoint")
+    hf_checkpoints.write(checkpoint, name)
+    config = config_for(name, checkpoint)
+    toolkit = build(config)
+    first = keras.ops.convert_to_numpy(toolkit(tokens))
+    whole = [w.path for w in toolkit.weights  # on a mesh, of those layout.replicate_below splits
+             if engine_name == "jax" and w.value.sharding.is_fully_replicated and np.prod(w.shape) >= 256]
     split = [w.path for w in toolkit.weights
              if engine_name == "jax" and not w.value.sharding.is_fully_replicated]
-    result[family] = {"first_step": gap(keras.ops.convert_to_numpy(toolkit(tokens)), logits(reference)),
-                      "split_weights": len(split)}
+    result[name] = {"first_step": gap(first, transformers_logits(checkpoint)), "split_weights": len(split),
+                    "whole": whole}
+    if f"{name}:export" in runs:
+        result[name]["export"] = exported(toolkit, config, os.path.join(out, name, "export"), checkpoint,
+                                          first, name)
+    task_cls = getattr(keras_hub.models, TASKS[family])
+    if f"{name}:theta" in runs:  # the run's own rope_theta, where the checkpoint has another
+        config = config_for(name, checkpoint, rope_max_wavelength=250000.0)
+        changed = build(config)
+        expected = keras.ops.convert_to_numpy(changed(tokens))
+        result[name]["theta"] = {"moved": gap(expected, first), **exported(
+            changed, config, os.path.join(out, name, "theta"), checkpoint, expected, name)}
     for variant, rank in (("lora", 4), ("full", 0)):
-        if f"{family}:{variant}" not in runs:
+        if f"{name}:{variant}" not in runs:
             continue
-        workdir = os.path.join(out, family, variant)
-        trained = run.train(config_for(family, checkpoint, rank), workdir).model
+        workdir = os.path.join(out, name, variant)
+        trained = run.train(config_for(name, checkpoint, rank), workdir).model
         expected = keras.ops.convert_to_numpy(trained(tokens))
-        export = os.path.join(workdir, "export")
-        checks = {"moved": gap(expected, logits(reference)),
-                  "keras_hub": gap(expected, logits(task_cls.from_preset(f"{export}/keras_hub"))),
-                  "transformers": gap(expected, logits(task_cls.from_preset(f"{export}/transformers"))),
-                  "files": sorted(os.listdir(export))
-                  + [f"keras_hub/{n}" for n in sorted(os.listdir(f"{export}/keras_hub"))]
-                  + [f"transformers/{n}" for n in sorted(os.listdir(f"{export}/transformers"))]}
+        folder = os.path.join(workdir, "export")
+        checks = {"moved": gap(expected, first),
+                  "keras_hub": gap(expected, logits(task_cls.from_preset(f"{folder}/keras_hub"))),
+                  "torch": gap(expected, transformers_logits(f"{folder}/transformers")),
+                  "config": config_differences(f"{folder}/transformers", checkpoint),
+                  "files": sorted(os.listdir(folder))
+                  + [f"keras_hub/{n}" for n in sorted(os.listdir(f"{folder}/keras_hub"))]
+                  + [f"transformers/{n}" for n in sorted(os.listdir(f"{folder}/transformers"))]}
+        checks["transformers"] = gap(expected, logits(read_back(name, f"{folder}/transformers")))
         if rank:
-            base = task_cls.from_preset(checkpoint, preprocessor=None)
-            base.backbone.load_lora_weights(f"{export}/lora.weights.h5")
+            base = read_back(name, checkpoint, lora=f"{folder}/lora.weights.h5")
             checks["base_plus_lora"] = gap(expected, logits(base))
-        if engine_name == "tf":  # the test reads transformers' own logits on the tf runs
-            checks.update(read_by_transformers(f"{export}/transformers", expected))
-        result[family][variant] = checks
+        result[name][variant] = checks
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+result["versions"] = f"transformers {transformers.__version__}, torch {torch.__version__}"
 print("HF " + json.dumps(result), flush=True)

@@ -1,6 +1,7 @@
 """Transformers-format checkpoints in, keras-hub presets, transformers folders and LoRA
-factors out (tests/hf_probe.py), for Llama 3 and Qwen 2, on both engines; and the one-line
-errors of presets keras-hub cannot read."""
+factors out (tests/hf_probe.py), for Llama 3, Llama 3.1, Qwen 2, Gemma and Mistral, on both
+engines: the toolkit's logits are transformers' own, and the exported config.json is the
+checkpoint's; and the one-line errors of presets keras-hub cannot read."""
 
 import json
 import sys
@@ -9,30 +10,54 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, run, run_in_one_process, train
 
-TOLERANCE = 1e-5
-TF_RUNS = ("llama:full", "qwen2:lora")
+sys.path.insert(0, str(REPO / "tests"))
+import hf_checkpoints  # noqa: E402
+
+TOLERANCE = 1e-5  # keras-hub against keras-hub, the same operations
+TRANSFORMERS = 1e-4  # the toolkit against transformers' own PyTorch model, float32
+CHECKPOINTS = tuple(hf_checkpoints.CHECKPOINTS)  # llama, llama31, ..., gemma, mistral
+TRAINED_TF = ("llama:full", "qwen2:lora")
+TRAINED_JAX = ("llama:lora", "qwen2:full")  # with the tf runs, a LoRA and a full fine-tune of each
+# Exported untrained on tf (the trained runs export llama and qwen2); `theta` changes the
+# model's rope_theta first, on the checkpoint that keeps it inside rope_parameters.
+EXPORTED_TF = ("llama31", "llama31_rope_parameters", "gemma", "mistral")
+THETA = "llama31_rope_parameters"
+# Each family on the mesh (the two forms of Llama 3.1's config build one model: tf reads both).
+JAX_CHECKPOINTS = tuple(name for name in CHECKPOINTS if name != "llama31_rope_parameters")
 
 
-def probe(engine, out, data_dir, mesh, runs, env=None):
-    result = run([sys.executable, "tests/hf_probe.py", engine, str(out), data_dir, mesh, runs],
-                 timeout=900, env=env)
+def probe(engine, out, data_dir, mesh, runs, checkpoints=CHECKPOINTS, env=None):
+    result = run([sys.executable, "tests/hf_probe.py", engine, str(out), data_dir, mesh, ",".join(runs),
+                  ",".join(checkpoints)], timeout=900, env=env)
     return json.loads(next(line[3:] for line in result.stdout.splitlines() if line.startswith("HF ")))
 
 
 @pytest.fixture(scope="module")
 def tf_runs(tmp_path_factory, data_dir):
-    """A full fine-tune of Llama and a LoRA one of Qwen on the tf engine, their exports
-    reloaded (the jax test below adds the other two, on a mesh)."""
-    return probe("tf", tmp_path_factory.mktemp("hf_tf"), data_dir, "1,1,1", ",".join(TF_RUNS))
+    """Every checkpoint on the tf engine: the first step's logits, an export of each, a full
+    fine-tune of Llama and a LoRA one of Qwen with their exports reloaded (the jax test
+    below adds the other two, on a mesh). transformers and PyTorch are the `test` extra's."""
+    return probe("tf", tmp_path_factory.mktemp("hf_tf"), data_dir, "1,1,1",
+                 TRAINED_TF + tuple(f"{name}:export" for name in EXPORTED_TF) + (f"{THETA}:theta",))
 
 
-def test_checkpoints_load_as_keras_hub_loads_them_and_every_export_reloads_on_tf(tf_runs):
-    for family, variant in (name.split(":") for name in TF_RUNS):
-        assert tf_runs[family]["first_step"] <= TOLERANCE, tf_runs
-        checks = tf_runs[family][variant]
-        assert checks["moved"] > 1e-3, checks  # the run changed the logits ...
-        for reload in ("keras_hub", "transformers") + (("base_plus_lora",) if variant == "lora" else ()):
-            assert checks[reload] <= TOLERANCE, (family, variant, reload, checks)  # ... and they came back
+def assert_reloads(checks, variant):
+    assert checks["moved"] > 1e-3, checks  # the run changed the logits ...
+    for reload in ("keras_hub", "transformers") + (("base_plus_lora",) if variant == "lora" else ()):
+        assert checks[reload] <= TOLERANCE, (variant, reload, checks)  # ... and they came back
+    assert checks["torch"] <= TRANSFORMERS, checks  # transformers itself reads them
+    assert checks["config"] == {}, checks  # the checkpoint's config.json, key for key
+
+
+def test_every_family_starts_from_transformers_logits_on_tf(tf_runs):
+    for name in CHECKPOINTS:  # Llama 3's rms_norm_eps 1e-5, Llama 3.1's rope scaling, Mistral's head_dim
+        assert tf_runs[name]["first_step"] <= TRANSFORMERS, (name, tf_runs[name])
+
+
+def test_every_export_reloads_on_tf(tf_runs):
+    for name, variant in (entry.split(":") for entry in TRAINED_TF):
+        checks = tf_runs[name][variant]
+        assert_reloads(checks, variant)
         files = set(checks["files"])
         assert {"keras_hub/task.json", "keras_hub/model.weights.h5", "keras_hub/tokenizer.json",
                 "transformers/config.json", "transformers/model.safetensors"} <= files, files
@@ -40,25 +65,30 @@ def test_checkpoints_load_as_keras_hub_loads_them_and_every_export_reloads_on_tf
         assert "transformers/tokenizer.json" in files or "transformers/vocab.json" in files, files
 
 
-def test_transformers_itself_reads_the_transformers_export(tf_runs):
-    if tf_runs["llama"]["full"]["torch"] is None:
-        pytest.skip("transformers and torch are not installed here")
-    for family, variant in (name.split(":") for name in TF_RUNS):
-        assert tf_runs[family][variant]["torch"] <= 1e-4, tf_runs[family][variant]
+def test_transformers_itself_reads_every_transformers_export_with_the_checkpoints_config(tf_runs):
+    assert tf_runs["versions"].startswith("transformers "), tf_runs["versions"]
+    for name in EXPORTED_TF:  # untrained: the toolkit's first-step logits, exported
+        checks = tf_runs[name]["export"]
+        assert checks["problems"] == [], checks
+        assert checks["config"] == {}, (name, checks)  # max_position_embeddings, head_dim, rms_norm_eps ...
+        assert checks["torch"] <= TRANSFORMERS, (name, checks)
+        assert checks["toolkit"] <= TOLERANCE, (name, checks)
+    # model.rope_max_wavelength=250000 over the checkpoint's 500000: the export says the run's.
+    theta = tf_runs[THETA]["theta"]
+    assert theta["moved"] > 1e-3, theta
+    source = json.loads(json.dumps(hf_checkpoints.CHECKPOINTS[THETA][1]["rope_parameters"]))
+    assert theta["config"] == {"rope_parameters": [source, {**source, "rope_theta": 250000.0}]}, theta
+    assert theta["torch"] <= TRANSFORMERS and theta["toolkit"] <= TOLERANCE, theta
 
 
 def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(tmp_path, data_dir):
-    # With the tf runs, a LoRA and a full fine-tune of each family.
-    result = probe("jax", tmp_path, data_dir, "1,2,2", "llama:lora,qwen2:full",
+    result = probe("jax", tmp_path, data_dir, "1,2,2", TRAINED_JAX, JAX_CHECKPOINTS,
                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    for family in ("llama", "qwen2"):  # Llama: fsdp 2 x model 2; Qwen: fsdp 4
-        assert result[family]["split_weights"] >= 10, result
-        assert result[family]["first_step"] <= TOLERANCE, result
-    for family, variant in (("llama", "lora"), ("qwen2", "full")):
-        checks = result[family][variant]
-        assert checks["moved"] > 1e-3, checks
-        for reload in ("keras_hub", "transformers") + (("base_plus_lora",) if variant == "lora" else ()):
-            assert checks[reload] <= TOLERANCE, (family, variant, reload, checks)
+    for name in JAX_CHECKPOINTS:  # Llama, Mistral: fsdp 2 x model 2; Qwen, Gemma: fsdp 4
+        assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
+        assert result[name]["first_step"] <= TRANSFORMERS, (name, result[name])
+    for name, variant in (entry.split(":") for entry in TRAINED_JAX):
+        assert_reloads(result[name][variant], variant)
 
 
 def assert_refused(result, *fragments):
@@ -68,23 +98,31 @@ def assert_refused(result, *fragments):
 
 
 def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
-    import hf_checkpoints
     good = tmp_path / "good"
     hf_checkpoints.write(good, "llama")
     config = json.loads((good / "config.json").read_text())
-    for name, change in (("weightless", {}), ("bloom", {"model_type": "bloom"})):
+    changes = {"weightless": {}, "bloom": {"model_type": "bloom"},
+               "dynamic_rope": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+               "head_dim": {"head_dim": 16}}
+    for name, change in changes.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
+        if name != "weightless":
+            (tmp_path / name / "model.safetensors").symlink_to(good / "model.safetensors")
     # model.preset on the command line, on a config file that does not set it.
     layouts = run_in_one_process("tpu_keras.layout", {  # one start of keras-hub
         name: ["--config=configs/llama_stdlib.py:tiny", f"--config.model.preset={tmp_path / name}"]
-        for name in ("weightless", "bloom")})
+        for name in changes})
     assert_refused(layouts["weightless"], "is a transformers checkpoint without weights",
                    "model.safetensors")
     assert_refused(layouts["bloom"],
                    "no converter for huggingface/transformers models with model type `'bloom'`",
                    "a family keras-hub converts")
+    # Configs keras-hub's Llama3Backbone cannot build: refused, never built otherwise.
+    assert_refused(layouts["dynamic_rope"], "keras-hub's converter cannot read its config.json",
+                   "valid llama3 config")
+    assert_refused(layouts["head_dim"], "head_dim 16 is not hidden_size / num_attention_heads",
+                   "keras-hub 0.32's Llama3Backbone cannot build that model")
     # A backbone argument keras-hub builds but cannot run: one line naming the model.* key.
     assert_refused(train("configs/llama_stdlib.py:tiny", tmp_path / "w", "--config.model.num_query_heads=3",
                          check=False),
