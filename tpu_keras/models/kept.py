@@ -76,7 +76,7 @@ def use(model_config, workdir: str, checkpointed: bool) -> None:
         now = hub_presets.describe(preset)
     except UserError as error:
         raise UserError(f"{workdir} has no checkpoint yet, so its weights come from "
-                        f"model.preset again, and {error}".replace("error: ", "")) from None
+                        f"model.preset again, and {error}") from None
     if now != hub_presets.describe(target):
         raise UserError(f"model.preset={preset!r} is not the model this run started with (kept "
                         f"in {target}): put the original back, or start the new model in "

@@ -361,16 +361,8 @@ def _describe_leaf(leaf):
 
 def loaded_sources() -> dict:
     """{path: [size, mtime_ns]} of the file of every module loaded in this process."""
-    sources = {}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path not in sources:
-            try:
-                stat = os.stat(path)
-            except OSError:
-                continue
-            sources[path] = [stat.st_size, stat.st_mtime_ns]
-    return sources
+    return _stats({module.__file__ for module in list(sys.modules.values())
+                   if isinstance(getattr(module, "__file__", None), str)})
 
 
 def stale_sources(recorded: dict) -> str | None:
