@@ -64,10 +64,9 @@ def use(model_config, workdir: str, checkpointed: bool) -> None:
     """Points `model.preset` at DIR/model where the run kept its model and the weights come
     from a checkpoint; with no checkpoint yet, checks that `model.preset` still describes
     the kept model (its weights are read from there)."""
-    import tensorflow as tf
     target = folder(workdir)
     preset = model_config.get("preset", "")
-    if not preset or not tf.io.gfile.exists(os.path.join(target, hub_presets.KEPT_MARKER)):
+    if not preset or not hub_presets.is_kept(target):
         return  # nothing kept: no preset, one inside the workdir, or a run from before
     if checkpointed:
         model_config.preset = target
