@@ -10,8 +10,11 @@ it sums the bytes of each device's shards of the live arrays
 (`jax.live_arrays()`) from the call of `from_preset` to its return, and
 prints one JSON line: per loader, each device's peak above what it held
 before the load and what it holds at the end (the backbone's own shards),
-the largest replicated weight's bytes, and the largest difference from the
-saved weights.
+the largest replicated weight's bytes, the largest difference from the
+saved weights, and how many programs XLA compiled during the load (none
+for initial values the preset then overwrites). And `unloaded`: a Dense
+layer made in the toolkit's loading scope with only its kernel written,
+whose bias must come out as its initializer's ones.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -53,6 +56,10 @@ def held() -> list:
 
 
 peak = None
+compiles = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *_, **__: compiles.__setitem__(0, compiles[0] + (
+        event == "/jax/core/compile/backend_compile_duration")))
 direct_assign = core.JaxVariable._direct_assign
 
 
@@ -76,13 +83,16 @@ def measured_from_preset(cls, *args, **kwargs):
     gc.collect()
     before = held()
     peak = list(before)
+    compiled = compiles[0]
     backbone = from_preset(cls, *args, **kwargs)
+    compiled = compiles[0] - compiled
     gc.collect()
     after = held()
     replicated = max(v.value.nbytes for v in backbone.weights
                      if v.value.sharding.is_fully_replicated)
     loads.append({"peak": [p - b for p, b in zip(peak, before)],
-                  "end": [a - b for a, b in zip(after, before)], "largest_replicated": replicated})
+                  "end": [a - b for a, b in zip(after, before)], "largest_replicated": replicated,
+                  "compiles": compiled})
     peak = None
     loads[-1]["difference"] = max(float(np.abs(np.asarray(v.value) - saved[v.path]).max())
                                   for v in backbone.weights)  # 0: the preset's weights
@@ -107,6 +117,18 @@ cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
 model = build_model(config, cluster)  # sets the distribution it loads under
 del model
 keras_hub.models.LlamaBackbone.from_preset(preset_dir)  # keras-hub alone, the same distribution
-print("LOAD " + json.dumps({"toolkit": loads[0], "keras_hub": loads[1],
+
+from tpu_keras.parallelism import host_placement  # noqa: E402
+
+with keras.name_scope("decoder"):
+    dense = keras.layers.Dense(64, bias_initializer="ones", name="ffw")
+    with host_placement.placed_from_host(loading=True):
+        dense.build((None, 64))
+        kernel = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
+        dense.kernel.assign(kernel)  # the bias is not loaded
+unloaded = {"kernel": float(np.abs(np.asarray(dense.kernel.value) - kernel).max()),
+            "bias": np.asarray(dense.bias.value).tolist(),
+            "bias_sharding": str(dense.bias.value.sharding.spec)}
+print("LOAD " + json.dumps({"toolkit": loads[0], "keras_hub": loads[1], "unloaded": unloaded,
                             "distribution": type(keras.distribution.distribution()).__name__}),
       flush=True)

@@ -167,7 +167,7 @@ def test_a_saved_preset_is_loaded_not_reinitialised_on_both_engines(tmp_path):
         assert abs(losses["scratch"] - losses["saved"]) > 1e-4, (engine, losses)
 
 
-def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device(tmp_path):
+def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device_and_nothing_compiled(tmp_path):
     """keras-team/keras#21634, measured on 8 fake devices (tests/load_memory_probe.py)."""
     out = run([sys.executable, "tests/load_memory_probe.py", str(tmp_path / "preset")],
               timeout=500).stdout
@@ -180,6 +180,10 @@ def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device(tmp_path
         assert peak <= end + toolkit["largest_replicated"], load
     # keras-hub alone passes each whole weight through device 0 (the check can fail).
     assert alone["peak"][0] > alone["end"][0] + 2 * alone["largest_replicated"], load
+    # No initial values compiled only to be overwritten (Keras compiles one per weight here) ...
+    assert toolkit["compiles"] == 0, load
+    # ... and a weight the loader leaves alone still gets its initializer's values.
+    assert load["unloaded"]["kernel"] == 0 and set(load["unloaded"]["bias"]) == {1.0}, load
 
 
 def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir, tmp_path):

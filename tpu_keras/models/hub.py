@@ -139,10 +139,10 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
     backbone_cls = task_cls.backbone_cls
     if preset:
         try:
-            with host_placement.placed_from_host():  # no whole weight on one device
-                backbone = hub_presets.load_backbone(  # a run's kept model: its checkpoint's weights
-                    backbone_cls, preset, dtype=dtype, load_weights=not hub_presets.is_kept(preset),
-                    **backbone_kwargs)
+            load = not hub_presets.is_kept(preset)  # a run's kept model: its checkpoint's weights
+            with host_placement.placed_from_host(loading=load):  # no whole weight on one device
+                backbone = hub_presets.load_backbone(backbone_cls, preset, dtype=dtype,
+                                                     load_weights=load, **backbone_kwargs)
         except (OSError, ValueError, ConnectionError) as error:
             if not hub_presets.is_handle(preset):
                 raise
