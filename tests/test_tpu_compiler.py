@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import assert_one_line_error, run, run_in_one_process
+from tpu_keras.tools import layout_search
 
 LM = ["--config=configs/lm_stdlib.py", "--config.engine=jax"]
 
@@ -26,7 +27,7 @@ def compiled():
                                  "--config.mesh.model=2", "--measure"],
         "out_of_memory": LM + ["--tpu=v5e-1", "--config.model.width=16384", "--config.model.depth=1",
                                "--measure"],
-        "auto": LM + ["--tpu=v5litepod-8", "--auto", "--measure"],
+        "auto": LM + ["--tpu=v5litepod-8", "--auto", "--measure", "--compiled=2", "--json"],
         "unknown_type": LM + ["--tpu=v9-8", "--measure"],
     }, timeout=600)
 
@@ -83,11 +84,24 @@ def test_a_step_the_compiler_cannot_fit_does_not_fit(compiled):
     assert "fits by the TPU compiler: NO" in result.stdout and "of 15.75 GiB HBM" in result.stdout
 
 
-def test_auto_with_measure_compiles_the_recommended_layout(compiled):
+def test_auto_with_measure_lets_the_compiler_choose_among_the_best_planned(compiled):
     result = compiled["auto"]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "recommended: " in result.stdout and "TPU compiler (libtpu " in result.stdout
-    assert "(v5e:2x4)" in result.stdout
+    s = json.loads(result.stdout)
+    rows = s["compiled"]  # the two best-planned layouts, plan and compiler side by side
+    assert len(rows) == 2 and [row["chosen"] for row in rows].count(True) == 1, rows
+    assert rows[0]["mesh"] == s["plan_recommended"]["mesh"]
+    assert all(row["fits"] and row["peak"] > 0 and row["step_seconds"] > 0 for row in rows), rows
+    chosen = next(row for row in rows if row["chosen"])
+    assert chosen["step_seconds"] == min(row["step_seconds"] for row in rows)
+    assert s["chosen_by"] == "the compiler's step-time estimate"
+    best = s["recommended"]
+    assert (best["mesh"], best["remat"]) == (chosen["mesh"], chosen["remat"])
+    assert s["measured"]["topology"] == "v5e:2x4" and s["measured"]["peak"] == chosen["peak"]
+    text = layout_search.format_search(s)  # what the command prints without --json
+    assert "best-planned layouts, compiled by the TPU compiler (libtpu " in text
+    assert "<- chosen" in text
+    assert "the compiler's step-time estimate, the best of the 2 best-planned layouts compiled" in text
 
 
 def test_measure_for_a_tpu_type_nothing_describes_is_one_error_line(compiled):

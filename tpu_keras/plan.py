@@ -8,7 +8,9 @@
 Parameters, optimizer state and gradients per device are exact; activations
 an estimate; the bytes sent per update are computed from the layout (see
 `tools.memory_plan`). `--auto` tries every mesh and remat setting and
-recommends a layout (`tools.layout_search`). `--measure` compiles the
+recommends a layout (`tools.layout_search`); with `--measure` on the TPU
+compiler, it compiles the best few (`--compiled`) and the compiler's
+figures choose. `--measure` compiles the
 toolkit's real training step and prints the compiler's figures next to the
 plan's: where libtpu is installed (the `tpu` extra), the TPU compiler's own
 for the slice's devices, ahead of time on this machine and with nothing
@@ -51,6 +53,9 @@ _COMPILER = flags.DEFINE_enum("compiler", "auto", ["auto", "tpu", "cpu"], "Which
 _AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) of the slice with "
                           "each remat setting and recommend the one that fits with the least "
                           "estimated communication time (slices: data across them).")
+_COMPILED = flags.DEFINE_integer("compiled", 3, "With --auto --measure on the TPU compiler: how "
+                                 "many of the best-planned layouts it compiles; its figures "
+                                 "choose among them.")
 _JSON = flags.DEFINE_bool("json", False, "Print the plan as JSON.")
 
 
@@ -82,7 +87,7 @@ def main(argv):
     else:
         from tpu_keras.tools import layout_search
         result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
-                                      compiler)
+                                      compiler, _COMPILED.value)
         print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
         fits = result["recommended"] is not None and result.get("measured", {}).get("fits", True)
     if not fits:

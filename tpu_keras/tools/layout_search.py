@@ -33,10 +33,11 @@ from tpu_keras.tools.memory_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, us
 
 
 def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
-           compiler: str = "cpu") -> dict:
+           compiler: str = "cpu", compiled: int = 3) -> dict:
     """Every candidate layout of `config` on the slice, and the recommended one (a dict,
-    JSON-ready); with `measure`, the figures of the recommended one's compiled step from
-    `compiler` ('cpu': XLA:CPU on fake devices; 'tpu': the TPU compiler, `tpu_compiler`)."""
+    JSON-ready). With `measure` and `compiler` 'tpu', the TPU compiler compiles the
+    `compiled` best-planned candidates and its figures choose (`compiled_choice`); with
+    'cpu', XLA:CPU compiles the plan's choice on fake devices (the model is allocated)."""
     slices, found = memory_plan.tpu_slices(config, slice_name)
     usable = usable_bytes(found, margin)
     footprint = Footprint(config)
@@ -70,15 +71,54 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "flags": flags(best) if best else None,
     }
     if measure and best and compiler == "tpu":
-        from tpu_keras.tools import tpu_compiler
-        result["measured"] = tpu_compiler.measure(configured(config, best), slice_name,
-                                                  best["mesh"], best["batch_per_replica"])
+        result.update(compiled_choice(config, slice_name, fitting, compiled))
     elif measure and best:
         from tpu_keras.tools import compiled_step
         result["measured"] = compiled_step.measure(configured(config, best), best["mesh"],
                                                    best["batch_per_replica"], footprint.state_bytes,
                                                    slices)
     return result
+
+
+def compiled_choice(config, slice_name: str, fitting: list[dict], count: int) -> dict:
+    """The TPU compiler's figures for the `count` best-planned of the `fitting` candidates, and
+    its choice among them: of those whose peak fits HBM, the least step-time estimate, or,
+    where the compiler gives no estimate for one of them, the fewest bytes sent, then the
+    least peak. The plan ranks the candidates; the compiler, which sees the fused program,
+    overlaps and all, has the last word.
+
+    Returns {'compiled': a row per compiled candidate, plan and compiler side by side,
+    'chosen_by', 'plan_recommended', 'recommended', 'flags', 'measured' (the chosen one's
+    figures)}; 'recommended' is None where nothing compiled fits."""
+    from tpu_keras.tools import tpu_compiler
+    if count < 1:
+        raise UserError(f"--compiled={count}: compile at least 1 candidate")
+    ranked = sorted(fitting, key=_preference)[:count]
+    for candidate in ranked:
+        candidate["measured"] = tpu_compiler.measure(configured(config, candidate), slice_name,
+                                                     candidate["mesh"],
+                                                     candidate["batch_per_replica"])
+    fits = [c for c in ranked if c["measured"]["fits"]]
+    timed = all(c["measured"].get("step_seconds") is not None for c in fits)
+    by = ("the compiler's step-time estimate" if timed else
+          "the bytes the compiled collectives send (the compiler gave no step-time estimate "
+          "for every one)")
+
+    def compiled_preference(c):
+        m = c["measured"]
+        return ((m["step_seconds"] if timed else 0), m["sent_per_step"]["total"], m["peak"])
+
+    best = min(fits, key=compiled_preference, default=None)
+    rows = [{"mesh": c["mesh"], "remat": c["remat"], "batch_per_replica": c["batch_per_replica"],
+             "grad_accum_steps": c["grad_accum_steps"], "plan_bytes": c["per_device"]["total"],
+             "plan_sent": c["sent_per_step"]["total"], "plan_seconds": c["network"]["seconds"],
+             "peak": c["measured"]["peak"], "fits": c["measured"]["fits"],
+             "sent": c["measured"].get("sent_per_step", {}).get("total"),
+             "step_seconds": c["measured"].get("step_seconds"), "chosen": c is best}
+            for c in ranked]
+    return {"compiled": rows, "chosen_by": by, "plan_recommended": ranked[0],
+            "recommended": best, "flags": flags(best) if best else None,
+            "measured": (best or ranked[0])["measured"]}
 
 
 def meshes(devices: int) -> list[dict]:
@@ -141,6 +181,40 @@ def _preference(c: dict):
             c["remat"] != "none", c["per_device"]["total"])
 
 
+def _layout(c: dict, slices: int) -> str:
+    """'data=8 x fsdp=2, remat none, 4 per batch split x 2 micro-batch(es)'."""
+    return (f"{memory_plan.describe(c['mesh'], slices)}, remat {c['remat']}, "
+            f"{c['batch_per_replica']} per batch split x {c['grad_accum_steps']} micro-batch(es)")
+
+
+def format_compiled(s: dict) -> list[str]:
+    """The compiled candidates, the plan's figures beside the TPU compiler's."""
+    header = ("data", "fsdp", "model", "remat", "batch", "accum", "plan", "compiler peak",
+              "plan sent", "compiled sent", "plan comm", "compiler step", "")
+    table = [header]
+    for row in s["compiled"]:
+        mesh, sent = row["mesh"], row["sent"]
+        table.append((str(mesh["data"]), str(mesh["fsdp"]), str(mesh["model"]), row["remat"],
+                      str(row["batch_per_replica"]), str(row["grad_accum_steps"]),
+                      format_bytes(row["plan_bytes"]),
+                      (format_bytes(row["peak"]) if row["peak"] else "?") + ("" if row["fits"]
+                                                                             else " NO FIT"),
+                      format_bytes(row["plan_sent"]), format_bytes(sent) if sent is not None else "-",
+                      memory_plan.format_seconds(row["plan_seconds"]),
+                      f"{row['step_seconds'] * 1e3:.2f} ms" if row["step_seconds"] else "none",
+                      "<- chosen" if row["chosen"] else ""))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    compiler = s["measured"]["compiler"]
+    return ([f"the {len(s['compiled'])} best-planned layouts, compiled by the {compiler}, per "
+             "device:"]
+            + ["  " + "  ".join(cell.ljust(w) if i in (3, 12) else cell.rjust(w)
+                                for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
+               for r in table]
+            + ["  plan: the plan's bytes; compiler peak: arguments, outputs, temporaries and code; "
+               "sent: per update; plan comm: the plan's communication time; compiler step: the "
+               "compiler's estimate of the whole step"])
+
+
 def format_search(s: dict, rows: int = 12) -> str:
     """The search as the command prints it: the best candidates, then the recommendation."""
     fitting = [c for c in s["candidates"] if c["fits"]]
@@ -182,7 +256,14 @@ def format_search(s: dict, rows: int = 12) -> str:
               "the traced step; the estimate errs high", MARGIN_NOTE]
     for skip in s["skipped"][:3]:
         lines.append(f"skipped {mesh_lib.describe(skip['mesh'])}: {skip['reason']}")
+    if "compiled" in s:
+        lines += ["", *format_compiled(s)]
     best = s["recommended"]
+    if best is None and "compiled" in s:
+        lines += ["", f"nothing the TPU compiler compiled fits: compile more candidates "
+                      f"(--compiled={len(s['compiled']) * 2}), use a larger slice, a smaller "
+                      "model, or a smaller batch per update"]
+        return "\n".join(lines)
     if best is None:
         lines += ["", "nothing fits: use a larger slice, a smaller model, or a smaller batch per update "
                       "(train.batch_size x train.grad_accum_steps)"]
@@ -192,9 +273,14 @@ def format_search(s: dict, rows: int = 12) -> str:
                       if key != "total" and value)
     least = ("the least estimated communication time" if best["network"]["seconds"] is not None
              else "the least communication (no published bandwidth for this generation)")
-    lines += ["", f"recommended: {memory_plan.describe(best['mesh'], slices)}, remat {best['remat']}, "
-                  f"{best['batch_per_replica']} per batch split x {best['grad_accum_steps']} "
-                  f"micro-batch(es): {least} of those that fit",
+    if "compiled" in s:
+        least = (f"{s['chosen_by']}, the best of the {len(s['compiled'])} best-planned layouts "
+                 "compiled" + ("" if best is s["plan_recommended"] else
+                               "; the plan alone would have chosen "
+                               + _layout(s["plan_recommended"], slices)))
+    else:
+        least += " of those that fit"
+    lines += ["", f"recommended: {_layout(best, slices)}: {least}",
               f"  {format_bytes(best['per_device']['total'])} per device; sends "
               f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
               f"  {memory_plan.format_network(best['network'])}"]
