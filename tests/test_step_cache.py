@@ -166,3 +166,21 @@ def test_the_key_covers_the_model_s_architecture_and_compiled_constants():
     assert described() == described()
     assert described(units=5) != described()  # a preset's changed value, say
     assert described(scale=0.25) != described()  # a corpus with other tokens per byte
+
+
+def test_a_trace_under_another_profiler_keeps_it_and_is_not_kept():
+    # cProfile, a debugger: the step's code cannot be watched, so it counts as code in no
+    # file (no entry), and the other tool's hook stays in place.
+    seen = []
+
+    def other(frame, event, arg):
+        seen.append(event)
+
+    sys.setprofile(other)
+    try:
+        result, traced = step_cache._tracing_code(lambda: 7)
+        still = sys.getprofile()
+    finally:
+        sys.setprofile(None)
+    assert result == 7 and still is other and seen
+    assert step_cache.code_without_a_file(traced) == f"{step_cache.WATCHED_BY_ANOTHER} in no module"

@@ -280,13 +280,19 @@ def _tracing_code(trace):
             add(code)
             if code.co_filename[:1] == "<":
                 generated[code] = frame.f_globals.get("__name__")
-    previous = sys.getprofile()
+    if sys.getprofile() is not None:  # a profiler or debugger holds the hook: nothing to tell by
+        return trace(), {(WATCHED_BY_ANOTHER, None)}
     sys.setprofile(profile)
     try:
         result = trace()
     finally:
-        sys.setprofile(previous)
+        sys.setprofile(None)
     return result, {(code.co_filename, generated.get(code)) for code in codes}
+
+
+# What the trace "ran" where another tool (cProfile, a debugger) holds the profile hook: the
+# step's code cannot be watched, so it counts as code in no file and the step is not kept.
+WATCHED_BY_ANOTHER = "<code the trace ran, unseen: a profiler holds sys.setprofile>"
 
 
 # The namespace `collections.namedtuple` compiles a tuple's methods in (their class's own
