@@ -17,7 +17,7 @@ default: data alone, fsdp alone, data with model=2 or 4, data with fsdp=4):
 
 For each: the mean links between ring neighbours along `data`, `fsdp`,
 `model` and the batch (`data` and `fsdp` together), 1.0 being neighbouring
-chips (`measurement.network.ring_hops`); and the planner's time inside the
+chips (`planning.network.ring_hops`); and the planner's time inside the
 slice for the config's model on that mesh (`python -m tpu_keras.plan`),
 each collective's bytes at the published ICI bandwidth times the hops of
 the axis they cross (the planner itself counts 1.0: `ideal_ici_seconds`).
@@ -33,9 +33,9 @@ from ml_collections import config_flags
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import libtpu, topology
 from tpu_keras.errors import UserError
-from tpu_keras.measurement import network
+from tpu_keras.planning import network
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.tools import memory_plan
+from tpu_keras.planning import memory_plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
 _TPU = flags.DEFINE_string("tpu", "v5litepod-16", "One TPU slice type.")

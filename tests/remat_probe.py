@@ -22,7 +22,7 @@ import keras  # noqa: E402
 
 import tpu_keras  # noqa: E402
 from tpu_keras import data  # noqa: E402
-from tpu_keras.measurement import memory  # noqa: E402
+from tpu_keras.planning import memory  # noqa: E402
 from tpu_keras.models import registry  # noqa: E402
 from tpu_keras.training.run import build_model  # noqa: E402
 

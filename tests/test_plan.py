@@ -19,7 +19,7 @@ def plan(*args, check=True):
     return json.loads(result.stdout) if check else result
 
 
-# float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.measurement.memory).
+# float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.planning.memory).
 FLOAT32 = "--config.train.precision=float32"
 # These check the plan against XLA:CPU on fake devices; the TPU compiler: test_tpu_compiler.py.
 CPU = "--compiler=cpu"
@@ -190,7 +190,7 @@ def test_bad_input_is_one_line(plans, name):
 
 
 def test_collective_bytes_are_read_from_each_replica_group_form():
-    from tpu_keras.measurement import collectives
+    from tpu_keras.planning import collectives
     hlo = "\n".join([
         # 8 devices in groups of 2 (iota form): an all-gather's result is the whole tensor.
         "  %all-gather = f32[128,256]{1,0} all-gather(%p), channel_id=7, "
@@ -210,7 +210,7 @@ def test_collective_bytes_are_read_from_each_replica_group_form():
 
 
 def test_collectives_that_span_slices_are_split_hierarchically():
-    from tpu_keras.measurement import collectives
+    from tpu_keras.planning import collectives
     hlo = "\n".join([
         # Groups {0,4},{1,5},...: across the 2 slices of 4 devices only.
         "  %ar.0 = f32[1024]{0} all-reduce(%g), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%sum",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import assert_one_line_error, run, run_in_one_process
-from tpu_keras.tools import layout_search
+from tpu_keras.planning import layout_search
 
 LM = ["--config=configs/lm_stdlib.py", "--config.engine=jax"]
 

@@ -25,7 +25,7 @@ import numpy as np
 from tpu_keras.cluster import libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.tools.layout_search import meshes
+from tpu_keras.planning.layout_search import meshes
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 SLICE_COUNTS = (1, 2, 4)

@@ -110,7 +110,7 @@ report("ACCUM", {"between": largest(updated[1], updated[4]), "moved": largest(up
 
 # ----- the plan, against the CLI's plan of the model registered as a builder ----------
 from tpu_keras import config as tk_config  # noqa: E402
-from tpu_keras.tools import memory_plan  # noqa: E402
+from tpu_keras.planning import memory_plan  # noqa: E402
 
 tpu_keras.models.register("transformer", loss=lambda: LOSS, metrics=lambda: [], headline="loss",
                           layout=lambda kwargs: RULES)(transformer)

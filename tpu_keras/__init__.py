@@ -7,8 +7,10 @@ The packages, in the order a run meets them:
 - `data`: tf.data pipelines, sharded per host and batched per replica;
 - `models`: registered model builders, each with its layout rules;
 - `training`: the run, its step functions, checkpoints, callbacks and guards;
-- `measurement`: model FLOPs, the peak, activation memory, time per phase;
-- `tools`: the reports behind `python -m tpu_keras.info`, `.layout` and `.plan`.
+- `measurement`: what a run measures of itself: model FLOPs, the peak, time per phase;
+- `planning`: what a config needs on a TPU slice before it runs (`.plan`, `.layout`),
+  checked against the TPU's own compiler;
+- `tools`: the reports behind `python -m tpu_keras.info`, and the sampler.
 
 From your own code: `connect` (the cluster and its mesh), `cluster.layout(rules)`
 (your model's weights laid out and checked as a run's), `distributed_steps`
@@ -27,11 +29,11 @@ _LAZY = {
     "connect": "tpu_keras.cluster",
     "Cluster": "tpu_keras.cluster",
     "distributed_steps": "tpu_keras.training",
-    "plan_model": "tpu_keras.tools.user_plan",
+    "plan_model": "tpu_keras.planning.user_plan",
     "UserError": "tpu_keras.errors",
 }
-_PACKAGES = ("cluster", "config", "data", "measurement", "models", "parallelism", "tools",
-             "training")
+_PACKAGES = ("cluster", "config", "data", "measurement", "models", "parallelism", "planning",
+             "tools", "training")
 
 
 def __getattr__(name):

@@ -4,7 +4,7 @@
         --config.mesh.data=4 --config.mesh.model=2 [--json]
 
 One row per weight (path, shape, layout, bytes per device), then parameter
-and optimizer-state totals, in all and per device (`tools.layout_report`).
+and optimizer-state totals, in all and per device (`planning.layout_report`).
 Nothing is allocated, so it answers for meshes far larger than this
 machine; it needs the jax extra (`pip install -e ".[jax]"`) for that,
 whichever engine the config trains on. The rules are checked as in
@@ -38,7 +38,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(config)
     engine.select("jax")  # for the allocation-free build, whatever engine trains
-    from tpu_keras.tools import layout_report
+    from tpu_keras.planning import layout_report
     devices = _DEVICES.value or math.prod(size for size in dict(config.mesh).values() if size > 0)
     report = layout_report.describe(config, devices)
     print(json.dumps(report, indent=1) if _JSON.value else layout_report.format_table(report))

@@ -7,16 +7,16 @@
 
 Parameters, optimizer state and gradients per device are exact; activations
 an estimate; the bytes sent per update are computed from the layout (see
-`tools.memory_plan`). `--auto` tries every mesh and remat setting and
-recommends a layout (`tools.layout_search`); with `--measure` on the TPU
+`planning.memory_plan`). `--auto` tries every mesh and remat setting and
+recommends a layout (`planning.layout_search`); with `--measure` on the TPU
 compiler, it compiles the best few (`--compiled`) and the compiler's
 figures choose. `--measure` compiles the
 toolkit's real training step and prints the compiler's figures next to the
 plan's: where libtpu is installed (the `tpu` extra), the TPU compiler's own
 for the slice's devices, ahead of time on this machine and with nothing
-allocated, so any model size works (`tools.tpu_compiler`); elsewhere, or
+allocated, so any model size works (`planning.tpu_compiler`); elsewhere, or
 with `--compiler=cpu`, XLA:CPU's on as many fake CPU devices as the slice
-has, with the model allocated (`tools.compiled_step`). Several slices
+has, with the model allocated (`planning.compiled_step`). Several slices
 joined by the data-center network: `--tpu=2xv5litepod-256` (multislice, v4
 and later).
 
@@ -79,13 +79,13 @@ def main(argv):
         slices, found = topology.parse_tpu(_TPU.value)
         engine.select("jax", slices * found.devices)
     if not _AUTO.value:
-        from tpu_keras.tools import memory_plan
+        from tpu_keras.planning import memory_plan
         result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                   compiler)
         print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
         fits = result["fits"]
     else:
-        from tpu_keras.tools import layout_search
+        from tpu_keras.planning import layout_search
         result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                       compiler, _COMPILED.value)
         print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))

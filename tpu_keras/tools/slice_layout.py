@@ -5,15 +5,15 @@ The jax engine lays the mesh out as `parallelism.mesh.device_grid` does on
 that slice's chips. For each host: its chips' coordinates, the batch rows
 they hold (on a TPU seldom neighbours), and the input pipeline that feeds
 them; per mesh axis, how many chip-to-chip links separate ring neighbours
-(`measurement.network.ring_hops`; 1.0 is the ideal the planner's time
+(`planning.network.ring_hops`; 1.0 is the ideal the planner's time
 assumes). On the tf engine `TPUStrategy` numbers its replicas host by host
 and each host feeds its own, so only that is shown.
 """
 
 from tpu_keras.cluster import libtpu
-from tpu_keras.measurement import network
+from tpu_keras.planning import network
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.tools import memory_plan
+from tpu_keras.planning import memory_plan
 
 
 def describe(config, tpu_type: str) -> dict:

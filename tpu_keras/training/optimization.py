@@ -15,7 +15,7 @@ def compile_model(model, builder, train_cfg, cluster, optimizer=None):
     a checkpoint can fill them), the builder's loss and metrics, and the toolkit's steps.
 
     `optimizer`: one `make_optimizer(train_cfg)` made already (the TPU compiler's
-    check makes it before the slice's distribution is set: `tools.compiled_step`)."""
+    check makes it before the slice's distribution is set: `planning.compiled_step`)."""
     distributed_steps(model, train_cfg.get("grad_accum_steps", 1))
     with cluster.scope():
         model.compile(optimizer=optimizer or make_optimizer(train_cfg), loss=builder.loss(),

@@ -20,7 +20,7 @@ whole. Where unsure, whole: the estimate errs high.
 
 import math
 
-from tpu_keras.measurement.jaxpr_walk import called_program, is_literal
+from tpu_keras.planning.jaxpr_walk import called_program, is_literal
 
 _STRUCTURAL = ("convert_element_type", "copy", "copy_p", "reduce_precision")
 

@@ -7,12 +7,12 @@ on the config's mesh:
 - gradients: one per trainable weight, laid out like it (exact);
 - activations: an estimate, the tensors autodiff keeps for the backward pass
   at the per-replica batch with the config's remat setting
-  (`measurement.memory`). With mesh.model > 1, those tensor parallelism
-  splits count once per shard (`measurement.model_split`); the rest whole.
+  (`planning.memory`). With mesh.model > 1, those tensor parallelism
+  splits count once per shard (`planning.model_split`); the rest whole.
 - communication: the bytes each device sends per update, from the layout
-  and the model's traced matmuls (`measurement.communication`), split into
+  and the model's traced matmuls (`planning.communication`), split into
   inside the slice (chip interconnect) and across slices (data-center
-  network) with an estimated time for each (`measurement.network`).
+  network) with an estimated time for each (`planning.network`).
 
 Several slices (`--tpu=2xv5litepod-256`): the config's mesh is one slice's,
 and the slices extend the data axis (`mesh.slices`, the batch split over
@@ -29,8 +29,8 @@ import functools
 from tpu_keras.cluster import engine, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.tools import layout_report
-from tpu_keras.tools.layout_report import format_bytes
+from tpu_keras.planning import layout_report
+from tpu_keras.planning.layout_report import format_bytes
 
 
 class Footprint:
@@ -60,7 +60,7 @@ class Footprint:
         """(constant, per example): the activation bytes per device at batch b are
         constant + b x per example. `mesh` (data, fsdp, model) matters through its
         model axis, which splits what tensor parallelism splits."""
-        from tpu_keras.measurement import memory
+        from tpu_keras.planning import memory
         model_size = mesh[2]
         if mesh != (1, 1, model_size):
             return self.activation_line(remat, (1, 1, model_size))
@@ -87,7 +87,7 @@ class Footprint:
         and batch, whatever the mesh (a trace of a 1B model takes seconds). Its layers
         keep the remat they were made with."""
         import keras
-        from tpu_keras.measurement import memory
+        from tpu_keras.planning import memory
         with keras.StatelessScope(initialize_variables=False):
             return memory.backward_trace(self._model_with(remat), self.builder.loss(), batch)
 
@@ -95,7 +95,7 @@ class Footprint:
     def _traced_weights(self):
         """(the matmuls and lookups that read each weight, the bytes per element each cast
         weight is used in), from one trace (`communication.weight_uses`)."""
-        from tpu_keras.measurement import communication
+        from tpu_keras.planning import communication
         itemsizes = {}
         return communication.weight_uses(self.model, self.builder.loss(), itemsizes), itemsizes
 
@@ -138,9 +138,9 @@ class Footprint:
 
     def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1,
                       slices: int = 1) -> dict:
-        """Bytes each device sends per optimizer update (`measurement.communication`);
+        """Bytes each device sends per optimizer update (`planning.communication`);
         `mesh` is one slice's."""
-        from tpu_keras.measurement import communication
+        from tpu_keras.planning import communication
         placements = layout_report.placements(self.config, mesh, self.model)
         trainable = {v.path for v in self.model.trainable_variables}
         return communication.per_step(placements, trainable, self.weight_uses, mesh,
@@ -174,7 +174,7 @@ def one_slice_mesh(config, found) -> dict:
 
 
 def network_estimate(sent: dict, found, slices: int) -> dict:
-    from tpu_keras.measurement import network
+    from tpu_keras.planning import network
     return network.estimate(sent, found.generation, slices)
 
 
@@ -222,11 +222,11 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "network": network_estimate(sent, found, slices),
     }
     if measure and compiler == "tpu":
-        from tpu_keras.tools import tpu_compiler
+        from tpu_keras.planning import tpu_compiler
         result["measured"] = tpu_compiler.measure(config, slice_name, mesh, per_replica)
         result["plan_fits"], result["fits"] = result["fits"], result["measured"]["fits"]
     elif measure:
-        from tpu_keras.tools import compiled_step
+        from tpu_keras.planning import compiled_step
         result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes,
                                                    slices)
     return result
@@ -263,7 +263,7 @@ NETWORK_NOTE = ("estimated time: bytes over the published bandwidth (ICI: half t
 
 def measured_notes(sent: dict, m: dict) -> list[str]:
     """The across-slice check, and what XLA:CPU sends that a TPU would not."""
-    from tpu_keras.measurement import network
+    from tpu_keras.planning import network
     lines = []
     if m.get("slices", 1) > 1:
         planned, compiled = network.across_slices(sent), network.across_slices(m["sent_per_step"])
@@ -306,7 +306,7 @@ def format_plan(p: dict) -> str:
                   f"({_sent_parts(p['sent_per_step'])})",
               f"  {format_network(p['network'])}", f"  {NETWORK_NOTE}"]
     if p.get("measured", {}).get("backend") == "tpu":
-        from tpu_keras.tools import tpu_compiler
+        from tpu_keras.planning import tpu_compiler
         lines += [""] + tpu_compiler.format_measured(p, p["measured"], format_bytes)
         if "sent_per_step" in p["measured"]:
             lines += measured_notes(p["sent_per_step"], p["measured"])

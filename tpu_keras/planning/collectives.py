@@ -1,6 +1,6 @@
 """Bytes each device sends in a compiled program's collectives, read from its HLO text.
 
-The check on `measurement.communication`: XLA's SPMD partitioner decides
+The check on `planning.communication`: XLA's SPMD partitioner decides
 which collectives a sharded step really runs, and it may add some the
 layout did not intend (a weight split where the stream it joins is whole
 makes XLA split the stream, then gather it before every matmul). Each
@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from tpu_keras.measurement import network
+from tpu_keras.planning import network
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(-start)?\(")

@@ -42,9 +42,9 @@ import math
 
 import jax
 
-from tpu_keras.measurement import memory, network
-from tpu_keras.measurement.network import ring
-from tpu_keras.measurement.jaxpr_walk import called_program, is_literal, nbytes
+from tpu_keras.planning import memory, network
+from tpu_keras.planning.network import ring
+from tpu_keras.planning.jaxpr_walk import called_program, is_literal, nbytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ written over a donated argument, and its temporaries (gradients,
 activations, XLA's workspace). Compiling the step at twice the batch too
 gives the activations alone: the temporaries that grow with the batch.
 The compiled program's collectives give the bytes each device sends
-(`measurement.collectives`), beside the plan's. With several slices, the
+(`planning.collectives`), beside the plan's. With several slices, the
 fake devices are grouped into slices as a multislice run lays them out
 (contiguous blocks, the slice outermost in the data axis), and each
 collective whose groups span slices counts what crosses them apart.
@@ -78,7 +78,7 @@ def _analysis(model, config, batch_per_replica: int, slices: int = 1,
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_keras.measurement import collectives as collectives_lib, memory
+    from tpu_keras.planning import collectives as collectives_lib, memory
     from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps

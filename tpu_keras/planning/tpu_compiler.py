@@ -29,7 +29,7 @@ From the compiled program, per device:
   fit, is the same answer: does not fit, with its figures.
 - `as_text()`: each collective, with the bytes one device sends in it and
   whether they cross the chip interconnect (ICI) or, between slices, the
-  data-center network (DCN) (`measurement.collectives`). A collective
+  data-center network (DCN) (`planning.collectives`). A collective
   inside a loop (the accumulation's micro-batches) counts once.
 - `cost_analysis()`: the FLOPs and the compiler's step-time estimate,
   'optimal_seconds'. It is an estimate of the compiler's cost model, and
@@ -151,7 +151,7 @@ def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_keras.measurement import memory
+    from tpu_keras.planning import memory
     from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
@@ -175,7 +175,7 @@ def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
 
 def _figures(compiled, found, slices: int, devices: int) -> dict:
     """Memory per device, the collectives and the cost analysis of the compiled step."""
-    from tpu_keras.measurement import collectives
+    from tpu_keras.planning import collectives
     analysis = compiled.memory_analysis()
     held = {"arguments": analysis.argument_size_in_bytes,
             "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,

@@ -9,13 +9,13 @@ seq x seq scores) and allocates nothing. Weights that autodiff also keeps are
 left out: they are already counted as parameters.
 
 The check is XLA's own buffer assignment for the compiled sharded step
-(`tpu_keras.tools.compiled_step`, `python -m tpu_keras.plan --measure`): the
+(`tpu_keras.planning.compiled_step`, `python -m tpu_keras.plan --measure`): the
 part of its temporary memory that grows with the batch.
 """
 
 import jax
 
-from tpu_keras.measurement.jaxpr_walk import is_literal, nbytes
+from tpu_keras.planning.jaxpr_walk import is_literal, nbytes
 
 
 def abstract_inputs(model, batch: int):
@@ -58,12 +58,12 @@ def residual_bytes(traced, model, model_split: dict | None = None, model_size: i
     Those that are an input passed straight through (the weights and state)
     are not counted. With a `model` axis of `model_size` devices,
     `model_split` maps a weight's path to the dimension split over it; a
-    residual that tensor parallelism splits (`measurement.model_split`) then
+    residual that tensor parallelism splits (`planning.model_split`) then
     counts once per shard.
     """
     split = {}
     if model_size > 1 and model_split:
-        from tpu_keras.measurement import model_split as model_split_lib
+        from tpu_keras.planning import model_split as model_split_lib
         variables = model.trainable_variables + model.non_trainable_variables
         dims = [model_split.get(v.path) for v in variables] + [None, None]
         split = model_split_lib.split_dims(traced.jaxpr, dims)

@@ -14,7 +14,7 @@ import contextlib
 
 from tpu_keras import config as config_lib
 from tpu_keras.parallelism import REPLICATE_BELOW, as_rules
-from tpu_keras.tools import memory_plan
+from tpu_keras.planning import memory_plan
 
 
 class Plan(dict):
