@@ -5,6 +5,7 @@
     python scripts/benchmark.py --run [--run_config=lm_stdlib] [--repeat=2 --run_engine=jax]
     python scripts/benchmark.py --accelerator [--configs=lm_stdlib,lm_stdlib:1b]
     python scripts/benchmark.py --tpu_compile
+    python scripts/benchmark.py --tpu_step_overhead
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -55,6 +56,12 @@ TPU compiler (libtpu) compiles the real training step for the slice's 8
 chips on this machine, with nothing allocated. It prints the command's wall
 time, the compile time, the process's peak host memory (its maxrss), and
 the compiler's figures per device beside the plan's.
+
+--tpu_step_overhead: the toolkit's guarded step (gradient norm, non-finite
+check, revert) and its accumulation next to plain Keras's `fit` step for
+the same model, batch and mesh on a v5litepod-8, by the TPU compiler's
+step-time estimates and HBM peaks (scripts/step_overhead.py says what is
+compiled).
 """
 
 import contextlib
@@ -96,6 +103,9 @@ _ON_CPU = flags.DEFINE_bool("accelerator_on_cpu", False, "--accelerator: run on 
 _TPU_COMPILE = flags.DEFINE_bool("tpu_compile", False, "The 8B Llama LoRA of the Fine-tuning "
                                   "guide compiled by the TPU compiler for a v5litepod-8 (plan "
                                   "--measure): time and peak host memory.")
+_STEP_OVERHEAD = flags.DEFINE_bool("tpu_step_overhead", False, "The toolkit's guarded step and "
+                                    "accumulation next to plain Keras's fit step, by the TPU "
+                                    "compiler's estimates for a v5litepod-8 (step_overhead.py).")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -392,7 +402,8 @@ def tpu_compile_benchmark() -> dict:
     m = plan["measured"]
     keep = ("compiler", "jax", "topology", "devices", "arguments", "outputs", "temporaries",
             "program", "peak", "hbm_bytes_per_device", "fits", "share_of_hbm", "step_seconds",
-            "flops_per_device", "model_flops_per_step", "mfu", "mfu_of", "out_of_memory")
+            "flops_per_device", "bytes_accessed_per_device", "model_flops_per_micro_batch", "mfu",
+            "mfu_of", "estimate_covers", "out_of_memory")
     return {"command": " ".join(command[1:]), "wall_seconds": round(wall, 1),
             "build_seconds": m["seconds"]["build"], "compile_seconds": m["seconds"]["compile"],
             "peak_host_memory_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
@@ -400,6 +411,18 @@ def tpu_compile_benchmark() -> dict:
             "compiler": {key: m[key] for key in keep if key in m},
             "sent_per_step": m.get("sent_per_step"),
             "collectives": m.get("collectives", [])[:5]}
+
+
+def tpu_step_overhead_benchmark() -> dict:
+    """step_overhead.py's JSON, from a process of its own (it picks the jax engine first)."""
+    import subprocess
+    command = [sys.executable, os.path.join(REPO, "scripts", "step_overhead.py")]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise SystemExit(f"error: {' '.join(command)} exited {done.returncode}: "
+                         f"{done.stderr.strip().splitlines()[-1:]}")
+    return {**json.loads(done.stdout), "wall_seconds": round(time.perf_counter() - started, 1)}
 
 
 def main(argv):
@@ -441,6 +464,9 @@ def _benchmark(report):
         emit(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
     elif _TPU_COMPILE.value:
         emit(json.dumps({"benchmark": "tpu_compile", "result": tpu_compile_benchmark()}, indent=2))
+    elif _STEP_OVERHEAD.value:
+        emit(json.dumps({"benchmark": "tpu_step_overhead", "result": tpu_step_overhead_benchmark()},
+                        indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))

@@ -37,7 +37,9 @@ def train_on_a_pod(launcher, workdir, config, *overrides, steps=STEPS, every=STE
     """`python -m tpu_keras.launch LAUNCHER -- python -m tpu_keras.train` for `steps` steps on
     the jax engine, 5 per host call, a checkpoint every `every` and a validation at the end,
     logging the loss every 5 steps and every batch's example ids."""
-    return [sys.executable, "-m", "tpu_keras.launch", *launcher, "--timeout=500", "--failure_grace=60",
+    # The grace outlasts JAX's heartbeat timeout (100 s), the hosts' last way to notice a
+    # lost peer when no collective fails first (a loaded 2-core machine once took over 60 s).
+    return [sys.executable, "-m", "tpu_keras.launch", *launcher, "--timeout=500", "--failure_grace=150",
             "--", sys.executable, "-m", "tpu_keras.train", f"--config={config}",
             f"--workdir={workdir}", "--config.engine=jax", f"--config.train.steps={steps}",
             "--config.log.every_steps=5", "--config.train.steps_per_execution=5",
@@ -79,7 +81,7 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
     assert re.search(rf"\[host \d+\] error: lost contact with another host after step {killed_after}",
                      output), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert stopped_after < 120, stopped_after
+    assert stopped_after < 150, stopped_after
     assert all(_gone(pid) for pid in pids.values()), pids
 
     (workdir / "example_ids").rename(workdir / "example_ids.first")

@@ -54,7 +54,7 @@ def test_plan_measure_asks_the_tpu_compiler_for_v5litepod_16(compiled):
     assert m["sent_per_step"]["total"] == sum(c["sent_bytes"] for c in m["collectives"])
     assert abs(p["sent_per_step"]["total"] / m["sent_per_step"]["total"] - 1) < 0.02
     # The compiler's own step-time estimate, and the MFU it implies.
-    assert 0 < m["step_seconds"] < 1 and 0 < m["mfu"] < 1
+    assert 0 < m["step_seconds"] < 1 and 0 < m["mfu"] < 1 and m["estimate_covers"] == "the step"
 
 
 def test_two_slices_send_across_the_data_center_network(compiled):

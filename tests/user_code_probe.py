@@ -13,7 +13,8 @@ per check:
   process: how its weights and the first model's are laid out;
 - ACCUM: one update from 4 micro-batches of 16 against one from the 64 together;
 - PLAN: `plan_model` against the CLI's plan of the model registered as a builder;
-- MEASURE: `plan_model(..., measure=True)` on a 4-device slice;
+- MEASURE: `plan_model(..., measure=True)` on a 4-device slice, by the TPU compiler
+  (the default, with libtpu installed) and by XLA:CPU on this process's devices;
 - SCALE: a float16 model with a loss scale so large that its gradients overflow,
   20 steps under plain Keras (one device) and under `distributed_steps` (data
   parallel over the mesh): the loss scale after each step, the updates made
@@ -125,9 +126,12 @@ report("PLAN", {"user": json.loads(json.dumps(ns["plan"])), "cli": cli_plan,
 # ----- XLA's check of the plan, from user code ----------------------------------------
 measured = tpu_keras.plan_model(transformer, RULES, loss=LOSS, replicate_below=4096,
                                 tpu="v5litepod-4", mesh=dict(fsdp=2, model=2), batch=16,
-                                precision="float32", measure=True)
+                                precision="float32", measure=True)  # the TPU compiler's
+cpu = tpu_keras.plan_model(transformer, RULES, loss=LOSS, replicate_below=4096, tpu="v5litepod-4",
+                           mesh=dict(fsdp=2, model=2), batch=16, precision="float32", measure=True,
+                           compiler="cpu")
 report("MEASURE", {"plan": measured["per_device"], "sent": measured["sent_per_step"],
-                   "measured": measured["measured"],
+                   "measured": measured["measured"], "cpu": cpu["measured"],
                    "restored": keras.distribution.distribution() is connected})
 
 

@@ -66,20 +66,15 @@ def main(argv):
         raise UserError("give --config=configs/<name>.py and --tpu=<slice>, e.g. --tpu=v5p-64")
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(_CONFIG.value)
-    from tpu_keras.cluster import engine, libtpu, topology
-    compiler = _COMPILER.value
-    if compiler == "auto":
-        compiler = "tpu" if libtpu.installed() else "cpu"
+    from tpu_keras.cluster import engine, topology
+    from tpu_keras.planning import memory_plan
+    compiler = memory_plan.resolve_compiler(_COMPILER.value) if _MEASURE.value else "cpu"
     if _MEASURE.value and compiler == "tpu":  # the slice's own devices, described by libtpu
-        if not libtpu.installed():
-            raise UserError(f"--compiler=tpu needs libtpu, the TPU runtime: {libtpu.INSTALL}; "
-                            "or --compiler=cpu")
         engine.select("jax")
     elif _MEASURE.value:  # the real step, on as many fake CPU devices as the slices have
         slices, found = topology.parse_tpu(_TPU.value)
         engine.select("jax", slices * found.devices)
     if not _AUTO.value:
-        from tpu_keras.planning import memory_plan
         result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                   compiler)
         print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))

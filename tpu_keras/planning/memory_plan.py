@@ -184,6 +184,23 @@ def usable_bytes(found, margin: float) -> int:
     return int(found.hbm_bytes_per_device * (1 - margin))
 
 
+COMPILERS = ("auto", "tpu", "cpu")
+
+
+def resolve_compiler(compiler: str) -> str:
+    """'tpu' or 'cpu' for `--compiler` (or `plan_model`'s `compiler`): 'auto' is the TPU's
+    own where libtpu is installed."""
+    from tpu_keras.cluster import libtpu
+    if compiler not in COMPILERS:
+        raise UserError(f"compiler={compiler!r}: use one of {', '.join(COMPILERS)}")
+    if compiler == "auto":
+        return "tpu" if libtpu.installed() else "cpu"
+    if compiler == "tpu" and not libtpu.installed():
+        raise UserError(f"the TPU compiler needs libtpu, the TPU runtime: {libtpu.INSTALL}; or "
+                        "use the cpu compiler (XLA:CPU on fake devices)")
+    return compiler
+
+
 def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
          compiler: str = "cpu") -> dict:
     """The memory plan of `config` on the slice `slice_name` (a dict, JSON-ready).

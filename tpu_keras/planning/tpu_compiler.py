@@ -64,9 +64,15 @@ def name() -> str:
     return f"TPU compiler ({version()})"
 
 
-def measure(config, tpu: str, mesh: dict, batch_per_replica: int) -> dict:
+def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "toolkit") -> dict:
     """The TPU compiler's figures for one training step of `config` on the slice(s) `tpu`,
     on `mesh` (one slice's data, fsdp, model) at `batch_per_replica` (a dict, JSON-ready).
+
+    `step`: 'toolkit', the run's guarded step with its accumulation; 'keras', plain
+    Keras's own `train_step` for the same model, optimizer, loss and metrics (what `fit`
+    compiles without the toolkit; `train.grad_accum_steps` becomes the optimizer's
+    `gradient_accumulation_steps`, one micro-batch a step), for the benchmark that
+    weighs the toolkit's step against it.
 
     Raises a one-line `UserError` where libtpu cannot describe `tpu`. A step the
     compiler finds too large for HBM is no error: 'fits' is False and 'out_of_memory'
@@ -79,7 +85,7 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int) -> dict:
     previous = keras.distribution.distribution(), keras.config.dtype_policy()
     started = time.perf_counter()
     try:
-        model, config, backend_mesh = _built(config, found, slices, mesh, chips)
+        model, config, backend_mesh = _built(config, found, slices, mesh, chips, step)
         state, batch = _abstract_step_inputs(model, config, backend_mesh, batch_per_replica)
         built = time.perf_counter()
         step = jax.jit(model.train_step, donate_argnums=0,
@@ -107,7 +113,7 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int) -> dict:
         keras.config.set_dtype_policy(previous[1])
 
 
-def _built(config, found, slices: int, mesh: dict, chips):
+def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit"):
     """The config's model, compiled as a run compiles it, on the slice's devices; no memory
     behind its weights. Returns (model, the config as the run resolves it, the jax mesh)."""
     import keras
@@ -141,8 +147,22 @@ def _built(config, found, slices: int, mesh: dict, chips):
             # What Keras does as it initialises a variable: take its layout from the
             # distribution. The optimizer's slots then take their weight's layout.
             variable._initialize_layout()
-        optimization.compile_model(model, builder, config.train, cluster, optimizer)
+        if step == "keras":
+            _compile_as_keras_does(model, builder, config.train, optimizer)
+        else:
+            optimization.compile_model(model, builder, config.train, cluster, optimizer)
     return model, config, device_mesh.backend_mesh
+
+
+def _compile_as_keras_does(model, builder, train_config, optimizer):
+    """`model.compile` as a plain Keras user writes it, with the run's optimizer, loss and
+    metrics; accumulation is the optimizer's own. One micro-batch a step is compiled."""
+    if train_config.grad_accum_steps > 1:
+        optimizer.gradient_accumulation_steps = train_config.grad_accum_steps
+        train_config.grad_accum_steps = 1
+    model.compile(optimizer=optimizer, loss=builder.loss(), weighted_metrics=builder.metrics(),
+                  jit_compile=True)
+    model.optimizer.build(model.trainable_variables)
 
 
 def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
@@ -193,24 +213,32 @@ def _figures(compiled, found, slices: int, devices: int) -> dict:
             "sent_per_step": collectives.sent_per_device(text, devices, slices),
             "collectives": collectives.listed(text, devices, slices),
             "flops_per_device": cost.get("flops"),
+            "bytes_accessed_per_device": cost.get("bytes accessed"),
             "step_seconds": float(estimate) if estimate and estimate > 0 else None}
 
 
 def _estimate(result: dict, model, config, found, devices: int) -> dict:
-    """The MFU the compiler's step time implies: the update's model FLOPs over that time and
-    the devices' published bf16 peak (None without an estimate). Where the toolkit counts
+    """The MFU the compiler's step time implies: one micro-batch's model FLOPs over that time
+    and the devices' published bf16 peak (None without an estimate). The compiler's cost
+    analysis counts a loop's body once, so with `train.grad_accum_steps` above 1 its FLOPs
+    and its time are one micro-batch's and the update's (the FLOPs of 1 and of 4
+    micro-batches came out equal), and 'estimate_covers' says so. Where the toolkit counts
     no model FLOPs (a model whose layers it has no rule for), the compiler's own FLOPs
     count instead, rematerialised ones included, and 'mfu_of' says so."""
     from tpu_keras.measurement import flops
-    examples = config.train.batch_size * config.train.grad_accum_steps
+    examples = config.train.batch_size  # one micro-batch: what the compiler's figures cover
     model_flops = flops.training_flops_per_example(model) * examples or None
     counted, of = model_flops, "model FLOPs"
     if not counted and result.get("flops_per_device"):
         counted, of = result["flops_per_device"] * devices, "the compiler's FLOPs"
     seconds = result["step_seconds"]
     mfu = counted / (seconds * devices * found.peak_flops_per_device) if seconds and counted else None
-    return {"model_flops_per_step": model_flops,
-            "mfu": round(mfu, 4) if mfu is not None else None, "mfu_of": of}
+    covers = ("the step" if config.train.grad_accum_steps == 1 else
+              f"one of the {config.train.grad_accum_steps} micro-batches (a loop's body counts "
+              "once) and the update")
+    return {"model_flops_per_micro_batch": model_flops,
+            "mfu": round(mfu, 4) if mfu is not None else None, "mfu_of": of,
+            "estimate_covers": covers}
 
 
 _GIB = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -260,8 +288,9 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
     if m["step_seconds"] is not None:
         mfu = (f", MFU {m['mfu']:.1%} ({m['mfu_of']} of the update over that time and the "
                "bf16 peak)" if m.get("mfu") is not None else "")
+        covers = m.get("estimate_covers", "the step")
         lines.append(f"  {'step time':<16} {m['step_seconds'] * 1e3:>8.2f} ms  the compiler's "
-                     f"estimate{mfu}")
+                     f"estimate{mfu}" + ("" if covers == "the step" else f"; it covers {covers}"))
     else:
         lines.append(f"  {'step time':<16} {'none':>11}  the compiler gave no estimate for this "
                      "program")

@@ -5,7 +5,7 @@ model, its loss and optimizer, their layout rules, the mesh, the TPU slice,
 the batch, remat and accumulation. The function
 becomes a registered builder for the length of the call, and the plan is
 `memory_plan.plan` of the config that names it, so it is the CLI's plan of
-that builder, figure for figure, `measure` (XLA's check) included. What the
+that builder, figure for figure, `measure` (the compiler's check) included. What the
 planner sets for itself (the dtype policy, a `keras.distribution` when it
 measures, the registry entry) is restored before it returns.
 """
@@ -27,7 +27,8 @@ class Plan(dict):
 def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,
                optimizer="adamw", grad_accum_steps: int = 1, remat: str = "none",
                precision: str = "auto", replicate_below: int = REPLICATE_BELOW, ties=(),
-               margin: float = 0.1, measure: bool = False, name: str = "") -> Plan:
+               margin: float = 0.1, measure: bool = False, compiler: str = "auto",
+               name: str = "") -> Plan:
     """The memory and communication plan of the model `make_model()` builds, on the slice `tpu`.
 
     `make_model` takes no arguments and returns the model, uncompiled: it is
@@ -39,7 +40,10 @@ def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,
     layout, `mesh` as `mesh`, `batch` (the global batch of one micro-batch),
     `grad_accum_steps`, `remat` and `precision` as `train.*`; `name` (default: the
     function's) names the model in the plan. `measure` compiles the real sharded
-    step here, so the process needs as many devices as the slice has (XLA_FLAGS on a CPU).
+    step here and adds the compiler's figures, from `compiler` as `plan --compiler`
+    says: 'auto' (the default) is the TPU's own where libtpu is installed (nothing
+    allocated); 'cpu' is XLA:CPU, which needs as many devices in this process as the
+    slice has (XLA_FLAGS on a CPU).
     """
     from tpu_keras.cluster import engine
     engine.select("jax")  # the allocation-free build: a one-line error if Keras runs on tf
@@ -59,7 +63,8 @@ def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,
     builder = registry.Builder(make=make_model, loss=lambda: loss, metrics=lambda: [],
                                headline="loss", ties=lambda kwargs: list(ties))
     with _restored(), _registered(registry.REGISTRY, name, builder):
-        return Plan(memory_plan.plan(config, tpu, margin, measure))
+        return Plan(memory_plan.plan(config, tpu, margin, measure,
+                                     memory_plan.resolve_compiler(compiler) if measure else "cpu"))
 
 
 @contextlib.contextmanager
