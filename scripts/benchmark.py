@@ -6,6 +6,7 @@
     python scripts/benchmark.py --accelerator [--configs=lm_stdlib,lm_stdlib:1b]
     python scripts/benchmark.py --tpu_compile
     python scripts/benchmark.py --tpu_step_overhead
+    python scripts/benchmark.py --planner_table
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -62,6 +63,12 @@ check, revert) and its accumulation next to plain Keras's `fit` step for
 the same model, batch and mesh on a v5litepod-8, by the TPU compiler's
 step-time estimates and HBM peaks (scripts/step_overhead.py says what is
 compiled).
+
+--planner_table: `plan --measure` on the TPU compiler for every config of
+configs/ on a v5litepod-8, a v5litepod-16, a v5p-64 and two v5litepod-16
+slices, in mixed_bfloat16: the plan's memory per device and bytes sent
+against the compiler's, with the term that differs most where they part
+(planner_table.py).
 """
 
 import contextlib
@@ -106,6 +113,9 @@ _TPU_COMPILE = flags.DEFINE_bool("tpu_compile", False, "The 8B Llama LoRA of the
 _STEP_OVERHEAD = flags.DEFINE_bool("tpu_step_overhead", False, "The toolkit's guarded step and "
                                     "accumulation next to plain Keras's fit step, by the TPU "
                                     "compiler's estimates for a v5litepod-8 (step_overhead.py).")
+_PLANNER_TABLE = flags.DEFINE_bool("planner_table", False, "The plan's memory and bytes sent "
+                                   "against the TPU compiler's, for every shipped config on four "
+                                   "slices (planner_table.py).")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -413,10 +423,11 @@ def tpu_compile_benchmark() -> dict:
             "collectives": m.get("collectives", [])[:5]}
 
 
-def tpu_step_overhead_benchmark() -> dict:
-    """step_overhead.py's JSON, from a process of its own (it picks the jax engine first)."""
+def script_json(script: str) -> dict:
+    """The JSON a script beside this one prints, from a process of its own (it picks the jax
+    engine before Keras loads), with its wall time."""
     import subprocess
-    command = [sys.executable, os.path.join(REPO, "scripts", "step_overhead.py")]
+    command = [sys.executable, os.path.join(REPO, "scripts", script)]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if done.returncode:
@@ -465,7 +476,10 @@ def _benchmark(report):
     elif _TPU_COMPILE.value:
         emit(json.dumps({"benchmark": "tpu_compile", "result": tpu_compile_benchmark()}, indent=2))
     elif _STEP_OVERHEAD.value:
-        emit(json.dumps({"benchmark": "tpu_step_overhead", "result": tpu_step_overhead_benchmark()},
+        emit(json.dumps({"benchmark": "tpu_step_overhead", "result": script_json("step_overhead.py")},
+                        indent=2))
+    elif _PLANNER_TABLE.value:
+        emit(json.dumps({"benchmark": "planner_table", "result": script_json("planner_table.py")},
                         indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]

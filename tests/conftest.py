@@ -105,9 +105,14 @@ def train(config, workdir, *overrides, timeout=300, check=True, env=None):
 
 @pytest.fixture(scope="session", autouse=True)
 def own_peak_cache(tmp_path_factory):
-    """A matmul-ceiling cache of the suite's own: measured on a machine busy with tests,
-    it would understate the user's ceiling and overstate their MFU."""
-    os.environ[peak.CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("tpu_keras_cache"))
+    """The user cache folder of the suite's own, one for both workers: the matmul ceiling
+    (measured on a machine busy with tests, it would understate the user's ceiling and
+    overstate their MFU) and the compile cache of runs that keep the default, whose
+    programs the two workers then compile once between them. Tests of the cache itself
+    give their runs a folder of their own."""
+    folder = shared_tmp(tmp_path_factory) / "tpu_keras_cache"
+    folder.mkdir(exist_ok=True)
+    os.environ[peak.CACHE_DIR_ENV] = str(folder)
 
 
 def shared_tmp(tmp_path_factory) -> Path:

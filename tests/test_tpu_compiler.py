@@ -29,6 +29,8 @@ def compiled():
                                "--measure"],
         "auto": LM + ["--tpu=v5litepod-8", "--auto", "--measure", "--compiled=2", "--json"],
         "unknown_type": LM + ["--tpu=v9-8", "--measure"],
+        # A keras-hub task with neither a preset nor its architecture.
+        "no_architecture": ["--config=configs/finetune.py", "--tpu=v5litepod-8"],
     }, timeout=600)
 
 
@@ -107,6 +109,12 @@ def test_auto_with_measure_lets_the_compiler_choose_among_the_best_planned(compi
 def test_measure_for_a_tpu_type_nothing_describes_is_one_error_line(compiled):
     assert_one_line_error(compiled["unknown_type"], "unknown TPU slice 'v9-8'")
     assert compiled["unknown_type"].returncode == 2
+
+
+def test_a_hub_model_without_preset_or_architecture_is_one_error_line(compiled):
+    assert_one_line_error(compiled["no_architecture"], "has no model.preset",
+                          "model.vocabulary_size, model.num_layers")
+    assert compiled["no_architecture"].returncode == 2
 
 
 def test_a_generation_libtpu_does_not_know_is_one_error_line():

@@ -29,7 +29,7 @@ import ml_collections
 
 from tpu_keras import config as config_lib
 from tpu_keras import lean_imports
-from tpu_keras.errors import UserError, closest
+from tpu_keras.errors import UserError, closest, first_line
 
 _VERBOSE = flags.DEFINE_boolean("verbose", False, "On a mistake in the config, flags or "
                                 "environment, print the traceback above the one-line error.")
@@ -106,8 +106,7 @@ def _parse_or_fail(argv):
     except UserError as error:
         fail(error)
     except flags.Error as error:  # absl refused a flag itself; its first line says which
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        fail(f"{first}; run with --help to see the flags")
+        fail(f"{first_line(error, 1000)}; run with --help to see the flags")
 
 
 def _config_spec(args) -> str:

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tpu_keras.errors import UserError, closest
+from tpu_keras.errors import UserError, closest, first_line
 
 BYTES = "bytes"
 PRESET = "preset"
@@ -65,7 +65,7 @@ def make(config) -> Tokenizer:
             layer = keras_hub.tokenizers.Tokenizer.from_preset(config.vocabulary)
         except (ValueError, FileNotFoundError, OSError) as error:
             raise UserError(f"model.preset={config.vocabulary!r} has no tokenizer to read "
-                            f"({str(error).splitlines()[0][:120]}); save one with "
+                            f"({first_line(error, 120)}); save one with "
                             "tokenizer.save_to_preset, or set data.tokenizer to a class and "
                             "data.vocabulary") from None
         return _wrap(f"preset {config.vocabulary}", layer)

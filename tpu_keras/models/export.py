@@ -32,7 +32,8 @@ import tempfile
 
 from absl import logging
 
-from tpu_keras.errors import UserError
+from tpu_keras import workdir
+from tpu_keras.errors import UserError, first_line
 from tpu_keras.models import weight_paths
 
 LORA_FILE = "lora.weights.h5"
@@ -261,7 +262,7 @@ def _preprocessor(task_cls, preset: str):
     except (ValueError, FileNotFoundError, OSError, KeyError) as error:
         logging.warning("the exports carry no tokenizer: model.preset=%s has none that %s "
                         "reads (%s)", preset, task_cls.preprocessor_cls.__name__,
-                        str(error).splitlines()[0][:120] if str(error) else type(error).__name__)
+                        first_line(error, 120))
         return None
 
 
@@ -310,7 +311,7 @@ def copy(local: str, destination: str) -> None:
             tf.io.gfile.rmtree(destination)
         else:
             tf.io.gfile.remove(destination)
-    if "://" not in destination:
+    if not workdir.is_remote(destination):
         os.makedirs(os.path.dirname(destination) or ".", exist_ok=True)
         (shutil.copytree if os.path.isdir(local) else shutil.copy)(local, destination)
         return

@@ -150,6 +150,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
                             "a handle needs the network: where there is one, save the preset "
                             "with save_to_preset and set model.preset to that folder") from None
     else:
+        _check_architecture_given(task_cls, backbone_cls, backbone_kwargs)
         backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
     if lora_rank:
         backbone.enable_lora(lora_rank)
@@ -166,6 +167,19 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
                     compile=False)
     images = keras.Input(backbone.input_shape[1:], name="images")
     return keras.Model(images, keras.ops.cast(task(images), "float32"), name=name)
+
+
+def _check_architecture_given(task_cls, backbone_cls, backbone_kwargs):
+    """A backbone built from arguments alone needs every one its constructor requires."""
+    required = [name for name, parameter in inspect.signature(backbone_cls.__init__).parameters.items()
+                if name != "self" and parameter.default is inspect.Parameter.empty
+                and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    missing = [name for name in required if name not in backbone_kwargs]
+    if missing:
+        raise UserError(f"model.name='{KERAS_HUB}{task_cls.__name__}' has no model.preset, so its "
+                        f"{backbone_cls.__name__} is built from model.* alone, and "
+                        f"{', '.join('model.' + name for name in missing)} are not set; set "
+                        "model.preset to a checkpoint folder or handle, or give those")
 
 
 def _freeze_lora_biases(backbone):

@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line
 
 # The weights of a transformers folder: one file, or an index of shards.
@@ -179,7 +180,7 @@ def is_handle(preset: str) -> bool:
     """A keras-hub handle (downloaded), as opposed to a folder (local or on gs://)."""
     if preset.startswith(("kaggle://", "hf://", "modelscope://")):
         return True
-    return "://" not in preset and "/" not in preset and not os.path.exists(preset)
+    return not workdir.is_remote(preset) and "/" not in preset and not os.path.exists(preset)
 
 
 # In a run's copy of its preset without the weights (models/kept.py).

@@ -77,13 +77,6 @@ def residual_bytes(traced, model, model_split: dict | None = None, model_size: i
     return round(total)
 
 
-def activation_bytes(model, loss, batch: int, model_split: dict | None = None,
-                     model_size: int = 1) -> int:
-    """Bytes of the residuals a training step on `batch` examples keeps, weights excluded:
-    what `jax.vjp` closes over for the backward pass (`backward_trace`, `residual_bytes`)."""
-    return residual_bytes(backward_trace(model, loss, batch), model, model_split, model_size)
-
-
 def step_temp_bytes(model, loss, batch: int) -> int:
     """XLA's temporary bytes for the compiled gradient of `batch` examples (what
     rematerialisation lowers), on this machine's first device."""

@@ -24,7 +24,7 @@ import types
 from typing import Callable
 
 from tpu_keras import workdir as workdir_lib
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 LM_HEADLINES = ("bits_per_byte", "bits_per_token")
 
@@ -110,9 +110,8 @@ def from_preset(path: str) -> Generator:
     try:
         task = keras_hub.models.CausalLM.from_preset(path)
     except (ValueError, FileNotFoundError, OSError) as error:
-        text = str(error).strip()
         raise UserError(f"--preset={path!r} is not a keras-hub causal LM preset "
-                        f"({text.splitlines()[0][:160] if text else type(error).__name__}); "
+                        f"({first_line(error, 160)}); "
                         "give a folder that CausalLM.save_to_preset wrote") from None
     if task.preprocessor is None:
         raise UserError(f"--preset={path!r} has no tokenizer; save the task with its "

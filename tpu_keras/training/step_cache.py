@@ -115,7 +115,7 @@ class CachedStep:
             # Arguments of another shape or layout (checked before anything runs):
             # from now on jax.jit, which keys on them.
             logging.info("%s step: %s; tracing it for these arguments",
-                         self.name, str(error).splitlines()[0][:200])
+                         self.name, first_line(error))
             self._plain = True
             return self._jitted(*args)
 
