@@ -35,6 +35,7 @@ from tpu_keras.errors import UserError  # noqa: E402
 from tpu_keras.planning import memory_plan, tpu_compiler  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "configs"))
 MEMORY_BOUND, SENT_BOUND = 0.10, 0.15
 _SLICES = flags.DEFINE_list("slices", ["v5litepod-8", "v5litepod-16", "v5p-64", "2xv5litepod-16"],
                             "The slices to plan for.")
@@ -45,7 +46,6 @@ _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits", "llama_stdlib", 
 
 
 def load(name):
-    sys.path.insert(0, os.path.join(REPO, "configs"))
     module = __import__(name)
     config = module.get_config()
     config.engine = "jax"

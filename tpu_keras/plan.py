@@ -55,7 +55,7 @@ _AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) o
                           "estimated communication time (slices: data across them).")
 _COMPILED = flags.DEFINE_integer("compiled", 3, "With --auto --measure on the TPU compiler: how "
                                  "many of the best-planned layouts it compiles; its figures "
-                                 "choose among them.")
+                                 "choose among them.", lower_bound=1)
 _JSON = flags.DEFINE_bool("json", False, "Print the plan as JSON.")
 
 

@@ -114,16 +114,13 @@ def _zeros_until_loaded():
 
 
 def _zeros(shape, dtype, layout):
-    """Zeros of `shape` with `layout`'s sharding (the default device's without one), each
-    device's part made on the host at its own size."""
+    """Zeros of `shape` with `layout`'s sharding (the default device's without one), placed
+    as `_shards_of` places a loaded value: from one zero broadcast on the host, so no
+    whole array is ever made."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     sharding = getattr(layout, "backend_layout", layout)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    dtype = jnp.dtype(dtype)
-    return jax.make_array_from_callback(
-        tuple(shape), sharding,
-        lambda index: np.zeros([len(range(*part.indices(size))) for part, size in zip(index, shape)],
-                               dtype))
+    return _shards_of(np.broadcast_to(np.zeros((), jnp.dtype(dtype)), tuple(shape)), dtype, sharding)

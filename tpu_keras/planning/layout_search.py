@@ -91,8 +91,6 @@ def compiled_choice(config, slice_name: str, fitting: list[dict], count: int) ->
     'chosen_by', 'plan_recommended', 'recommended', 'flags', 'measured' (the chosen one's
     figures)}; 'recommended' is None where nothing compiled fits."""
     from tpu_keras.planning import tpu_compiler
-    if count < 1:
-        raise UserError(f"--compiled={count}: compile at least 1 candidate")
     ranked = sorted(fitting, key=_preference)[:count]
     for candidate in ranked:
         candidate["measured"] = tpu_compiler.measure(configured(config, candidate), slice_name,
