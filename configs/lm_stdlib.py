@@ -8,7 +8,7 @@ Variants: '' (a few minutes on a 2-core CPU, validation < 3.2 bits per byte),
 (width 256, depth 4: 2.5 GFLOP per sequence, about the size the design
 brief's figures for its "small GPT" imply; matmuls weigh more in its step, so
 it shows how the fraction of the matmul ceiling grows with width on a CPU -
-see README "Performance") and '1b' (about a billion parameters, a pod's
+see docs/performance.md) and '1b' (about a billion parameters, a pod's
 model for `python -m tpu_keras.plan --auto`; never trained here).
 """
 
@@ -26,7 +26,7 @@ def get_config(arg=None):
     config.train.steps = 800
     config.train.learning_rate = 3e-3
     config.train.warmup_steps = 50
-    config.train.jit_compile = True   # measured faster for this model (README "Performance")
+    config.train.jit_compile = True   # measured faster for this model (docs/performance.md)
     config.train.eval_every = 400
     config.train.eval_steps = 50
     config.checkpoint.every_steps = 200

@@ -258,9 +258,9 @@ def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_preset
         assert all(len(text) > len(prompt["prompt"]) for text, prompt in zip(greedy[name], prompts))
 
 
-def test_readme_lora_recipe_runs(tmp_path):
-    readme = (REPO / "README.md").read_text()
-    code = textwrap.dedent(re.search(r"<!-- lora-recipe -->\n *```python\n(.*?) *```", readme,
+def test_fine_tuning_guides_lora_recipe_runs(tmp_path):
+    guide = (REPO / "docs" / "fine_tuning.md").read_text()
+    code = textwrap.dedent(re.search(r"<!-- lora-recipe -->\n *```python\n(.*?) *```", guide,
                                      re.S).group(1))
     assert len([line for line in code.splitlines() if line.strip()]) <= 10
     out = run([sys.executable, "-c", code.replace("/tmp/", f"{tmp_path}/")], cwd=tmp_path,

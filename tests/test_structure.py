@@ -1,7 +1,9 @@
-"""The package's shape: imports run one way, and each engine loads only its own cluster code."""
+"""The package's shape: imports run one way, and each engine loads only its own cluster code;
+the README is a front door, and every relative link in it and in the guides leads somewhere."""
 
 import ast
 import pathlib
+import re
 import sys
 
 import pytest
@@ -109,3 +111,65 @@ def test_the_parallelism_package_imports_nothing_from_the_training_loop():
     loaded = eval(run([sys.executable, "-c", code]).stdout.split("LOADED ", 1)[1].splitlines()[0])
     assert "tpu_keras.parallelism.rules" in loaded
     assert not [m for m in loaded if m.startswith(("tpu_keras.training", "tpu_keras.models"))], loaded
+
+
+# ----- the README and the guides ------------------------------------------------------
+
+README = REPO / "README.md"
+DOCUMENTS = [README] + sorted((REPO / "docs").glob("*.md"))
+
+
+def test_the_readme_is_a_front_door():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move reference text to docs/"
+    first = next(i for i, line in enumerate(lines, 1) if "python -m tpu_keras.train" in line)
+    assert first <= 60, f"the first train command is on line {first} of README.md"
+
+
+def outside_code(text: str) -> list:
+    """The lines of a markdown text outside fenced code blocks, inline code spans removed."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            kept.append(re.sub(r"`[^`]*`", "", line))
+    return kept
+
+
+def anchors(text: str) -> set:
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped,
+    spaces as hyphens, a repeated heading numbered -1, -2, ..."""
+    found, seen = set(), {}
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        heading = re.match(r"#{1,6} +(.*?) *#*$", line)
+        if fenced or not heading:
+            continue
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1))  # a link's text alone
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist(document):
+    text = document.read_text()
+    assert "../shared" not in text, f"{document.name} cites ../shared: the repository stands alone"
+    broken = []
+    for line in outside_code(text):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (document.parent / path).resolve() if path else document
+            if not linked.exists():
+                broken.append(f"{target}: no file {path}")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
+                broken.append(f"{target}: no heading in {linked.name} gives #{anchor}")
+    assert not broken, f"{document.name}: " + "; ".join(broken)

@@ -327,16 +327,21 @@ def test_bad_dry_run_variable_is_one_line(tpu_vm):
                              "write TPU_VM_DRY_RUN=1 for a dry run, or unset it\n")
 
 
+def _documents():
+    """The README and every guide under docs/, as paths relative to the repository."""
+    return ["README.md"] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
+
+
 def _documented_command_lines():
-    """Every `scripts/tpu_vm.sh ...` line (continuations joined) in the README and the pod guide."""
-    for doc in ("README.md", "docs/running_on_a_tpu_pod.md"):
+    """Every `scripts/tpu_vm.sh ...` line (continuations joined) in the README and the guides."""
+    for doc in _documents():
         text = (REPO / doc).read_text().replace("\\\n", " ")
         for line in re.findall(r"^(scripts/tpu_vm\.sh .*)$", text, flags=re.MULTILINE):
             yield doc, line.split("  #")[0].strip()  # without a trailing comment
 
 
 def test_the_docs_command_lines_are_ones_the_script_takes(tpu_vm):
-    """README and the pod guide use the script's own option names: each line dry-runs cleanly."""
+    """The README and the guides use the script's own option names: each line dry-runs cleanly."""
     lines = list(_documented_command_lines())
     assert len(lines) >= 15
     for doc, line in lines:
@@ -347,8 +352,10 @@ def test_the_docs_command_lines_are_ones_the_script_takes(tpu_vm):
 def test_the_docs_name_the_runtimes_the_script_picks():
     runtime = re.compile(r"`((?:tpu-vm-tf-|v2-alpha-tpuv|tpu-ubuntu)[\w.-]*)`")
     script = (REPO / "scripts/tpu_vm.sh").read_text()
-    for doc in ("README.md", "docs/running_on_a_tpu_pod.md"):
+    named_anywhere = set()
+    for doc in _documents():
         named = set(runtime.findall((REPO / doc).read_text()))
-        assert named, doc
         assert named <= set(RUNTIMES.values()), (doc, named - set(RUNTIMES.values()))
         assert all(name in script for name in named)
+        named_anywhere |= named
+    assert named_anywhere  # the pod guide names them (step 4)

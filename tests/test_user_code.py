@@ -1,4 +1,5 @@
-"""The README's "use it from your own code" examples run as written, and do what the README says."""
+"""The "use it from your own code" examples run as written, and do what they say: the README's
+(`<!-- user-code -->`) and docs/parallelism.md's, a model over a mesh (`<!-- user-code-mesh -->`)."""
 
 import json
 import re
@@ -34,8 +35,8 @@ def probe_results(output):
             if line.split(" ", 1)[0] in PROBE_TAGS}
 
 
-def test_readme_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model():
-    # One 4-device process: the README example as written, then its promises (user_code_probe.py).
+def test_the_parallelism_guides_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model():
+    # One 4-device process: the guide's example as written, then its promises (user_code_probe.py).
     out = run([sys.executable, "tests/user_code_probe.py"], timeout=600,
               env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}).stdout
     r = probe_results(out)

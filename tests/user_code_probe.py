@@ -1,4 +1,4 @@
-"""The README's `<!-- user-code-mesh -->` example as written, then what it promises, in one process.
+"""docs/parallelism.md's `<!-- user-code-mesh -->` example as written, then what it promises, in one process.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/user_code_probe.py
 
@@ -26,10 +26,10 @@ import json
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-code = re.search(r"<!-- user-code-mesh -->\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+code = re.search(r"<!-- user-code-mesh -->\n```python\n(.*?)```", GUIDE.read_text(), re.S).group(1)
 ns = {"__name__": "__main__"}
-exec(compile(code, "README.md", "exec"), ns)  # noqa: S102  (the example, as written)
+exec(compile(code, "docs/parallelism.md", "exec"), ns)  # noqa: S102  (the example, as written)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
