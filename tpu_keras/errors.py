@@ -23,9 +23,9 @@ class Preempted(Exception):
         self.step = step
 
 
-def first_line(error, limit: int = 200) -> str:
-    """The first line of an exception's message (at most `limit` characters), or its type's
-    name: what a one-line error quotes of a library's own words."""
+def first_line(error, limit: int | None = 200) -> str:
+    """The first line of an exception's message (at most `limit` characters; None: all of
+    it), or its type's name: what a one-line error quotes of a library's own words."""
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
 

@@ -9,7 +9,7 @@ pod, `os.makedirs("gs://bucket/run")` would quietly create
 import os
 import uuid
 
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 
 def is_remote(path: str) -> bool:
@@ -20,6 +20,11 @@ def is_remote(path: str) -> bool:
 def absolute(path: str) -> str:
     """`path` made absolute if it is local; a remote path is absolute already."""
     return path if is_remote(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def inside(path: str, folder: str) -> bool:
+    """Whether `path` lies inside `folder` (a preset in the run's workdir, say)."""
+    return os.path.normpath(path).startswith(os.path.normpath(folder) + os.sep)
 
 
 def prepare(workdir: str) -> None:
@@ -41,8 +46,8 @@ def unwritable(folder: str) -> str:
         tf.io.gfile.remove(probe)
         return ""
     except (tf.errors.OpError, OSError) as error:
-        reason = getattr(error, "message", None) or getattr(error, "strerror", None) or str(error)
-        return reason.strip().splitlines()[0] if reason.strip() else type(error).__name__
+        return first_line(getattr(error, "message", None) or getattr(error, "strerror", None)
+                          or error, limit=None)
 
 
 # Object stores: an object appears whole when its upload ends, and a rename is a copy.
@@ -52,14 +57,20 @@ _OBJECT_STORES = ("gs://", "s3://")
 def write_whole(path: str, data) -> None:
     """Writes `data` (text or bytes) to `path` whole or not at all. Elsewhere than on an
     object store, under a temporary name of this writer's own and then a rename: two
-    writers of one path (two runs sharing a folder) each rename a complete file."""
-    import tensorflow as tf
+    writers of one path (two runs sharing a folder) each rename a complete file. A local
+    path is written without TensorFlow (a process that has not loaded it yet need not)."""
     mode = "wb" if isinstance(data, bytes) else "w"
+    temporary = f"{path}.{uuid.uuid4().hex}.tmp"
+    if not is_remote(path):
+        with open(temporary, mode, encoding=None if "b" in mode else "utf-8") as f:
+            f.write(data)
+        os.replace(temporary, path)
+        return
+    import tensorflow as tf
     if path.startswith(_OBJECT_STORES):
         with tf.io.gfile.GFile(path, mode) as f:
             f.write(data)
         return
-    temporary = f"{path}.{uuid.uuid4().hex}.tmp"
     with tf.io.gfile.GFile(temporary, mode) as f:
         f.write(data)
     tf.io.gfile.rename(temporary, path, overwrite=True)

@@ -11,7 +11,7 @@ import threading
 import urllib.request
 from typing import Any, Callable
 
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 
 # On a TPU VM the chips are local character devices; v4 and older expose
 # /dev/accel*, v5e and newer /dev/vfio/*.
@@ -99,9 +99,8 @@ def initialize(name: str = "", zone: str = "", project: str = "", runtime: Runti
             runtime.connect_to_cluster(resolver)
         topology = runtime.initialize_tpu_system(resolver)
     except (ValueError, RuntimeError, OSError, tf.errors.OpError) as error:
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise UserError(
-            f"no TPU reachable as cluster.tpu={name!r} ({reason}); check the TPU "
+            f"no TPU reachable as cluster.tpu={name!r} ({first_line(error)}); check the TPU "
             "name, zone and project, or set --config.cluster.strategy=auto to run "
             "on the CPU/GPUs of this machine") from None
     return resolver, topology

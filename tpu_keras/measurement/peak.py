@@ -16,6 +16,7 @@ import time
 
 from absl import logging
 
+from tpu_keras import workdir
 from tpu_keras.cluster import topology
 
 PEAK_ENV = "TPU_KERAS_PEAK_FLOPS"
@@ -121,9 +122,6 @@ def _write_cache(cache: dict) -> None:
     path = cache_file()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(cache, f, indent=1)
-        os.replace(tmp, path)  # atomic: concurrent hosts never read half a file
+        workdir.write_whole(path, json.dumps(cache, indent=1))  # concurrent hosts never read half a file
     except OSError as error:
         logging.warning("cannot cache the matmul ceiling in %s: %s", path, error)
