@@ -68,12 +68,13 @@ def _measure(name, cluster, seconds, rounds, peak_flops):
     import keras
     from tpu_keras.measurement import flops
     from tpu_keras.training import defaults
-    from tpu_keras.training.run import build_model
+    from tpu_keras.training.setup import build_model
 
     config = timing.config_by_name(name)
     config.engine = "jax"
     config.train.precision = "mixed_bfloat16"
-    defaults.resolve(config, cluster)  # the platform's steps per call; sets the dtype policy
+    config.train.update(defaults.resolve(config, cluster))  # the platform's steps per call
+    keras.config.set_dtype_policy(config.train.precision)
     try:
         toolkit = build_model(config, cluster)
         plain = _plain_keras(config, cluster, toolkit)

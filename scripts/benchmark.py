@@ -136,10 +136,10 @@ def data_benchmark(name, seconds):
     import tensorflow as tf
     import tpu_keras
     from tpu_keras import data
-    from tpu_keras.training.run import build_model
+    from tpu_keras.training.setup import build_model
 
     config = timing.config_by_name(name)
-    data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
+    config.data.update(data.text.resolve(config))  # packed text: the model's context, its tokenizer
     cluster = tpu_keras.connect({"strategy": "one_device"})
     batch = config.train.batch_size
     host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
@@ -260,7 +260,7 @@ def _one_batch(config, cluster):
     import tensorflow as tf
     from tpu_keras import data
 
-    data.text.resolve(config)  # packed text: the model's context length, its preset's tokenizer
+    config.data.update(data.text.resolve(config))  # packed text: the model's context, its tokenizer
     batch = config.train.batch_size
     host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
     # The host pipeline yields one replica's share at a time: regroup a global batch.
@@ -287,7 +287,7 @@ def _plain_keras_models(config, cluster):
 def _toolkit_model(config, cluster, precision):
     """The model `tpu_keras.train` would build and compile, in `precision`."""
     import keras
-    from tpu_keras.training.run import build_model
+    from tpu_keras.training.setup import build_model
 
     keras.config.set_dtype_policy(precision)
     try:

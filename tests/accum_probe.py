@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
 from tpu_keras import data  # noqa: E402
-from tpu_keras.training.run import build_model  # noqa: E402
+from tpu_keras.training.setup import build_model  # noqa: E402
 
 sys.path.insert(0, "configs")
 import lm_stdlib  # noqa: E402

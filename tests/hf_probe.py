@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import tpu_keras  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
 from tpu_keras.models import export, hub_layouts, hub_presets  # noqa: E402
-from tpu_keras.training import run  # noqa: E402
+from tpu_keras.training import run, setup  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_checkpoints  # noqa: E402
@@ -108,7 +108,7 @@ def config_for(name, checkpoint, lora_rank=0, **backbone):
 
 def build(config):
     cluster = tpu_keras.connect(config.cluster, engine=engine_name, mesh=config.mesh)
-    return run.build_model(config, cluster)
+    return setup.build_model(config, cluster)
 
 
 def read_back(name, folder, lora=None):

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from keras.src.backend.jax import core  # noqa: E402
 
 import tpu_keras  # noqa: E402
-from tpu_keras.training.run import build_model  # noqa: E402
+from tpu_keras.training.setup import build_model  # noqa: E402
 
 sys.path.insert(0, "configs")
 import llama_stdlib  # noqa: E402

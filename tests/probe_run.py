@@ -8,7 +8,7 @@ import numpy as np
 
 import tpu_keras
 from tpu_keras import data
-from tpu_keras.training.run import build_model
+from tpu_keras.training.setup import build_model
 
 
 def train_from_shared_init(config, engine: str, init_path: str, steps: int):

@@ -24,7 +24,7 @@ import tpu_keras  # noqa: E402
 from tpu_keras import data  # noqa: E402
 from tpu_keras.planning import memory  # noqa: E402
 from tpu_keras.models import registry  # noqa: E402
-from tpu_keras.training.run import build_model  # noqa: E402
+from tpu_keras.training.setup import build_model  # noqa: E402
 
 sys.path.insert(0, "configs")
 import lm_stdlib  # noqa: E402

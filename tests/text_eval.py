@@ -70,7 +70,7 @@ keras_hub.tokenizers.LlamaTokenizer(proto=spm).save_to_preset(f"{folder}/preset"
 by_preset = config_lib.defaults()
 by_preset.data.update(text_files=docs, tokenizer="preset")
 by_preset.model = dict(name="keras_hub:LlamaCausalLM", preset=f"{folder}/preset", context_length=15)
-text.resolve(by_preset)
+by_preset.data.update(text.resolve(by_preset))
 preset_source = text.open_source(by_preset.data, training=True)
 preset_sequences = np.stack([s["tokens"] for s in preset_source.read(preset_source.files, True).as_numpy_iterator()])
 print("PRESET", preset_source.tokenizer.name, np.array_equal(preset_sequences, sequences))

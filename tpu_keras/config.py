@@ -7,10 +7,14 @@ free-form here and checked against the chosen builder's arguments instead.
 """
 
 import contextlib
+import copy
+import json
 import math
+import os
 
 import ml_collections
 
+from tpu_keras import workdir as workdir_lib
 from tpu_keras.cluster import engine
 from tpu_keras.cluster.record import STRATEGIES
 from tpu_keras.errors import UserError, closest
@@ -204,6 +208,33 @@ def check(config: ml_collections.ConfigDict) -> None:
     if train.steps % log.every_steps:
         raise UserError(f"train.steps={train.steps} must be a multiple of "
                         f"log.every_steps={log.every_steps}")
+
+
+def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run in `workdir` wrote to its config.json (the run's resolved config:
+    `training.run_config`), over today's defaults for keys an older run did not write;
+    or a one-line error."""
+    path = os.path.join(workdir, "config.json")
+    if workdir_lib.is_remote(workdir):  # gs://: TensorFlow reads it (and brings Keras on its own backend)
+        import tensorflow as tf
+        exists, opener = tf.io.gfile.exists, tf.io.gfile.GFile
+    else:  # read before Keras loads, so that the engine can still be chosen
+        exists, opener = os.path.exists, open
+    if not exists(path):
+        raise UserError(f"{workdir} holds no training run (no config.json); give the --workdir "
+                        "of a run of python -m tpu_keras.train")
+    with opener(path) as file, without_type_checks():
+        config = defaults()  # JSON has lists where the schema has tuples
+        config.update(json.load(file))
+    return config
+
+
+def thawed(config) -> ml_collections.ConfigDict:
+    """A copy of `config` that can be changed, from a frozen one (a run's resolved config:
+    `training.run_config`) too."""
+    if isinstance(config, ml_collections.FrozenConfigDict):
+        return config.as_configdict()
+    return copy.deepcopy(config)
 
 
 @contextlib.contextmanager

@@ -38,9 +38,8 @@ def main(argv):
     logging.set_verbosity(logging.INFO)
     cli.own_info_only()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tpu_keras.tools import sampling
     from tpu_keras.training import evaluation
-    config = sampling.read_run_config(_WORKDIR.value)
+    config = config_lib.read_run_config(_WORKDIR.value)
     for key in _given_keys(sys.argv[1:]):
         *sections, name = key.split(".")
         source, target = _OVERRIDES.value, config

@@ -16,6 +16,7 @@ import os
 from absl import flags, logging
 
 from tpu_keras import cli
+from tpu_keras import config as config_lib
 from tpu_keras.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
@@ -30,20 +31,15 @@ def main(argv):
     if not _WORKDIR.value:
         raise UserError("give --workdir=DIR, the folder of a run of python -m tpu_keras.train")
     logging.set_verbosity(logging.WARNING)
-    from tpu_keras import config as config_lib
-    from tpu_keras.cluster import engine
-    from tpu_keras.tools import sampling
-    config = sampling.read_run_config(_WORKDIR.value)
+    config = config_lib.read_run_config(_WORKDIR.value)
     if _FORMATS.value is not None:
         config.export.formats = tuple(_FORMATS.value)
-    config_lib.check(config)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host memory: never the accelerators
-    engine.select(config.engine)
-    from tpu_keras.models import export
     from tpu_keras.training import restored
-    model, step = restored.load(_WORKDIR.value, config, _STEP.value, purpose="export")
-    export_dir = os.path.join(_WORKDIR.value, "export")
-    problems = export.write(model, config, export_dir)
+    run, step = restored.load(_WORKDIR.value, config, _STEP.value, purpose="export")
+    from tpu_keras.models import export  # Keras: once the run's setup selected the engine
+    config, export_dir = run.config, os.path.join(_WORKDIR.value, "export")
+    problems = export.write(run.model, config, export_dir)
     print(f"exported step {step} of {config.model.name} to {export_dir}")
     if problems:
         raise UserError("; ".join(problems))

@@ -19,6 +19,7 @@ import json
 from absl import flags, logging
 
 from tpu_keras import cli
+from tpu_keras import config as config_lib
 from tpu_keras.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
@@ -48,7 +49,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     from tpu_keras.cluster import engine
     from tpu_keras.tools import sampling
-    config = sampling.read_run_config(_WORKDIR.value) if _WORKDIR.value else None
+    config = config_lib.read_run_config(_WORKDIR.value) if _WORKDIR.value else None
     engine.select(config.engine if config else _ENGINE.value)  # before TensorFlow brings Keras
     records = _read_prompts(_PROMPTS_FILE.value) if _PROMPTS_FILE.value else None
     prompts = [record["prompt"] for record in records] if records else [_PROMPT.value]

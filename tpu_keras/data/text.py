@@ -26,6 +26,7 @@ import math
 import os
 
 from absl import logging
+import ml_collections
 import numpy as np
 import tensorflow as tf
 
@@ -43,18 +44,31 @@ def is_text(config) -> bool:
     return bool(config.text_files or config.text_field)
 
 
-def resolve(config, workdir: str = "") -> None:
-    """Fills what the data section takes from the model: `data.context_length`
-    (0: `model.context_length`), and for `data.tokenizer='preset'` the preset's path;
-    and from the run: `data.token_counts` (empty: `workdir`/token_counts)."""
+def resolve(config, workdir: str = "") -> dict:
+    """What the data section takes from the model and the run, as {key: value} for the
+    `data` keys it fills (none for data that are not text): `data.context_length`
+    (0: `model.context_length`), for `data.tokenizer='preset'` the preset's path, and
+    `data.token_counts` (empty: `workdir`/token_counts)."""
     if not is_text(config.data):
-        return
+        return {}
+    filled = {}
     if workdir and not config.data.token_counts:
-        config.data.token_counts = os.path.join(workdir, "token_counts")
+        filled["token_counts"] = os.path.join(workdir, "token_counts")
     if not config.data.context_length:
-        config.data.context_length = int(config.model.get("context_length", 0) or 0)
+        filled["context_length"] = int(config.model.get("context_length", 0) or 0)
     if config.data.tokenizer == tokenizers.PRESET:
-        config.data.vocabulary = config.model.get("preset", "")
+        filled["vocabulary"] = config.model.get("preset", "")
+    return filled
+
+
+def with_data_dir(config):
+    """A copy of the data section with '{data_dir}' in its paths (text files, vocabulary)
+    replaced by `data.data_dir`, expanded."""
+    data_dir = os.path.expanduser(config.data_dir)
+    config = ml_collections.ConfigDict(config.to_dict())
+    for key in ("text_files", "eval_text_files", "vocabulary"):
+        config[key] = config[key].replace(DATA_DIR, data_dir)
+    return config
 
 
 def check_vocabulary(tokenizer, model_vocabulary: int, config) -> None:
@@ -189,9 +203,7 @@ def _open(config, training: bool, hosts) -> PackedSource:
         raise UserError("data.context_length is 0 and the model sets no context_length; set "
                         "data.context_length to the tokens per sequence the model reads")
     data_dir = os.path.expanduser(config.data_dir)
-    config = config.copy_and_resolve_references()
-    for key in ("text_files", "eval_text_files", "vocabulary"):
-        config[key] = config[key].replace(DATA_DIR, data_dir)
+    config = with_data_dir(config)
     for offline in (stdlib_text, stdlib_instructions):  # offline corpora, written on first use
         if any(config[key].startswith(offline.folder(data_dir) + os.sep)
                for key in ("text_files", "eval_text_files", "vocabulary")):

@@ -35,6 +35,7 @@ import os
 
 import keras
 
+from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
 from tpu_keras.models import hub_layouts, hub_presets
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
@@ -49,7 +50,7 @@ _TOOLKIT_KEYS = {
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
 LAYOUT_MAPS = ("toolkit", "keras_hub")
 KERAS_HUB = "keras_hub:"  # the name prefix: model.name = "keras_hub:LlamaCausalLM"
-WORKDIR_PLACEHOLDER = "{workdir}"  # model.preset = "{workdir}/base_preset": see prepare_preset
+WORKDIR_PLACEHOLDER = "{workdir}"  # model.preset = "{workdir}/base_preset": see expand_preset
 
 
 def builder(task_name: str, kwargs: dict) -> Builder:
@@ -239,22 +240,26 @@ def _layout(backbone_cls, kwargs):
         mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
 
 
+def expand_preset(preset: str, workdir: str) -> str:
+    """`model.preset` with `{workdir}` replaced by the run's folder: a preset the run writes
+    itself (`prepare_preset`)."""
+    return preset.replace(WORKDIR_PLACEHOLDER, workdir)
+
+
 def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: float = 300) -> None:
-    """Expands `{workdir}` in `model.preset`; a preset there that does not exist yet is
-    first written from the `model.*` backbone arguments, freshly initialised (seeded).
-    Any other model (no `{workdir}` preset) is left as it is.
+    """Writes the preset that a resolved `model.preset` names inside the run's folder (a
+    `{workdir}` preset, `expand_preset`) when it does not exist yet: from the `model.*`
+    backbone arguments, freshly initialised (seeded). Any other model is left as it is.
 
     That is the offline stand-in for a downloaded preset (configs/llama_stdlib.py:lora).
     The chief writes it into a temporary folder and renames it when complete; the other
     hosts wait for it, since each reads the same weights.
     """
-    preset = model_config.get("preset", "")
-    if WORKDIR_PLACEHOLDER not in preset:
+    path = model_config.get("preset", "")
+    if not path or not workdir_lib.inside(path, workdir) or hub_presets.is_kept(path):
         return
     import tensorflow as tf
     import time
-    path = preset.replace(WORKDIR_PLACEHOLDER, workdir)
-    model_config.preset = path
     if tf.io.gfile.exists(os.path.join(path, "config.json")):
         return
     if is_chief:

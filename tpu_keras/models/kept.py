@@ -19,6 +19,7 @@ and a model without a preset is all in `config.json`.
 import json
 import os
 
+from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError
 from tpu_keras.models import hub_presets
 
@@ -38,7 +39,7 @@ def keep(model_config, workdir: str) -> None:
     import tensorflow as tf
     preset = model_config.get("preset", "")
     target = folder(workdir)
-    if not preset or tf.io.gfile.exists(target) or _inside(preset, workdir) or hub_presets.is_kept(preset):
+    if not preset or tf.io.gfile.exists(target) or workdir_lib.inside(preset, workdir) or hub_presets.is_kept(preset):
         return
     source = preset
     if hub_presets.is_handle(preset):  # downloaded by now: keras-hub's local copy of its files
@@ -60,17 +61,15 @@ def keep(model_config, workdir: str) -> None:
     tf.io.gfile.rename(partial, target, overwrite=True)
 
 
-def use(model_config, workdir: str, checkpointed: bool) -> None:
-    """Points `model.preset` at DIR/model where the run kept its model and the weights come
-    from a checkpoint; with no checkpoint yet, checks that `model.preset` still describes
-    the kept model (its weights are read from there)."""
+def use(preset: str, workdir: str, checkpointed: bool) -> str:
+    """The `model.preset` a run in `workdir` builds from: DIR/model where the run kept its
+    model and the weights come from a checkpoint, else `preset`; with no checkpoint yet,
+    first checks that `preset` still describes the kept model (its weights are read from there)."""
     target = folder(workdir)
-    preset = model_config.get("preset", "")
     if not preset or not hub_presets.is_kept(target):
-        return  # nothing kept: no preset, one inside the workdir, or a run from before
+        return preset  # nothing kept: no preset, one inside the workdir, or a run from before
     if checkpointed:
-        model_config.preset = target
-        return
+        return target
     try:
         now = hub_presets.describe(preset)
     except UserError as error:
@@ -80,7 +79,4 @@ def use(model_config, workdir: str, checkpointed: bool) -> None:
         raise UserError(f"model.preset={preset!r} is not the model this run started with (kept "
                         f"in {target}): put the original back, or start the new model in "
                         "another --workdir")
-
-
-def _inside(preset: str, workdir: str) -> bool:
-    return os.path.normpath(preset).startswith(os.path.normpath(workdir) + os.sep)
+    return preset

@@ -96,7 +96,7 @@ def build(model_config, remat: str = "none") -> keras.Model:
     `remat` ('none' or 'activations') is the `keras.RematScope` mode its
     layers are made in: Keras fixes a layer's rematerialisation when the layer
     is created. It only builds: laying the weights out and checking the
-    layout rules against them is the caller's (`tpu_keras.training.run.build_model`).
+    layout rules against them is the caller's (`tpu_keras.training.setup.build_model`).
     """
     builder, kwargs = get(model_config)
     try:

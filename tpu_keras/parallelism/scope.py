@@ -1,7 +1,7 @@
 """`with cluster.layout(rules):` a model built in the user's own code, laid out as a run lays one out.
 
 A run sets its model's distribution once per process, from the builder's
-rules (`training.run.build_model`). User code may build several models with
+rules (`training.setup.build_model`). User code may build several models with
 different rules in one process, so here the distribution is a scope: on the
 jax engine, entering it makes Keras's distribution one whose every decision
 comes from a `Placer` over the cluster's mesh, and leaving it restores the

@@ -67,9 +67,9 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
 
 def _built(config):
     from tpu_keras import cluster as cluster_lib
-    from tpu_keras.training import run
+    from tpu_keras.training import setup
     cluster = cluster_lib.connect(config.cluster, engine="jax", mesh=config.mesh)
-    return run.build_model(config, cluster)
+    return setup.build_model(config, cluster)
 
 
 def _analysis(model, config, batch_per_replica: int, slices: int = 1,

@@ -5,7 +5,7 @@ runtime, the `tpu` extra) is installed. libtpu describes any slice without
 a chip (`cluster.libtpu`: the devices of a v5litepod-16, or of two), and
 its compiler compiles for them ahead of time, here, with JAX itself on the
 CPU. So the step is the one a run trains with, built as a run builds it
-(`training.run.build_model`): the config's model with its remat setting,
+(`training.setup.build_model`): the config's model with its remat setting,
 its layout rules' `keras.distribution` on the slice's mesh (laid out on the
 chips' coordinates as on a TPU VM, the slices outermost in data), its
 optimizer, loss and metrics compiled by `training.optimization`, the
@@ -134,7 +134,8 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit")
                       num_replicas=mesh_lib.batch_splits(whole),
                       device_kind=f"{len(chips)} x {chips[0].device_kind}", engine="jax",
                       mesh=whole, device_mesh=device_mesh)
-    defaults.resolve(config, cluster)  # the TPU's precision where it is 'auto'
+    config.train.update(defaults.resolve(config, cluster))  # the TPU's precision where it is 'auto'
+    keras.config.set_dtype_policy(config.train.precision)
     builder, _ = models.registry.get(config.model)
     placer = models.registry.placer(config.model, config.layout, whole)
     keras.distribution.set_distribution(None)
@@ -149,6 +150,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit")
             variable._initialize_layout()
         if step == "keras":
             _compile_as_keras_does(model, builder, config.train, optimizer)
+            config.train.grad_accum_steps = 1  # the optimizer accumulates: one micro-batch a step
         else:
             optimization.compile_model(model, builder, config.train, cluster, optimizer)
     return model, config, device_mesh.backend_mesh
@@ -159,7 +161,6 @@ def _compile_as_keras_does(model, builder, train_config, optimizer):
     metrics; accumulation is the optimizer's own. One micro-batch a step is compiled."""
     if train_config.grad_accum_steps > 1:
         optimizer.gradient_accumulation_steps = train_config.grad_accum_steps
-        train_config.grad_accum_steps = 1
     model.compile(optimizer=optimizer, loss=builder.loss(), weighted_metrics=builder.metrics(),
                   jit_compile=True)
     model.optimizer.build(model.trainable_variables)

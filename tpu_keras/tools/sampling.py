@@ -15,15 +15,15 @@ through `generate` on token ids. The `gpt` builder, which has no cache,
 calls the same samplers on its logits over the whole padded sequence at
 each step: the prefix is recomputed, fine for checking a run, not a
 serving path.
+
+Keras, keras-hub and TensorFlow are imported inside the functions:
+`python -m tpu_keras.generate` imports this module before it selects the engine.
 """
 
 import dataclasses
-import json
-import os
 import types
 from typing import Callable
 
-from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, first_line
 
 LM_HEADLINES = ("bits_per_byte", "bits_per_token")
@@ -41,27 +41,9 @@ class Generator:
         return len(self.encode(prompt))
 
 
-def read_run_config(workdir: str):
-    """The config a run in `workdir` wrote (over today's defaults, for keys an older run
-    did not write), or a one-line error."""
-    from tpu_keras import config as config_lib
-    path = os.path.join(workdir, "config.json")
-    if workdir_lib.is_remote(workdir):  # gs://: TensorFlow reads it (and brings Keras on its own backend)
-        import tensorflow as tf
-        exists, opener = tf.io.gfile.exists, tf.io.gfile.GFile
-    else:  # read before Keras loads, so that the engine can still be chosen
-        exists, opener = os.path.exists, open
-    if not exists(path):
-        raise UserError(f"{workdir} holds no training run (no config.json); give the --workdir "
-                        "of a run of python -m tpu_keras.train")
-    with opener(path) as file, config_lib.without_type_checks():
-        config = config_lib.defaults()  # JSON has lists where the schema has tuples
-        config.update(json.load(file))
-    return config
-
-
 def load(workdir: str, config):
-    """(model, step): the run's model on one device, its newest checkpoint restored."""
+    """(run, step): the run set up on one device (`training.setup.RunSetup`: its model, its
+    resolved config), its newest checkpoint restored."""
     from tpu_keras import models
     from tpu_keras.training import restored
 
@@ -76,11 +58,9 @@ def from_run(workdir: str, config) -> Generator:
     """The run's model and tokenizer (`data.tokenizer`; bytes for byte-level data)."""
     import keras_hub
     from tpu_keras.data import text, tokenizers
-    model, step = load(workdir, config)
-    text.resolve(config)  # data.tokenizer='preset': the preset's path, {workdir} expanded
-    config.data.vocabulary = config.data.vocabulary.replace(
-        text.DATA_DIR, os.path.expanduser(config.data.data_dir))
-    data = config.data if text.is_text(config.data) else types.SimpleNamespace(
+    run, step = load(workdir, config)
+    model, config = run.model, run.config  # data.tokenizer='preset': the resolved preset's
+    data = text.with_data_dir(config.data) if text.is_text(config.data) else types.SimpleNamespace(
         tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
     tokenizer = tokenizers.make(data)
     # A prompt starts as training started one: instruction data puts the start token first.

@@ -1,6 +1,8 @@
 """The training loop: step functions, the optimizer, checkpoints, callbacks and the run.
 
-`run.train` is the whole run, stage by stage. `distributed_steps(model)`
+`run.train` is the whole run, stage by stage. `setup.set_up` sets a run up
+(config resolved once by `run_config`, cluster, model, checkpointer) for it,
+for the evaluation job and for export and generate. `distributed_steps(model)`
 gives any Keras model (yours too) the toolkit's train and test steps for its
 engine: a host loop that works under every tf.distribute strategy on the tf
 engine (`tf_steps`), the guarded step on jax (`jax_steps`). Both log the

@@ -44,12 +44,9 @@ def steps_per_execution(train_cfg, cluster, log_every_steps: int = 0) -> int:
     return math.gcd(CPU_STEPS_PER_EXECUTION, log_every_steps or CPU_STEPS_PER_EXECUTION)
 
 
-def resolve(config, cluster) -> None:
-    """Replaces `auto` choices in `config.train` with this platform's, and sets
-    the global Keras dtype policy, so the config written to the workdir says
-    what actually ran."""
-    import keras
-    train = config.train
-    train.precision = precision(train, cluster)
-    train.steps_per_execution = steps_per_execution(train, cluster, config.log.every_steps)
-    keras.config.set_dtype_policy(train.precision)
+def resolve(config, cluster) -> dict:
+    """The `train` keys whose `auto` this platform decides, {precision, steps_per_execution},
+    with their values here: the run's resolved config takes them (`training.run_config`),
+    so the config written to the workdir says what actually ran."""
+    return {"precision": precision(config.train, cluster),
+            "steps_per_execution": steps_per_execution(config.train, cluster, config.log.every_steps)}

@@ -1,10 +1,11 @@
 """Evaluation as a job of its own: a run's checkpoints on the run's eval split.
 
-`evaluate(config, workdir)` rebuilds the run's model from its config on
-this job's cluster and mesh (which may differ from training's: a checkpoint
-is restored onto whatever layout the model has here), restores checkpoints
-and runs the same `model.evaluate` that the run's validation runs, so the
-metrics at a step equal the run's own validation at that step. Each result
+`evaluate(config, workdir)` sets the run up again (`training.setup`, as the
+run set itself up) on this job's cluster and mesh, which may differ from
+training's: a checkpoint is restored onto whatever layout the model has
+here. It restores checkpoints and runs the same `model.evaluate` that the
+run's validation runs, so the metrics at a step equal the run's own
+validation at that step. Each result
 is printed and written to `WORKDIR/tensorboard/eval/` at its step, under
 the run's own names (`val_loss`, ...), so TensorBoard draws both in one
 chart.
@@ -20,43 +21,20 @@ import time
 
 from absl import logging
 
-from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
+from tpu_keras.training import setup
 
 
 def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
              poll_seconds: float = 30.0) -> dict:
     """Evaluates checkpoint `step` (the newest when None; every one from now on with
-    `watch`); returns {step: {metric: value}}."""
-    from tpu_keras import config as config_lib
-    config_lib.check(config)
-    engine.select(config.engine, config.cluster.virtual_devices)
-    from tpu_keras.training import compile_cache
-    compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
+    `watch`); returns {step: {metric: value}}. TensorFlow loads once `setup` has
+    selected the engine."""
+    run = setup.set_up(config, workdir, single_tf_process="evaluate")
     import tensorflow as tf
-    from tpu_keras import cluster as cluster_lib
-    from tpu_keras import data, models
-    from tpu_keras.training import checkpoint, defaults
-    from tpu_keras.training.run import build_model, with_text_metrics
-
-    cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-    if cluster.num_processes > 1 and cluster.engine != "jax":
-        raise UserError("evaluate runs in one TensorFlow process; start it on one host "
-                        "(cluster.strategy one_device or mirrored), or use the jax engine")
-    defaults.resolve(config, cluster)
-    cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
-                                       config.train.jit_compile)
-    models.kept.use(config.model, workdir, checkpointed=True)  # the checkpoints' weights
-    builder, _ = models.registry.get(config.model)
-    models.hub.prepare_preset(config.model, workdir, cluster.is_chief)
-    if data.text.is_text(config.data):
-        data.text.resolve(config, workdir)  # the run's shared token counts: nothing recounted
-        hosts = (cluster.host_index, cluster.num_processes)
-        builder = with_text_metrics(builder, data.text.open_source(config.data, training=False,
-                                                                   hosts=hosts).tokens_per_byte)
-    model = build_model(config, cluster, builder)
-    compile_cache.keep_steps(model, cache_watch, config)
-    saver = checkpoint.open_checkpointer(workdir, model, cluster)
+    from tpu_keras import data
+    from tpu_keras.training import checkpoint
+    cluster, config, model, saver = run.cluster, run.config, run.model, run.saver
     eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
                                        training=False, max_eval_steps=config.train.eval_steps)
     writers = []  # the TensorBoard writer, made at the first result (chief only)

@@ -5,23 +5,24 @@ model -> checkpoint -> data -> fit -> export. Running it again on the same
 workdir resumes from the latest checkpoint. `python -m tpu_keras.train` is
 its command line; a notebook or a test can call `train` directly.
 
-Keras reads its backend once, when it is first imported, so everything that
-imports Keras is imported inside `train`, after the engine is selected.
+Its first stages (config, cluster, model, checkpointer) are `training.setup`'s,
+which evaluation, export and generate share. Keras reads its backend once,
+when it is first imported, so everything that imports Keras or TensorFlow is
+imported inside `train`, after `setup` has selected the engine.
 """
 
 import functools
+import math
 import os
 import re
 import sys
-import threading
 import time
 
 from absl import logging
 
-from tpu_keras import config as config_lib
-from tpu_keras.cluster import engine
-from tpu_keras.errors import UserError
+from tpu_keras.errors import UserError, first_line
 from tpu_keras.measurement import timings
+from tpu_keras.training import defaults, setup
 
 
 def train(config, workdir: str, started: float | None = None):
@@ -34,60 +35,18 @@ def train(config, workdir: str, started: float | None = None):
     if logging.get_verbosity() < logging.INFO:  # a script's own call: the log is the progress
         logging.set_verbosity(logging.INFO)
 
-    # ----- config --------------------------------------------------------------
-    config_lib.check(config)
-    # Before Keras is imported: it reads its backend once.
-    engine.select(config.engine, config.cluster.virtual_devices)
-    from tpu_keras.training import compile_cache
-    compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
-    import keras
-    import tensorflow as tf
-    from tpu_keras import cluster as cluster_lib
-    from tpu_keras import data, models, workdir as workdir_lib
-    from tpu_keras.measurement import flops, peak
-    from tpu_keras.training import (callbacks, checkpoint, defaults, nonfinite,
-                                    preemption, profiler)
+    # ----- config, cluster, model, checkpointer: training.setup -------------------
     run_timings = timings.RunTimings(started)
-    # Resumed from a checkpoint: the model the run kept, whatever model.preset holds now.
-    models.kept.use(config.model, workdir, checkpointed=checkpoint.any_saved(workdir))
-    builder, model_kwargs = models.registry.get(config.model)
-    workdir_lib.prepare(workdir)
-    if threading.current_thread() is threading.main_thread():
-        preemption.watch()  # from here on, SIGTERM means "save and exit 42"
-
-    # ----- cluster -------------------------------------------------------------
-    with run_timings.phase("cluster"):
-        cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-    defaults.resolve(config, cluster)
-    cache_watch = compile_cache.enable(config.train.compile_cache, workdir, cluster,
-                                       config.train.jit_compile)
-    if cluster.is_chief:
-        workdir_lib.write_whole(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
-    keras.utils.set_random_seed(config.seed)
-    if config.deterministic and config.engine == "tf":
-        tf.config.experimental.enable_op_determinism()
-
-    # ----- model ---------------------------------------------------------------
-    train_cfg = config.train
-    models.hub.prepare_preset(config.model, workdir, cluster.is_chief)  # a {workdir} preset
-    text_source = None
-    if data.text.is_text(config.data):  # its tokens per byte turn bits per token into bits per byte
-        data.text.resolve(config, workdir)
-        with run_timings.phase("data"):
-            text_source = data.text.open_source(config.data, training=False,
-                                                hosts=(cluster.host_index, cluster.num_processes))
-        builder = with_text_metrics(builder, text_source.tokens_per_byte)
-    with run_timings.phase("model"):
-        model = build_model(config, cluster, builder)
-    if cluster.is_chief:
-        models.kept.keep(config.model, workdir)
-    compile_cache.keep_steps(model, cache_watch, config)
-    if text_source is not None:
-        data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], config.data)
+    run = setup.set_up(config, workdir, trains=True, timings=run_timings)
+    import tensorflow as tf
+    from tpu_keras import data
+    from tpu_keras.measurement import flops, peak
+    from tpu_keras.training import callbacks, checkpoint, nonfinite, preemption, profiler
+    cluster, config, builder, model, saver = run.cluster, run.config, run.builder, run.model, run.saver
+    cache_watch, train_cfg = run.cache_watch, config.train
     logging.info("model: %s", _describe(model, config))
 
     # ----- checkpoints ---------------------------------------------------------
-    saver = checkpoint.open_checkpointer(workdir, model, cluster, keep=config.checkpoint.keep)
     saver.save = run_timings.timed("checkpoints", saver.save)
     saver.restore_latest = run_timings.timed("restore", saver.restore_latest)
     skipped = nonfinite.load_skipped(saver.shared_dir)
@@ -117,7 +76,7 @@ def train(config, workdir: str, started: float | None = None):
         peer_errors += (jax.errors.JaxRuntimeError,)
     logger = callbacks.IntervalLogger(
         total_steps=train_cfg.steps, global_batch=update_batch,
-        tokens_per_example=builder.tokens_per_example(model_kwargs),
+        tokens_per_example=builder.tokens_per_example(run.model_kwargs),
         flops_per_example=flops.training_flops_per_example(model),
         peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
@@ -177,39 +136,6 @@ def _export(model, config, workdir, cluster):
         return
     for problem in export.write(model, config, os.path.join(workdir, "export"), chosen):
         logging.warning("export: %s", problem)
-
-
-def with_text_metrics(builder, tokens_per_byte: float):
-    """A language model's builder on packed text: bits per token and bits per byte (the
-    headline), whatever the tokenizer."""
-    import dataclasses
-    from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
-    return dataclasses.replace(builder, headline="bits_per_byte", metrics=lambda: [
-        bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
-
-
-def build_model(config, cluster, builder=None):
-    """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
-
-    `builder` replaces the registry's for `config.model` (packed text's metrics: `run`).
-
-    On jax this first sets the process's `keras.distribution` from the
-    model's layout rules, so that Keras lays each weight out as it creates
-    it; on tf every weight is replicated and the rules are only checked.
-    """
-    from tpu_keras import models
-    from tpu_keras.training import optimization
-    if builder is None:
-        builder, _ = models.registry.get(config.model)
-    placer = models.registry.placer(config.model, config.layout, cluster.mesh)
-    if cluster.engine == "jax":
-        from tpu_keras.parallelism import distribution
-        distribution.set_layout(cluster, placer)
-    with cluster.scope():
-        model = models.build(config.model, remat=config.train.remat)
-    placer.check(model.weights)
-    optimization.compile_model(model, builder, config.train, cluster)
-    return model
 
 
 def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callbacks, fit_returned):
@@ -276,13 +202,12 @@ def _lost_a_peer(error) -> bool:
 def _peer_reason(error) -> str:
     """The first line of a collective's error, without TensorFlow's function-node prefix."""
     text = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error)).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+    return f"{type(error).__name__}: {first_line(text, 160) if text else ''}"
 
 
 def _describe(model, config) -> str:
     """The model line of the log: name, parameters (and how many train, when some are
     frozen), precision, steps per host call, and what changes how a step runs."""
-    import math
     train_cfg, total = config.train, model.count_params()
     trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
     parts = [f"{config.model.name} with {total:,} parameters"

@@ -1,0 +1,52 @@
+"""The run's config, resolved once: `resolve(config, cluster, workdir, checkpointed)`.
+
+A user's config leaves some values to the run: `auto` choices the platform
+makes, a preset inside the run's folder, what packed text takes from the model
+and the run. `resolve` fills them in one step, before the model is built, and
+returns the config the run uses, frozen (`ml_collections.FrozenConfigDict`:
+`config.x.y` reads as before, and nothing writes to it). The chief writes that
+to `WORKDIR/config.json` (`training.setup`), so the workdir records what ran;
+`python -m tpu_keras.evaluate`, `export` and `generate` read it back
+(`tpu_keras.config.read_run_config`) and resolve it again, which changes
+nothing.
+
+Each piece is a pure function of the config that returns values:
+
+- `training.defaults.resolve`: `train.precision` and `train.steps_per_execution`
+  for this platform;
+- `models.hub.expand_preset` and `models.kept.use`: `model.preset`, `{workdir}`
+  expanded, or the model the run kept once it has a checkpoint;
+- `data.text.resolve`: `data.token_counts`, `data.context_length` and
+  `data.vocabulary` of packed text (after the preset: the tokenizer may be its).
+"""
+
+import ml_collections
+
+from tpu_keras import config as config_lib
+from tpu_keras.data import text
+from tpu_keras.models import hub, kept
+from tpu_keras.training import defaults
+
+
+def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections.FrozenConfigDict:
+    """The config a run in `workdir` on `cluster` uses, frozen; `config` is left as it is.
+
+    `checkpointed`: the weights come from a checkpoint (a resume, or a command that
+    reads the run), so a model the run kept (DIR/model) replaces `model.preset`.
+    """
+    resolved = config_lib.thawed(config)
+    resolved.train.update(defaults.resolve(resolved, cluster))
+    if "preset" in resolved.model:
+        resolved.model.preset = kept.use(hub.expand_preset(resolved.model.preset, workdir),
+                                         workdir, checkpointed)
+    resolved.data.update(text.resolve(resolved, workdir))
+    return ml_collections.FrozenConfigDict(resolved)
+
+
+def to_json(resolved: ml_collections.FrozenConfigDict, config) -> str:
+    """`resolved` as WORKDIR/config.json holds it: indented JSON, its keys in the order of
+    `config`, the config it was resolved from (a FrozenConfigDict sorts them)."""
+    ordered = config_lib.thawed(config)
+    ordered.update(resolved.to_dict())
+    return ordered.to_json_best_effort(indent=2)
+

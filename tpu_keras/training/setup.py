@@ -1,0 +1,160 @@
+"""How a run is set up: `set_up(config, workdir, ...)`, for training and for every command that reads a run.
+
+One recipe, in order: the config checked; the engine selected; TensorFlow told
+of the compile cache; the cluster connected; the config resolved
+(`training.run_config`: what `auto`, `{workdir}` and the model leave open) and,
+by the chief of a training run, written to WORKDIR/config.json; the model built
+as a run builds it (`build_model`; on packed text with bits per byte:
+`with_text_metrics`); the checkpointer opened. It returns a `RunSetup`.
+
+`training.run.train`, `training.evaluation.evaluate` and `training.restored.load`
+(behind `python -m tpu_keras.export` and `generate`) each start here; what
+differs between them is an argument of `set_up`.
+
+Keras reads its backend once, when it is first imported, so everything that
+imports Keras or TensorFlow is imported inside the functions below, after
+`set_up` has selected the engine.
+"""
+
+import contextlib
+import dataclasses
+import os
+import threading
+
+from tpu_keras import config as config_lib
+from tpu_keras.cluster import engine
+from tpu_keras.errors import UserError
+
+
+@dataclasses.dataclass
+class RunSetup:
+    """What `set_up` made: the run's pieces, ready to train, evaluate or restore."""
+    cluster: object         # tpu_keras.cluster.Cluster
+    config: object          # the resolved config, frozen (training.run_config)
+    builder: object         # the model's registry entry (tpu_keras.models.registry.Builder)
+    model_kwargs: dict      # ... and its keyword arguments
+    model: object           # keras.Model, built and compiled as a run compiles it
+    text_source: object     # packed text's eval source (data.text.PackedSource), or None
+    saver: object           # the checkpointer (training.checkpoint)
+    cache_watch: object     # the compile cache's Watch (training.compile_cache), or None
+
+
+def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = False,
+           single_tf_process: str = "", timings=None) -> RunSetup:
+    """The run of `config` in `workdir`, set up on this process's cluster.
+
+    `trains`: the training run itself. Its workdir is made, SIGTERM saves a checkpoint
+    from here on, the chief writes config.json and keeps the model (`models.kept`),
+    Keras is seeded, and the checkpointer keeps `checkpoint.keep` checkpoints. Its
+    weights come from a checkpoint once it has one; every other command reads the
+    checkpoints of a run, so its weights always do.
+
+    `one_device`: the model on this host's first device, only for a checkpoint to be
+    restored into (export, generate): whatever mesh and hosts the run trained on
+    (Orbax and TensorFlow both reshard on restore); no compile cache, and no text
+    source (its metrics are not used).
+
+    `single_tf_process`: the name of a command that runs in one TensorFlow process
+    (evaluate); on several, it stops with a one-line error once the cluster is known.
+
+    `timings` (a `measurement.timings.RunTimings`) counts the cluster, data and model phases.
+    """
+    phase = timings.phase if timings is not None else lambda name: contextlib.nullcontext()
+    if one_device:
+        config = _on_one_device(config)
+    config_lib.check(config)
+    engine.select(config.engine, config.cluster.virtual_devices)  # before Keras loads
+    from tpu_keras.training import compile_cache
+    if not one_device:
+        compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
+    import keras
+    import tensorflow as tf
+    from tpu_keras import cluster as cluster_lib
+    from tpu_keras import data, models, workdir as workdir_lib
+    from tpu_keras.training import checkpoint, preemption, run_config
+
+    if trains:
+        workdir_lib.prepare(workdir)
+        if threading.current_thread() is threading.main_thread():
+            preemption.watch()  # from here on, SIGTERM means "save and exit 42"
+    with phase("cluster"):
+        cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+    if single_tf_process and cluster.num_processes > 1 and cluster.engine != "jax":
+        raise UserError(f"{single_tf_process} runs in one TensorFlow process; start it on one "
+                        "host (cluster.strategy one_device or mirrored), or use the jax engine")
+    checkpointed = checkpoint.any_saved(workdir) if trains else True
+    resolved = run_config.resolve(config, cluster, workdir, checkpointed)
+    keras.config.set_dtype_policy(resolved.train.precision)
+    cache_watch = None if one_device else compile_cache.enable(
+        resolved.train.compile_cache, workdir, cluster, resolved.train.jit_compile)
+    if trains:
+        if cluster.is_chief:
+            workdir_lib.write_whole(os.path.join(workdir, "config.json"),
+                                    run_config.to_json(resolved, config))
+        keras.utils.set_random_seed(resolved.seed)
+        if resolved.deterministic and resolved.engine == "tf":
+            tf.config.experimental.enable_op_determinism()
+
+    models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
+    builder, model_kwargs = models.registry.get(resolved.model)
+    text_source = None
+    if not one_device and data.text.is_text(resolved.data):
+        # Its tokens per byte turn bits per token into bits per byte.
+        with phase("data"):
+            text_source = data.text.open_source(resolved.data, training=False,
+                                                hosts=(cluster.host_index, cluster.num_processes))
+        builder = with_text_metrics(builder, text_source.tokens_per_byte)
+    with phase("model"):
+        model = build_model(resolved, cluster, builder)
+    if trains and cluster.is_chief:
+        models.kept.keep(resolved.model, workdir)
+    if cache_watch is not None:
+        compile_cache.keep_steps(model, cache_watch, resolved)
+    if text_source is not None:
+        data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], resolved.data)
+    keep = {"keep": resolved.checkpoint.keep} if trains else {}
+    saver = checkpoint.open_checkpointer(workdir, model, cluster, **keep)
+    return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
+                    model=model, text_source=text_source, saver=saver, cache_watch=cache_watch)
+
+
+def _on_one_device(config):
+    """A copy of `config` whose mesh and cluster are this host's first device."""
+    config = config_lib.thawed(config)
+    config.mesh.update(slices=1, data=1, fsdp=1, model=1)
+    config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
+                          virtual_devices=0)
+    return config
+
+
+def with_text_metrics(builder, tokens_per_byte: float):
+    """A language model's builder on packed text: bits per token and bits per byte (the
+    headline), whatever the tokenizer."""
+    from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric
+    return dataclasses.replace(builder, headline="bits_per_byte", metrics=lambda: [
+        bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
+
+
+def build_model(config, cluster, builder=None):
+    """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
+
+    `builder` replaces the registry's for `config.model` (packed text's metrics:
+    `with_text_metrics`).
+
+    On jax this first sets the process's `keras.distribution` from the
+    model's layout rules, so that Keras lays each weight out as it creates
+    it; on tf every weight is replicated and the rules are only checked.
+    """
+    from tpu_keras import models
+    from tpu_keras.training import optimization
+    if builder is None:
+        builder, _ = models.registry.get(config.model)
+    placer = models.registry.placer(config.model, config.layout, cluster.mesh)
+    if cluster.engine == "jax":
+        from tpu_keras.parallelism import distribution
+        distribution.set_layout(cluster, placer)
+    with cluster.scope():
+        model = models.build(config.model, remat=config.train.remat)
+    placer.check(model.weights)
+    optimization.compile_model(model, builder, config.train, cluster)
+    return model
