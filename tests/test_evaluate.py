@@ -87,7 +87,7 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
     (tmp_path / "text").mkdir()
     for i in range(4):
         (tmp_path / "text" / f"{i}.txt").write_text(hf_checkpoints.TEXT[i] * 20)
-    run([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
+    trained = run([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
          f"--workdir={workdir}", "--config.engine=tf", "--config.mesh.model=1",
          "--config.train.precision=float32", "--config.train.remat=none",
          f"--config.model.preset={checkpoint}", "--config.model.lora_rank=4",
@@ -95,7 +95,16 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
          f"--config.data.eval_text_files={tmp_path}/text/*.txt", "--config.train.batch_size=4",
          "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.eval_every=4",
          "--config.log.every_steps=4", "--config.checkpoint.every_steps=4",
-         "--config.train.compile_cache=off", "--config.export.formats=('transformers',)"])
+         "--config.train.compile_cache=off", "--config.export.formats=('transformers',)"]).stdout
+    # config.json is the config the run used, resolved once before the model was built: the
+    # platform's steps per call (auto), the preset, and what packed text takes from both.
+    recorded = json.loads((workdir / "config.json").read_text())
+    assert "float32, 2 steps per host call" in trained, trained[-2000:]
+    assert recorded["train"]["steps_per_execution"] == 2, recorded["train"]
+    assert recorded["model"]["preset"] == recorded["data"]["vocabulary"] == str(checkpoint), recorded
+    assert recorded["data"]["context_length"] == 32, recorded["data"]
+    assert recorded["data"]["token_counts"] == str(workdir / "token_counts"), recorded["data"]
+    assert os.listdir(workdir / "token_counts")  # where the run counted its tokens
     kept = sorted(os.listdir(workdir / "model"))
     assert "config.json" in kept and "tokenizer.json" in kept, kept
     assert not any(name.endswith(".safetensors") for name in kept), kept  # no second copy

@@ -190,6 +190,9 @@ def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir,
     args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
     reference = train(LLAMA_LORA, tmp_path / "reference", *args).stdout
     assert "wrote a freshly initialised LlamaBackbone" in reference
+    # config.json holds the preset the run read: {workdir} expanded (training.run_config).
+    recorded = json.loads((tmp_path / "reference" / "config.json").read_text())
+    assert recorded["model"]["preset"] == str(tmp_path / "reference" / "base_preset"), recorded["model"]
     # LoRA rank 4 on the query and value kernels of one block:
     # query A 32x2x4 + B 4x16, value A 32x2x4 + B 4x16.
     assert "27,360 parameters, 640 of them trainable (2.3%)" in reference, reference[-3000:]

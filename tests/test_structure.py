@@ -1,5 +1,7 @@
 """The package's shape: imports run one way, and each engine loads only its own cluster code;
-the README is a front door, and every relative link in it and in the guides leads somewhere."""
+a run's config is resolved in one step and every command is set up by one recipe, with
+helpers written once; the README is a front door, and every relative link in it and in
+the guides leads somewhere."""
 
 import ast
 import pathlib
@@ -173,3 +175,230 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(document):
             elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
                 broken.append(f"{target}: no heading in {linked.name} gives #{anchor}")
     assert not broken, f"{document.name}: " + "; ".join(broken)
+
+
+# ----- one resolved config, one setup, helpers written once ---------------------------
+
+CONFIG_NAME = re.compile(r"(^|_)(config|cfg)$")  # config, cfg, model_config, train_cfg, ...
+# Methods that change a ConfigDict in place.
+MUTATORS = {"update", "setdefault", "pop", "popitem", "clear", "unlock", "unlocked",
+            "__setattr__", "__setitem__", "__delattr__", "__delitem__"}
+
+
+def _root(node):
+    """The name an attribute or subscript chain starts from (`config` of config.train.x)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _inside_a_config(target, names, modules=()) -> bool:
+    """Whether assigning to `target` writes into a config: its chain starts from a config
+    name, or passes through an attribute named like one (run.config.train.x) and does not
+    start from a module (jax.config is JAX's settings)."""
+    if not isinstance(target, (ast.Attribute, ast.Subscript)):
+        return False
+    if _root(target) in names:
+        return True
+    if _root(target) in modules:
+        return False
+    node = target.value
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute) and CONFIG_NAME.search(node.attr):
+            return True
+        node = node.value
+    return False
+
+
+def config_writes(source: str) -> list:
+    """(line, code) of each write into a config a function was given, in `source`.
+
+    A function's config names are its parameters named like a config (`config`,
+    `model_config`, `train_cfg`, ...) and the names it binds to a part of one
+    (`train = config.train`); a name it binds to anything else (a copy, a new config)
+    is its own to change. A write is an assignment to an attribute or item of one
+    (`config.train.x = ...`, `train.x = ...`, `config.data["x"] = ...`), or a call
+    of a method that changes it in place (`config.mesh.update(...)`), or `setattr`.
+    Nested functions start from their enclosing function's names.
+    """
+    found, tree = [], ast.parse(source)
+    modules = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+    def nodes_of(function):
+        """The nodes of `function`'s body in source order; a nested function is one node."""
+        stack, nodes = list(function.body), []
+        while stack:
+            node = stack.pop()
+            if hasattr(node, "lineno"):
+                nodes.append(node)
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                stack.extend(ast.iter_child_nodes(node))
+        return sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
+
+    def visit(function, inherited):
+        names = set(inherited) | {arg.arg for arg in ast.walk(function.args)
+                                  if isinstance(arg, ast.arg) and CONFIG_NAME.search(arg.arg)}
+        for node in nodes_of(function):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(node, names)
+            elif isinstance(node, ast.ClassDef):
+                visit_class(node)
+            elif isinstance(node, ast.Call):
+                func = node.func
+                if ((isinstance(func, ast.Attribute) and func.attr in MUTATORS
+                     and (_root(func.value) in names or _inside_a_config(func, names, modules)))
+                        or (isinstance(func, ast.Name) and func.id in ("setattr", "delattr")
+                            and node.args and (_root(node.args[0]) in names
+                                               or _inside_a_config(node.args[0], names, modules)))):
+                    found.append((node.lineno, ast.unparse(node)[:100]))
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                for target in targets:
+                    for element in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                        if _inside_a_config(element, names, modules):
+                            found.append((node.lineno, ast.unparse(element)))
+                        elif isinstance(element, ast.Name) and isinstance(node, ast.Assign):
+                            value = node.value
+                            if (isinstance(value, (ast.Attribute, ast.Subscript, ast.Name))
+                                    and _root(value) in names):
+                                names.add(element.id)  # a part of a config it was given
+                            else:
+                                names.discard(element.id)  # a value of its own
+
+    def visit_class(cls):
+        for item in cls.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(item, set())
+            elif isinstance(item, ast.ClassDef):
+                visit_class(item)
+
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            visit(node, set())
+        elif isinstance(node, ast.ClassDef):
+            visit_class(node)
+    return found
+
+
+def config_writes_in(package: pathlib.Path) -> dict:
+    return {str(path.relative_to(package.parent)): writes for path in sorted(package.rglob("*.py"))
+            if (writes := config_writes(path.read_text()))}
+
+
+def test_the_rule_finds_the_ways_a_config_was_changed_in_place():
+    old_writers = '''
+def resolve(config, cluster):
+    train = config.train
+    train.precision = precision(train, cluster)
+def prepare_preset(model_config, workdir):
+    model_config.preset = model_config.preset.replace("{workdir}", workdir)
+def text_resolve(config, workdir):
+    config.data.token_counts = workdir
+    config["data"]["vocabulary"] = ""
+def load(config):
+    config.mesh.update(data=1)
+    setattr(config.cluster, "strategy", "one_device")
+def later(run):
+    run.config.train.steps += 1
+def own(config):
+    config = copy.deepcopy(config)
+    config.train.steps = 1
+    fresh = defaults()
+    fresh.engine = "jax"
+    text = config.data.name.replace("a", "b")
+'''
+    assert [line for line, _ in config_writes(old_writers)] == [4, 6, 8, 9, 11, 12, 14]
+
+
+def test_no_module_changes_a_config_it_was_given():
+    """The run's config is resolved in one step (`training.run_config`, which writes only
+    into its own copy, then frozen); no other stage writes into a config it is handed."""
+    assert config_writes_in(PACKAGE) == {}
+
+
+def calls_in(path: pathlib.Path, function: str) -> set:
+    """The callees (as written: `setup.set_up`) of the top-level `function` in `path`."""
+    tree = ast.parse(path.read_text())
+    [node] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    return {ast.unparse(call.func) for call in ast.walk(node) if isinstance(call, ast.Call)}
+
+
+# Each command, from its entry to `training.setup.set_up`: (module, function, the call it makes).
+SETUP = ("training/setup.py", "set_up")
+TO_SETUP = {
+    "train": [("training/run.py", "train", "setup.set_up")],
+    "evaluate": [("evaluate.py", "main", "evaluation.evaluate"),
+                 ("training/evaluation.py", "evaluate", "setup.set_up")],
+    "restore": [("training/restored.py", "load", "setup.set_up")],
+    "export": [("export.py", "main", "restored.load"),
+               ("training/restored.py", "load", "setup.set_up")],
+    "generate": [("generate.py", "main", "sampling.from_run"),
+                 ("tools/sampling.py", "from_run", "load"),
+                 ("tools/sampling.py", "load", "restored.load"),
+                 ("training/restored.py", "load", "setup.set_up")],
+}
+# What only the setup does (or the resolving step, for the pieces of the resolved config).
+SETUP_ONLY = {"open_checkpointer": "training/setup.py", "prepare_preset": "training/setup.py",
+              "compile_cache.prepare": "training/setup.py", "compile_cache.enable": "training/setup.py",
+              "keep_steps": "training/setup.py", "kept.keep": "training/setup.py",
+              "run_config.resolve": "training/setup.py", "kept.use": "training/run_config.py",
+              "text.resolve": "training/run_config.py", "hub.expand_preset": "training/run_config.py"}
+
+
+@pytest.mark.parametrize("command", sorted(TO_SETUP))
+def test_every_command_that_runs_a_model_is_set_up_by_the_one_setup(command):
+    for module, function, call in TO_SETUP[command]:
+        assert call in calls_in(PACKAGE / module, function), (command, module, function, call)
+
+
+def test_the_steps_of_a_setup_are_taken_nowhere_else():
+    callers = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for call in ast.walk(ast.parse(path.read_text())):
+            if isinstance(call, ast.Call):
+                name = ast.unparse(call.func)
+                for step in SETUP_ONLY:
+                    if name == step or name.endswith("." + step):
+                        callers.setdefault(step, set()).add(str(path.relative_to(PACKAGE)))
+    assert callers == {step: {module} for step, module in SETUP_ONLY.items()}
+
+
+def definitions(*folders) -> dict:
+    """Function name -> the files (relative to the repository) that define it, anywhere in them."""
+    found = {}
+    for folder in folders:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    return found
+
+
+# Helpers written once: where each lives.
+HELPERS = {"write_whole": "tpu_keras/workdir.py", "is_remote": "tpu_keras/workdir.py",
+           "inside": "tpu_keras/workdir.py", "first_line": "tpu_keras/errors.py",
+           "read_run_config": "tpu_keras/config.py", "thawed": "tpu_keras/config.py",
+           "set_up": "tpu_keras/training/setup.py", "build_model": "tpu_keras/training/setup.py",
+           "with_text_metrics": "tpu_keras/training/setup.py"}
+
+
+def test_each_helper_is_defined_once():
+    defined = definitions("tpu_keras", "scripts", "tests")
+    assert {name: defined.get(name) for name in HELPERS} == {
+        name: [module] for name, module in HELPERS.items()}
+
+
+def test_files_are_written_whole_and_paths_told_remote_by_the_workdir_helpers_alone():
+    """An atomic write is `workdir.write_whole` (a temporary file, then a rename); a
+    path's scheme is `workdir.is_remote`'s business."""
+    replaces, scheme_tests = set(), set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "os.replace":
+                replaces.add(module)
+            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+                    and node.left.value == "://" and isinstance(node.ops[0], (ast.In, ast.NotIn))):
+                scheme_tests.add(module)
+    assert replaces == scheme_tests == {"workdir.py"}
