@@ -7,6 +7,7 @@
     python scripts/benchmark.py --tpu_compile
     python scripts/benchmark.py --tpu_step_overhead
     python scripts/benchmark.py --planner_table
+    python scripts/benchmark.py --attention_kernels
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -69,6 +70,11 @@ configs/ on a v5litepod-8, a v5litepod-16, a v5p-64 and two v5litepod-16
 slices, in mixed_bfloat16: the plan's memory per device and bytes sent
 against the compiler's, with the term that differs most where they part
 (planner_table.py).
+
+--attention_kernels: whether keras-hub's Llama attention runs as the TPU's
+fused kernel, as Keras runs it and as the toolkit does, on a slice of each
+TPU generation under data, fsdp and fsdp x model meshes: the kernel calls
+in each compiled program and the HBM peaks (attention_kernels.py).
 """
 
 import contextlib
@@ -116,6 +122,9 @@ _STEP_OVERHEAD = flags.DEFINE_bool("tpu_step_overhead", False, "The toolkit's gu
 _PLANNER_TABLE = flags.DEFINE_bool("planner_table", False, "The plan's memory and bytes sent "
                                    "against the TPU compiler's, for every shipped config on four "
                                    "slices (planner_table.py).")
+_ATTENTION = flags.DEFINE_bool("attention_kernels", False, "keras-hub's Llama attention as Keras "
+                                "and as the toolkit run it, compiled for each TPU generation: "
+                                "fused kernel calls and HBM peaks (attention_kernels.py).")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -481,6 +490,9 @@ def _benchmark(report):
     elif _PLANNER_TABLE.value:
         emit(json.dumps({"benchmark": "planner_table", "result": script_json("planner_table.py")},
                         indent=2))
+    elif _ATTENTION.value:
+        emit(json.dumps({"benchmark": "attention_kernels",
+                         "result": script_json("attention_kernels.py")}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))

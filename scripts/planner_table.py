@@ -40,7 +40,7 @@ MEMORY_BOUND, SENT_BOUND = 0.10, 0.15
 _SLICES = flags.DEFINE_list("slices", ["v5litepod-8", "v5litepod-16", "v5p-64", "2xv5litepod-16"],
                             "The slices to plan for.")
 # configs/finetune.py names no model until model.preset or its architecture is given: the
-# README's 8B Llama LoRA row is its plan (benchmark.py --tpu_compile).
+# pod guide's 8B Llama LoRA row is its plan (benchmark.py --tpu_compile).
 _CONFIGS = flags.DEFINE_list("configs", ["lm_stdlib", "digits", "llama_stdlib", "instruct_stdlib"],
                              "Config modules of configs/.")
 

@@ -29,6 +29,10 @@ def compiled():
                                "--measure"],
         "auto": LM + ["--tpu=v5litepod-8", "--auto", "--measure", "--compiled=2", "--json"],
         "unknown_type": LM + ["--tpu=v9-8", "--measure"],
+        # keras-hub's Llama at 512 tokens: its attention as the TPU's fused kernel.
+        "llama_splash": ["--config=configs/llama_stdlib.py", "--config.engine=jax",
+                         "--config.model.context_length=512", "--tpu=v5litepod-8", "--measure",
+                         "--json"],
         # A keras-hub task with neither a preset nor its architecture.
         "no_architecture": ["--config=configs/finetune.py", "--tpu=v5litepod-8"],
     }, timeout=600)
@@ -129,3 +133,14 @@ def test_a_generation_libtpu_does_not_know_is_one_error_line():
         env={"JAX_PLATFORMS": "cpu"}, check=False)
     assert_one_line_error(result, "libtpu cannot describe v5litepod-8 as v9:2x4", "TPU v9")
     assert result.returncode == 2
+
+
+def test_keras_hubs_llama_attention_compiles_to_the_tpus_fused_kernel(compiled):
+    """Three kernel calls per layer (forward, and the two of its gradient) in the TPU program;
+    docs/performance.md compares Keras's own attention, which never reaches the kernel."""
+    result = compiled["llama_splash"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads(result.stdout)["measured"]
+    assert m["splash_attention_layers"] == 2 and m["fused_kernels"] == 6, m
+    # The gpt (Keras's MultiHeadAttention) is not routed: no kernel in its program.
+    assert json.loads(compiled["v5litepod_16"].stdout)["measured"]["fused_kernels"] == 0

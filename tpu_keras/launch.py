@@ -10,7 +10,7 @@ plus TPU_KERAS_VIRTUAL_DEVICES, which makes the cluster module split the CPU
 into that many logical devices (fake JAX devices on the jax engine). So the same
 multi-worker code path can be exercised on a laptop or in CI. With
 `--slices=S` the pod is S slices of `--hosts` hosts each (a multislice job,
-README "Multislice"): hosts are numbered across slices, slice s holding hosts
+docs/running_on_a_tpu_pod.md, "Several slices"): hosts are numbered across slices, slice s holding hosts
 s x hosts ... (s + 1) x hosts - 1, and each is told its slice in
 TPU_KERAS_SLICE (and the count in TPU_KERAS_NUM_SLICES), where a real
 multislice worker's TPU devices carry their `slice_index`. Output is merged

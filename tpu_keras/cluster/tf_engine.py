@@ -62,8 +62,8 @@ def split_cpu(num_devices: int) -> None:
     before anything else touches TensorFlow. The replicas run at once and
     share one pool of op threads: with the pool left at a thread per core,
     each replica's XLA step fans out over every core and they thrash. A
-    replica gets its share of the cores instead (measured: README
-    "Performance"), unless the user set the pool's size.
+    replica gets its share of the cores instead (measured: docs/performance.md),
+    unless the user set the pool's size.
     """
     if num_devices <= 1:
         return

@@ -70,8 +70,8 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         constraint, XLA may meet an fsdp-split weight by splitting the
         activations' features instead of gathering the weight, and then
         reshuffle and all-reduce activations: several times the memory and
-        the traffic FSDP should cost (seen in the compiled step, README
-        "Memory planning"). With a model axis, layer outputs are split over
+        the traffic FSDP should cost (seen in the compiled step, docs/parallelism.md,
+        "The check paid for itself"). With a model axis, layer outputs are split over
         it by the rules, so only the batch could be named; left to XLA.
         """
         mesh = self.placer.mesh

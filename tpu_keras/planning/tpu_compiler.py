@@ -64,7 +64,8 @@ def name() -> str:
     return f"TPU compiler ({version()})"
 
 
-def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "toolkit") -> dict:
+def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "toolkit",
+            attention: str = "auto") -> dict:
     """The TPU compiler's figures for one training step of `config` on the slice(s) `tpu`,
     on `mesh` (one slice's data, fsdp, model) at `batch_per_replica` (a dict, JSON-ready).
 
@@ -73,6 +74,10 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
     compiles without the toolkit; `train.grad_accum_steps` becomes the optimizer's
     `gradient_accumulation_steps`, one micro-batch a step), for the benchmark that
     weighs the toolkit's step against it.
+
+    `attention`: 'auto', the attention a run on the TPU uses (splash attention where
+    `models.splash_attention` routes the family); 'keras', keras-hub's own call of
+    Keras's `dot_product_attention`, to compare.
 
     Raises a one-line `UserError` where libtpu cannot describe `tpu`. A step the
     compiler finds too large for HBM is no error: 'fits' is False and 'out_of_memory'
@@ -85,7 +90,8 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
     previous = keras.distribution.distribution(), keras.config.dtype_policy()
     started = time.perf_counter()
     try:
-        model, config, backend_mesh = _built(config, found, slices, mesh, chips, step)
+        model, config, backend_mesh, routed = _built(config, found, slices, mesh, chips, step,
+                                                     attention)
         state, batch = _abstract_step_inputs(model, config, backend_mesh, batch_per_replica)
         built = time.perf_counter()
         step = jax.jit(model.train_step, donate_argnums=0,
@@ -104,6 +110,7 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
             result.update(_out_of_memory(str(error), found))
         else:
             result.update(_figures(compiled, found, slices, len(chips)))
+            result["splash_attention_layers"] = routed
             result.update(_estimate(result, model, config, found, len(chips)))
         result["seconds"] = {"build": round(built - started, 1),
                              "compile": round(time.perf_counter() - built, 1)}
@@ -113,12 +120,15 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
         keras.config.set_dtype_policy(previous[1])
 
 
-def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit"):
+def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
+           attention: str = "auto"):
     """The config's model, compiled as a run compiles it, on the slice's devices; no memory
-    behind its weights. Returns (model, the config as the run resolves it, the jax mesh)."""
+    behind its weights. Returns (model, the config as the run resolves it, the jax mesh, how
+    many attention layers run splash attention)."""
     import keras
     from tpu_keras import models
     from tpu_keras.cluster.record import Cluster
+    from tpu_keras.models import splash_attention
     from tpu_keras.parallelism import distribution
     from tpu_keras.parallelism import mesh as mesh_lib
     from tpu_keras.training import defaults, optimization
@@ -143,6 +153,8 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit")
     distribution.set_layout(cluster, placer)
     with keras.StatelessScope(initialize_variables=False):  # variables without values
         model = models.build(config.model, remat=config.train.remat)
+        routed = (splash_attention.route(model, cluster)
+                  if attention == "auto" and step == "toolkit" else 0)
         placer.check(model.weights)
         for variable in model.weights:
             # What Keras does as it initialises a variable: take its layout from the
@@ -153,7 +165,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit")
             config.train.grad_accum_steps = 1  # the optimizer accumulates: one micro-batch a step
         else:
             optimization.compile_model(model, builder, config.train, cluster, optimizer)
-    return model, config, device_mesh.backend_mesh
+    return model, config, device_mesh.backend_mesh, routed
 
 
 def _compile_as_keras_does(model, builder, train_config, optimizer):
@@ -213,6 +225,7 @@ def _figures(compiled, found, slices: int, devices: int) -> dict:
             "share_of_hbm": round(peak / found.hbm_bytes_per_device, 4),
             "sent_per_step": collectives.sent_per_device(text, devices, slices),
             "collectives": collectives.listed(text, devices, slices),
+            "fused_kernels": text.count('custom_call_target="tpu_custom_call"'),
             "flops_per_device": cost.get("flops"),
             "bytes_accessed_per_device": cost.get("bytes accessed"),
             "step_seconds": float(estimate) if estimate and estimate > 0 else None}
@@ -286,6 +299,10 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
               f"  {'peak':<16} {format_bytes(m['peak']):>11}  {m['share_of_hbm']:.1%} of {hbm} HBM: "
               + ("fits" if m["fits"] else "does NOT fit")
               + f" (plan / compiler = {d['total'] / max(1, m['peak']):.2f})"]
+    if m.get("splash_attention_layers"):
+        lines.append(f"  {'attention':<16} {'splash':>11}  the TPU's fused kernel in "
+                     f"{m['splash_attention_layers']} layers ({m['fused_kernels']} kernel calls "
+                     "in the program)")
     if m["step_seconds"] is not None:
         mfu = (f", MFU {m['mfu']:.1%} ({m['mfu_of']} of the update over that time and the "
                "bf16 peak)" if m.get("mfu") is not None else "")

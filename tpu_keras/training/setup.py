@@ -21,6 +21,8 @@ import dataclasses
 import os
 import threading
 
+from absl import logging
+
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
@@ -155,6 +157,10 @@ def build_model(config, cluster, builder=None):
         distribution.set_layout(cluster, placer)
     with cluster.scope():
         model = models.build(config.model, remat=config.train.remat)
+    if cluster.engine == "jax":
+        from tpu_keras.models import splash_attention
+        if routed := splash_attention.route(model, cluster):
+            logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
     placer.check(model.weights)
     optimization.compile_model(model, builder, config.train, cluster)
     return model

@@ -1,0 +1,111 @@
+"""Splash attention, the TPU's fused attention kernel, for keras-hub's Llama on the jax engine.
+
+Why the toolkit routes it itself: Keras 3.15's `ops.dot_product_attention`
+takes its TPU kernel only for a call with neither mask nor `is_causal`. Inside
+a jitted step both make a traced mask, and Keras then falls back to XLA's
+attention; without a mask, its kernel call on split inputs fails to compile
+("Mosaic kernels cannot be automatically partitioned", keras-team/keras#21116).
+keras-hub's Llama always passes a mask, so its training step on a TPU runs XLA's
+attention, which keeps the scores (batch x heads x length x length) for the
+backward pass. The compiled programs that show it: docs/performance.md.
+
+Here each device runs the kernel on its own rows and heads (`jax.shard_map`
+over the batch axes and `model`). The causal mask is static, and keras-hub's
+key padding becomes the kernel's segment ids (real tokens 1, padding 0). A
+query that is a real token then attends exactly the keys keras-hub's mask
+allows; a padding query attends earlier padding instead of earlier real
+tokens, which changes only outputs the loss gives no weight to. A call the
+kernel does not cover (a cache, a length that is not a multiple of 128,
+or shorter than `SHORTEST`, where the kernel costs memory instead) goes to
+keras-hub's own code.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
+from jax.sharding import PartitionSpec
+
+from tpu_keras.parallelism.mesh import BATCH_AXES
+
+# keras-hub attention classes whose `_compute_attention(query, key, value, attention_mask)`
+# gets a (batch, length, heads, head_dim) query and keras-hub's causal-and-padding mask.
+FAMILIES = ("LlamaAttention",)
+LANES = 128  # the kernel's blocks along the sequence are multiples of this
+# Below this length the kernel cost HBM instead of saving it: compiled for a v5litepod-8, a
+# 128-token Llama with heads of 32 peaked at 14.5 MiB per device with it and 7.5 without;
+# at 512 tokens and heads of 64, 99 against 125 MiB (docs/performance.md).
+SHORTEST = 512
+BLOCKS = (512, 256, 128)  # the largest that divides the length is used: fewer, larger tiles
+
+
+def route(model, cluster) -> int:
+    """Routes `model`'s attention through the kernel where `cluster`'s mesh holds TPUs (a
+    TPU VM's, or a slice libtpu describes for its compiler); returns how many layers."""
+    mesh = cluster.device_mesh
+    on_tpu = cluster.engine == "jax" and mesh is not None and mesh.devices.flat[0].platform == "tpu"
+    return install(model) if on_tpu else 0
+
+
+def install(model, interpret: bool = False, shortest: int = SHORTEST) -> int:
+    """Routes the attention of `model`'s layers of a known family through the kernel, for
+    sequences of at least `shortest` tokens; returns how many layers it routed.
+    `interpret` runs the kernel in Pallas's interpreter, on any device (the tests' way to
+    check its numbers on a CPU)."""
+    routed = 0
+    for layer in model._flatten_layers(include_self=False):
+        if type(layer).__name__ in FAMILIES and "_compute_attention" not in vars(layer):
+            # An instance attribute: keras-hub's method stays the fallback.
+            object.__setattr__(layer, "_compute_attention", functools.partial(
+                _attention, layer._compute_attention, interpret=interpret, shortest=shortest))
+            routed += 1
+    return routed
+
+
+def covers(query_shape, key_shape, shortest: int = SHORTEST) -> bool:
+    """Whether the kernel takes a call of these shapes: self-attention (no cache) of at least
+    `shortest` tokens, in whole tiles of 128 (its blocks are multiples of a TPU register's
+    128 lanes)."""
+    length = query_shape[1]
+    return key_shape[1] == length and length % LANES == 0 and length >= shortest
+
+
+def _attention(keras_hub_attention, query, key, value, attention_mask=None, *, interpret,
+               shortest):
+    distribution = keras.distribution.distribution()
+    if distribution is None or not covers(query.shape, key.shape, shortest):
+        return keras_hub_attention(query, key, value, attention_mask)
+    layer = keras_hub_attention.__self__
+    mesh = distribution.device_mesh.backend_mesh
+    heads = "model" if query.shape[2] % mesh.shape["model"] == 0 else None
+    rows = PartitionSpec(BATCH_AXES, None, heads, None)
+    # keras-hub's mask is min(key padding, causal): its last row is the key padding.
+    segments = (jnp.ones(query.shape[:2], jnp.int32) if attention_mask is None
+                else attention_mask[:, -1, :].astype(jnp.int32))
+    query = query * jnp.asarray(layer._inv_norm_factor, query.dtype)  # the kernel does not scale
+    kernel = functools.partial(_local, interpret=interpret)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(rows, rows, rows, PartitionSpec(BATCH_AXES)),
+                         out_specs=rows, check_vma=False)(query, key, value, segments)
+
+
+def _local(query, key, value, segments, *, interpret):
+    """One device's rows and heads: (batch, length, heads, head_dim) in and out."""
+    length, heads = query.shape[1], query.shape[2]
+    block = next(size for size in BLOCKS if length % size == 0)
+    mask = splash_attention_mask.MultiHeadMask(
+        [splash_attention_mask.CausalMask((length, length))] * heads)
+    sizes = splash_attention_kernel.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    kernel = splash_attention_kernel.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+    def one_row(q, k, v, ids):
+        return kernel(q, k, v, segment_ids=splash_attention_kernel.SegmentIds(q=ids, kv=ids))
+
+    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    out = jax.vmap(one_row)(heads_first(query), heads_first(key), heads_first(value), segments)
+    return heads_first(out).astype(query.dtype)
