@@ -96,8 +96,10 @@ def modules(backbone, weights_map) -> dict:
         found[name[:-len(".weight")]] = (layer, index)
     missing = [layer.path for layer in layers if all(layer is not l for l, _ in found.values())]
     if missing:
-        raise Unsupported(f"keras-hub's exporter writes no weight of {missing[0]}'s kernel alone "
-                          f"({len(missing)} LoRA layers so), so it has no PEFT module")
+        others = len(missing) - 1
+        more = f" (and {others} other LoRA kernel{'s' if others > 1 else ''})" if others else ""
+        raise Unsupported(f"keras-hub's exporter writes {missing[0]}'s kernel{more} into no weight "
+                          "of its own (GPT-2's fuses query, key and value), so PEFT has no module for it")
     return found
 
 
