@@ -191,10 +191,10 @@ def _peft_base(preset: str, backbone, overrides: dict):
     (`model.preset`, or the source of the run's kept copy of it), as transformers and vLLM
     name it (`hf://org/name` is `org/name`); None where there is none (a keras-hub preset,
     no preset) or the run's `model.*` arguments changed what the exported config says."""
-    from tpu_keras.models import hub_presets, kept
+    from tpu_keras.models import hub_presets
     if not preset or "{workdir}" in preset:
         return None
-    source = kept.source(preset) if hub_presets.is_kept(preset) else preset
+    source = hub_presets.kept_source(preset) if hub_presets.is_kept(preset) else preset
     try:
         if not hub_presets.is_transformers(preset):
             return None

@@ -82,12 +82,5 @@ def use(model_config, workdir: str, checkpointed: bool) -> None:
                         "another --workdir")
 
 
-def source(kept_folder: str) -> str:
-    """The `model.preset` a run's kept model was copied from (its folder or handle)."""
-    import tensorflow as tf
-    with tf.io.gfile.GFile(os.path.join(kept_folder, hub_presets.KEPT_MARKER)) as file:
-        return json.load(file)["source"]
-
-
 def _inside(preset: str, workdir: str) -> bool:
     return os.path.normpath(preset).startswith(os.path.normpath(workdir) + os.sep)
