@@ -8,7 +8,7 @@ model.safetensors, tokenizer.json; local or gs://), a keras-hub preset folder,
 or a handle (`hf://meta-llama/Meta-Llama-3-8B`, `kaggle://...`) where there is
 a network. The data are read with the checkpoint's own tokenizer
 (`data.tokenizer='preset'`). At the end DIR/export/ holds a keras-hub preset,
-a transformers folder and, for LoRA, lora.weights.h5 (docs/fine_tuning.md).
+a transformers folder and, for LoRA, lora.weights.h5 and a PEFT adapter (docs/fine_tuning.md).
 
 Variants: '' (LoRA rank 16, tensor parallel over 8 chips: an 8B Llama 3 on a
 v5e-8 at 512 tokens and a batch of 2, as `plan` sizes it) and 'full' (every

@@ -15,7 +15,10 @@ with `model.rope_max_wavelength` set over the checkpoint's; `NAME:lora`
 and `NAME:full` train through `tpu_keras.training.run.train` and reload
 each of DIR/export/'s formats (keras-hub from the preset, transformers and
 the toolkit from the transformers folder, the base checkpoint plus
-lora.weights.h5). Reloads are read in host memory, with no distribution.
+lora.weights.h5, PEFT's `PeftModel` of the base checkpoint plus
+DIR/export/peft; and the adapter as a run from a keras-hub preset writes
+it, on the base it then writes, DIR/export/peft_base). Reloads are read in
+host memory, with no distribution.
 Families without layout rules of the toolkit's (Qwen, Gemma) fold `model`
 into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
 differences and the config keys that differ, by checkpoint and check.
@@ -53,6 +56,8 @@ TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCaus
          "mistral": "MistralCausalLM"}
 # Keys of a config.json that describe its files rather than the model.
 FILE_KEYS = ("torch_dtype", "dtype", "transformers_version")
+PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "target_modules", "bias", "lora_dropout",
+             "fan_in_fan_out", "inference_mode")
 tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
@@ -65,10 +70,14 @@ def gap(a, b):
     return float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
 
 
-def transformers_logits(folder):
+def transformers_logits(folder, adapter=None):
+    """transformers' own model of `folder`, with the PEFT adapter in the folder `adapter`."""
     import torch
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if adapter:
+        import peft
+        model = peft.PeftModel.from_pretrained(model, adapter)
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
@@ -98,7 +107,7 @@ def config_for(name, checkpoint, lora_rank=0, **backbone):
         fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model)
     config.layout.replicate_below = 256
-    config.export.formats = ("keras_hub", "transformers") + (("lora",) if lora_rank else ())
+    config.export.formats = ("keras_hub", "transformers") + (("lora", "peft") if lora_rank else ())
     config.train.update(batch_size=8, steps=4, warmup_steps=1, learning_rate=1e-2, eval_every=100,
                         eval_steps=1, steps_per_execution=2)
     config.checkpoint.every_steps = 4
@@ -177,6 +186,24 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
         if rank:
             base = read_back(name, checkpoint, lora=f"{folder}/lora.weights.h5")
             checks["base_plus_lora"] = gap(expected, logits(base))
+            checks["files"] += [f"peft/{n}" for n in sorted(os.listdir(f"{folder}/peft"))]
+            with open(f"{folder}/peft/adapter_config.json") as file:
+                adapter = json.load(file)
+            checks["peft_base_is_the_checkpoint"] = adapter["base_model_name_or_path"] == checkpoint
+            checks["peft"] = gap(expected, transformers_logits(adapter["base_model_name_or_path"],
+                                                               f"{folder}/peft"))
+            checks["peft_config"] = {key: adapter[key] for key in PEFT_KEYS}
+            # From a keras-hub preset (the run's own export stands in for one), the base has no
+            # transformers checkpoint: the export writes it, un-merged, and names it.
+            keras_hub_start = config_for(name, checkpoint, rank)
+            keras_hub_start.model.preset = f"{folder}/keras_hub"
+            elsewhere = os.path.join(workdir, "from_keras_hub")
+            checks["peft_problems"] = export.write(trained, keras_hub_start, elsewhere, ("peft",))
+            with open(f"{elsewhere}/peft/adapter_config.json") as file:
+                written = json.load(file)["base_model_name_or_path"]
+            checks["peft_written_base"] = os.path.relpath(written, elsewhere)
+            checks["peft_on_written_base"] = gap(expected, transformers_logits(written, f"{elsewhere}/peft"))
+            checks["written_base_alone"] = gap(first, transformers_logits(written))  # LoRA's base
         result[name][variant] = checks
 import torch  # noqa: E402
 import transformers  # noqa: E402

@@ -123,6 +123,10 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
     assert_evaluates_as_the_run_did()
     shutil.rmtree(workdir / "export")
     run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--step=4",
-         "--formats=transformers"])
+         "--formats=transformers,peft"])
     exported = json.loads((workdir / "export" / "transformers" / "config.json").read_text())
     assert exported["rope_theta"] == config["rope_theta"], exported  # the run's, not the edit's
+    # The PEFT adapter names the checkpoint the run started from (kept in DIR/model/kept.json).
+    adapter = json.loads((workdir / "export" / "peft" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(checkpoint), adapter
+    assert not (workdir / "export" / "peft_base").exists()

@@ -38,13 +38,16 @@ def test_tiny_llama_trains_exports_and_generates(data_dir, tmp_path):
     (workdir / "export" / "keras_hub" / "task.json").unlink()
     exported = run_in_one_process("tpu_keras.export", {  # one start of keras-hub
         "transformers": [f"--workdir={workdir}", "--step=10", "--formats=keras_hub,transformers"],
-        "unsaved_step": [f"--workdir={workdir}", "--step=7"]})
+        "unsaved_step": [f"--workdir={workdir}", "--step=7"],
+        "peft": [f"--workdir={workdir}", "--step=10", "--formats=peft"]})
     assert_one_line_error(exported["transformers"], "no transformers exporter for LlamaBackbone",
                           "the other formats were written")
     assert exported["transformers"].returncode == 2
     assert "exported step 10 of" in exported["transformers"].stdout
     assert (workdir / "export" / "keras_hub" / "task.json").exists()
     assert_one_line_error(exported["unsaved_step"], "--step=7 is not a checkpoint", "[10, 20]")
+    assert_one_line_error(exported["peft"], "export format 'peft' needs a LoRA run (model.lora_rank)",
+                          "trained every weight; drop 'peft' from export.formats")
     text = generate(workdir, "--prompt=def ", "--max_length=40", "--seed=3", "--top_k=20").stdout
     assert text.startswith("def ") and len(text) > len("def "), text
 

@@ -1,7 +1,8 @@
-"""Transformers-format checkpoints in, keras-hub presets, transformers folders and LoRA
-factors out (tests/hf_probe.py), for Llama 3, Llama 3.1, Qwen 2, Gemma and Mistral, on both
-engines: the toolkit's logits are transformers' own, and the exported config.json is the
-checkpoint's; and the one-line errors of presets keras-hub cannot read."""
+"""Transformers-format checkpoints in, keras-hub presets, transformers folders, LoRA
+factors and PEFT adapters out (tests/hf_probe.py), for Llama 3, Llama 3.1, Qwen 2, Gemma and
+Mistral, on both engines: the toolkit's logits are transformers' own (PEFT's on the base
+checkpoint, for an adapter), and the exported config.json is the checkpoint's; and the
+one-line errors of presets keras-hub cannot read."""
 
 import json
 import sys
@@ -41,12 +42,26 @@ def tf_runs(tmp_path_factory, data_dir):
                  TRAINED_TF + tuple(f"{name}:export" for name in EXPORTED_TF) + (f"{THETA}:theta",))
 
 
+# LoRA rank 4 on the 4 query heads of the checkpoints: Keras's A factor is per head (module docs
+# of tpu_keras/models/peft_format.py), so PEFT's r is 16, and alpha 16 keeps Keras's scaling 1.
+PEFT_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 16, "lora_alpha": 16,
+               "target_modules": ["q_proj", "v_proj"], "bias": "none", "lora_dropout": 0.0,
+               "fan_in_fan_out": False, "inference_mode": True}
+
+
 def assert_reloads(checks, variant):
     assert checks["moved"] > 1e-3, checks  # the run changed the logits ...
     for reload in ("keras_hub", "transformers") + (("base_plus_lora",) if variant == "lora" else ()):
         assert checks[reload] <= TOLERANCE, (variant, reload, checks)  # ... and they came back
     assert checks["torch"] <= TRANSFORMERS, checks  # transformers itself reads them
     assert checks["config"] == {}, checks  # the checkpoint's config.json, key for key
+    if variant == "lora":  # PEFT's PeftModel: the adapter on the checkpoint the run started from
+        assert checks["peft_base_is_the_checkpoint"] and checks["peft_config"] == PEFT_CONFIG, checks
+        assert checks["peft"] <= TRANSFORMERS, checks
+        # From a keras-hub preset: the base is written beside the adapter, and is LoRA's base.
+        assert checks["peft_problems"] == [] and checks["peft_written_base"] == "peft_base", checks
+        assert checks["peft_on_written_base"] <= TRANSFORMERS, checks
+        assert checks["written_base_alone"] <= TRANSFORMERS, checks
 
 
 def test_every_family_starts_from_transformers_logits_on_tf(tf_runs):
@@ -62,6 +77,8 @@ def test_every_export_reloads_on_tf(tf_runs):
         assert {"keras_hub/task.json", "keras_hub/model.weights.h5", "keras_hub/tokenizer.json",
                 "transformers/config.json", "transformers/model.safetensors"} <= files, files
         assert ("lora.weights.h5" in files) == (variant == "lora"), files
+        adapter = {"peft/adapter_config.json", "peft/adapter_model.safetensors"}
+        assert (adapter <= files) == (variant == "lora"), files
         assert "transformers/tokenizer.json" in files or "transformers/vocab.json" in files, files
 
 

@@ -27,8 +27,9 @@ NONFINITE_POLICIES = ("stop", "restore_and_skip")
 # of kept. Keras 3.15's 'full' mode fails on both engines for layers called with
 # keyword arguments (docs/design.md), so it is not offered.
 REMAT_MODES = ("none", "activations")
-# DIR/export/: the SavedModel, a keras-hub preset, a transformers folder, LoRA factors.
-EXPORT_FORMATS = ("saved_model", "keras_hub", "transformers", "lora")
+# DIR/export/: the SavedModel, a keras-hub preset, a transformers folder, LoRA factors (keras-hub's
+# file, a PEFT adapter).
+EXPORT_FORMATS = ("saved_model", "keras_hub", "transformers", "lora", "peft")
 # 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.defaults).
 PRECISIONS = ("auto", "float32", "mixed_bfloat16")
 

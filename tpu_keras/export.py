@@ -1,7 +1,7 @@
 """Export a run's checkpoint: `python -m tpu_keras.export --workdir=DIR [--step=N]`.
 
 Writes what a run writes at its end (DIR/export/: a keras-hub preset, a
-transformers folder, a LoRA run's factors, the SavedModel; see
+transformers folder, a LoRA run's factors and PEFT adapter, the SavedModel; see
 `tpu_keras.models.export`) from any committed checkpoint: the newest, or
 that of --step. The model is rebuilt from DIR/config.json in this host's
 memory (the CPU device, not the accelerators) and the checkpoint restored
@@ -22,7 +22,7 @@ from tpu_keras.errors import UserError
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint to export; default: the newest.")
 _FORMATS = flags.DEFINE_list("formats", None, "Formats to write (saved_model, keras_hub, "
-                             "transformers, lora); default: the run's export.formats.")
+                             "transformers, lora, peft); default: the run's export.formats.")
 
 
 def main(argv):

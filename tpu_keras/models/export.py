@@ -10,7 +10,15 @@
   included;
 - `lora`: a LoRA run's factors alone, in keras-hub's `save_lora_weights`
   format (DIR/export/lora.weights.h5); the two folders above hold the
-  factors merged into the weights (keras's own merge when a LoRA layer saves).
+  factors merged into the weights (keras's own merge when a LoRA layer saves);
+- `peft`: a LoRA run's factors as a PEFT adapter of the transformers model
+  (DIR/export/peft/: `adapter_config.json`, `adapter_model.safetensors`;
+  `models/peft_format.py`), for the families with a transformers exporter.
+  Its `base_model_name_or_path` is the transformers checkpoint the run
+  started from (`model.preset`; a `hf://` handle's name), which LoRA leaves
+  unchanged; a run from anything else (a keras-hub preset, no preset, or
+  `model.*` arguments that change the exported config) also writes that base,
+  un-merged, in the transformers format (DIR/export/peft_base/), and names it.
 
 The keras-hub formats are written from a host copy of the task: a fresh
 task of the same config built in host memory (no distribution, the CPU
@@ -53,6 +61,8 @@ def formats(config, task=None) -> tuple[str, ...]:
         applies.append("transformers")
     if config.model.get("lora_rank"):
         applies.append("lora")
+        if task is None or _has_transformers_exporter(task):
+            applies.append("peft")
     return tuple(applies)
 
 
@@ -73,13 +83,19 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
         return [f"export.formats {hub_formats} are keras-hub formats, and {config.model.name!r} "
                 "is not a keras-hub task; export it as 'saved_model'"]
     lora = bool(getattr(task.backbone, "_lora_enabled_layers", None))
-    if "lora" in hub_formats and not lora:
-        problems.append(f"export format 'lora' needs a LoRA run (model.lora_rank), and "
-                        f"{config.model.name!r} trained every weight; drop 'lora' from export.formats")
-    if "transformers" in hub_formats and not _has_transformers_exporter(task):
+    for name in ("lora", "peft"):
+        if name in hub_formats and not lora:
+            problems.append(f"export format {name!r} needs a LoRA run (model.lora_rank), and "
+                            f"{config.model.name!r} trained every weight; drop {name!r} from export.formats")
+            hub_formats.remove(name)
+    exporter_less = [name for name in ("transformers", "peft") if name in hub_formats]
+    if exporter_less and not _has_transformers_exporter(task):
         problems.append(f"keras-hub has no transformers exporter for {type(task.backbone).__name__} "
-                        f"({config.model.name}); the other formats were written")
-        hub_formats.remove("transformers")
+                        f"({config.model.name}), which {' and '.join(map(repr, exporter_less))} "
+                        "need; the other formats were written")
+        hub_formats = [name for name in hub_formats if name not in exporter_less]
+    if not hub_formats:
+        return problems
     host = host_copy(task, config.model.get("preset", ""))
     with tempfile.TemporaryDirectory() as local:
         if "keras_hub" in hub_formats:
@@ -89,9 +105,15 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
                 host.export_to_transformers(os.path.join(local, "transformers"))
             _complete_config(os.path.join(local, "transformers"), config.model.get("preset", ""),
                              host.backbone, _backbone_overrides(config))
-        if "lora" in hub_formats and lora:
+        if "lora" in hub_formats:
             host.backbone.save_lora_weights(os.path.join(local, "adapter.lora.h5"))
             os.rename(os.path.join(local, "adapter.lora.h5"), os.path.join(local, LORA_FILE))
+        if "peft" in hub_formats:  # last: the base it writes zeroes the copy's LoRA deltas
+            problem = _write_peft(host, config, local, export_dir)
+            if problem and "peft" in config.export.formats:
+                problems.append(problem)
+            elif problem:  # the default's: a family whose layers have no PEFT modules
+                logging.warning("export: no peft adapter: %s", problem)
         for name in sorted(os.listdir(local)):
             copy(os.path.join(local, name), os.path.join(export_dir, name))
             logging.info("exported %s to %s", name, os.path.join(export_dir, name))
@@ -126,6 +148,63 @@ def _every_gemma_head():
         yield
     finally:
         hf_exporter.MODEL_EXPORTERS["GemmaBackbone"] = original
+
+
+def _write_peft(host, config, local: str, export_dir: str):
+    """The PEFT adapter of the host copy's LoRA factors into `local`/peft (and, where the
+    run started from no transformers checkpoint, the base into `local`/peft_base); a line
+    saying why not where its LoRA layers have no PEFT modules, else None."""
+    from tpu_keras.models import peft_format
+    backbone = host.backbone
+    with _on_host():
+        try:
+            found = peft_format.modules(backbone, _weights_map)
+        except peft_format.Unsupported as reason:
+            return (f"export format 'peft': {reason} ({type(backbone).__name__}); "
+                    "the other formats were written")
+        preset = config.model.get("preset", "")
+        base = _peft_base(preset, backbone, _backbone_overrides(config))
+        write_base = base is None
+        if write_base:
+            base = os.path.join(export_dir, peft_format.BASE_FOLDER)
+            base = base if workdir.is_remote(base) else os.path.abspath(base)
+        peft_format.write(os.path.join(local, peft_format.FOLDER), found, base)
+        if write_base:  # un-merged: every LoRA B factor zero, so the merged kernels are the base's
+            peft_format.zero_deltas(backbone)
+            folder = os.path.join(local, peft_format.BASE_FOLDER)
+            with _every_gemma_head():
+                host.export_to_transformers(folder)
+            _complete_config(folder, preset, backbone, _backbone_overrides(config))
+    return None
+
+
+def _weights_map(backbone):
+    """keras-hub's exporter's {transformers name: tensor} of `backbone`, as the transformers
+    export writes them (Gemma's every head)."""
+    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
+    with _every_gemma_head():
+        return MODEL_EXPORTERS[type(backbone).__name__](backbone)
+
+
+def _peft_base(preset: str, backbone, overrides: dict):
+    """The transformers checkpoint a LoRA run's adapter applies to: the one it started from
+    (`model.preset`, or the source of the run's kept copy of it), as transformers and vLLM
+    name it (`hf://org/name` is `org/name`); None where there is none (a keras-hub preset,
+    no preset) or the run's `model.*` arguments changed what the exported config says."""
+    from tpu_keras.models import hub_presets
+    if not preset or "{workdir}" in preset:
+        return None
+    source = hub_presets.kept_source(preset) if hub_presets.is_kept(preset) else preset
+    try:
+        if not hub_presets.is_transformers(preset):
+            return None
+        if overrides and _changed_keys(backbone, preset, overrides):
+            return None
+    except (UserError, ValueError, OSError):  # unreadable now: write the base
+        return None
+    if source.startswith("hf://"):
+        return source[len("hf://"):]
+    return source if hub_presets.is_handle(source) or workdir.is_remote(source) else os.path.abspath(source)
 
 
 # Keys of the exporter's that describe the files it wrote, not the architecture.
@@ -228,6 +307,7 @@ def host_copy(task, preset: str = ""):
         rank = getattr(backbone, "_lora_rank", 0)
         if getattr(backbone, "_lora_enabled_layers", None):
             host_backbone.enable_lora(rank)
+            _same_lora_alpha(backbone, host_backbone)
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)
@@ -251,6 +331,15 @@ def host_copy(task, preset: str = ""):
         _initialize_the_rest()
     host.preprocessor = _preprocessor(type(task), preset)
     return host
+
+
+def _same_lora_alpha(backbone, copy):
+    """The copy's LoRA layers scale as the run's: keras-hub 0.32's `enable_lora(rank)` takes
+    no `lora_alpha` and leaves Keras's default (alpha = rank), which a layer enabled with
+    its own `enable_lora(rank, lora_alpha=...)` does not have."""
+    from tpu_keras.models.peft_format import lora_layers
+    for source, target in zip(lora_layers(backbone), lora_layers(copy), strict=True):
+        target.lora_alpha = source.lora_alpha
 
 
 def _preprocessor(task_cls, preset: str):

@@ -194,6 +194,13 @@ def is_kept(preset: str) -> bool:
     return bool(preset) and tf.io.gfile.exists(os.path.join(preset, KEPT_MARKER))
 
 
+def kept_source(preset: str) -> str:
+    """The `model.preset` a run's kept model (`is_kept`) was copied from: its folder or handle."""
+    import tensorflow as tf
+    with tf.io.gfile.GFile(os.path.join(preset, KEPT_MARKER)) as file:
+        return json.load(file)["source"]
+
+
 def is_transformers(preset: str) -> bool:
     """Whether the folder is in the transformers format (config.json with model_type)."""
     return getattr(_loader(preset), "converter", None) is not None
