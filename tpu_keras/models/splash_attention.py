@@ -46,8 +46,11 @@ def route(model, cluster) -> int:
     """Routes `model`'s attention through the kernel where `cluster`'s mesh holds TPUs (a
     TPU VM's, or a slice libtpu describes for its compiler); returns how many layers."""
     mesh = cluster.device_mesh
-    on_tpu = cluster.engine == "jax" and mesh is not None and mesh.devices.flat[0].platform == "tpu"
-    return install(model) if on_tpu else 0
+    if cluster.engine != "jax" or mesh is None:
+        return 0
+    first = mesh.devices.flat[0]  # a JAX device, or Keras's name for one ('cpu:0')
+    platform = getattr(first, "platform", str(first).split(":")[0].lower())
+    return install(model) if platform == "tpu" else 0
 
 
 def install(model, interpret: bool = False, shortest: int = SHORTEST) -> int:

@@ -22,8 +22,9 @@ unscaled gradients' (Inf in a step that overflowed).
 
 With `grad_accum_steps` k above 1 the batch holds k micro-batches; a
 `lax.scan` runs them one after another (so only one micro-batch's
-activations are alive at a time) and the update applies their mean
-gradient: one step, one update, whatever k is.
+activations and predictions are alive at a time; the metrics take each
+micro-batch in turn) and the update applies their mean gradient: one step,
+one update, whatever k is.
 
 `install` also hands the jitted steps committed arrays. Under a
 `keras.distribution` on a one-device mesh (a laptop, one TPU chip or GPU),
@@ -78,26 +79,29 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
             self.compute_loss_and_updates, has_aux=True)(
             trainable, non_trainable, metrics, x, y, sample_weight, training=True,
             optimizer_variables=optimizer_state)
+        logs, metrics = self._update_metrics_variables(
+            metrics, unscaled_loss, x, y, y_pred, sample_weight)
     else:
-        x, y, sample_weight = (split_micro_batches(t, grad_accum_steps) for t in (x, y, sample_weight))
+        micro_batches = tuple(split_micro_batches(t, grad_accum_steps) for t in (x, y, sample_weight))
 
         def micro_step(carry, batch):
-            gradient_sum, loss_sum, non_trainable = carry
+            gradient_sum, loss_sum, non_trainable, metrics = carry
             (_, (loss, y_pred, non_trainable, _)), gradients = jax.value_and_grad(
                 self.compute_loss_and_updates, has_aux=True)(
                 trainable, non_trainable, metrics, *batch, training=True,
                 optimizer_variables=optimizer_state)
+            # Metrics see every micro-batch in turn, so no micro-batch's predictions outlive
+            # it (a language model's logits, stacked, were k times the largest activation).
+            _, metrics = self._update_metrics_variables(metrics, loss, *batch[:2], y_pred, batch[2])
             return (jax.tree.map(jnp.add, gradient_sum, gradients), loss_sum + loss,
-                    non_trainable), y_pred
+                    non_trainable, metrics), None
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
-        (gradients, unscaled_loss, non_trainable), y_pred = jax.lax.scan(
-            micro_step, (zeros, jnp.zeros((), "float32"), non_trainable), (x, y, sample_weight))
+        (gradients, unscaled_loss, non_trainable, metrics), _ = jax.lax.scan(
+            micro_step, (zeros, jnp.zeros((), "float32"), non_trainable, metrics), micro_batches)
         gradients = jax.tree.map(lambda g: g / grad_accum_steps, gradients)
         unscaled_loss = unscaled_loss / grad_accum_steps
-        # Metrics see the whole batch, micro-batch after micro-batch.
-        x, y, sample_weight, y_pred = (jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), t)
-                                       for t in (x, y, sample_weight, y_pred))
+        logs = _results(self, metrics)
     grad_norm = global_norm(gradients)
     scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
     if scaling:  # float16: the gradients of the scaled loss; the norm logged is the unscaled one
@@ -118,9 +122,13 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
                            in zip(self.optimizer.variables, new_optimizer_state, optimizer_state)]
     else:
         optimizer_state = jax.tree.map(keep, new_optimizer_state, optimizer_state)
-    logs, metrics = self._update_metrics_variables(
-        metrics, unscaled_loss, x, y, y_pred, sample_weight)
     return {**logs, GRAD_NORM: grad_norm}, (trainable, non_trainable, optimizer_state, metrics)
+
+
+def _results(model, metrics) -> dict:
+    """The metrics' results read from their state `metrics`, as `compute_metrics` returns them."""
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics))):
+        return model.get_metrics_result()
 
 
 def loss_scale(optimizer, optimizer_state) -> jax.Array:
