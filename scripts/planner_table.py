@@ -36,7 +36,7 @@ from tpu_keras.planning import memory_plan, tpu_compiler  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
-MEMORY_BOUND, SENT_BOUND = 0.10, 0.15
+MEMORY_BOUND, SENT_BOUND = tpu_compiler.MEMORY_BOUND, 0.15
 _SLICES = flags.DEFINE_list("slices", ["v5litepod-8", "v5litepod-16", "v5p-64", "2xv5litepod-16"],
                             "The slices to plan for.")
 # configs/finetune.py names no model until model.preset or its architecture is given: the
@@ -61,7 +61,8 @@ def row(name, slice_name):
         return {"config": name, "slice": slice_name, "error": str(error)}
     m, d = p["measured"], p["per_device"]
     result = {"config": name, "slice": slice_name, "mesh": p["mesh"], "devices": p["devices"],
-              "plan_bytes": d["total"], "compiler_peak": m.get("peak"), "fits": m["fits"]}
+              "plan_bytes": d["total"], "compiler_peak": m.get("peak"), "fits": m["fits"],
+              "scheduled_peak": m.get("scheduled_peak")}
     if "out_of_memory" in m:
         return {**result, "out_of_memory": m["out_of_memory"]}
     sent, compiled = p["sent_per_step"]["total"], m["sent_per_step"]["total"]
@@ -71,14 +72,8 @@ def row(name, slice_name):
     result["memory_within"] = abs(result["memory_ratio"] - 1) <= MEMORY_BOUND
     result["sent_within"] = compiled == sent == 0 or (
         result["sent_ratio"] is not None and abs(result["sent_ratio"] - 1) <= SENT_BOUND)
-    # Term by term: the compiler's arguments hold the weights, optimizer state and batch; its
-    # temporaries hold the gradients, activations and workspace.
-    terms = {"weights and optimizer state (arguments)": (d["parameters"] + d["optimizer"], m["arguments"]),
-             "gradients and activations (temporaries)": (d["gradients"] + d["activations"],
-                                                         m["temporaries"])}
-    result["terms"] = {term: {"plan": planned, "compiler": got} for term, (planned, got) in terms.items()}
-    if not result["memory_within"]:
-        result["differs_most"] = max(terms, key=lambda t: abs(terms[t][0] - terms[t][1]))
+    result["terms"] = tpu_compiler.terms(p, m)
+    result["differs_most"] = result["terms"].pop("differs_most", None)
     return result
 
 

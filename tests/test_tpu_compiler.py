@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import assert_one_line_error, run, run_in_one_process
-from tpu_keras.planning import layout_search
+from tpu_keras.planning import layout_search, tpu_compiler
 
 LM = ["--config=configs/lm_stdlib.py", "--config.engine=jax"]
 
@@ -33,6 +33,9 @@ def compiled():
         "llama_splash": ["--config=configs/llama_stdlib.py", "--config.engine=jax",
                          "--config.model.context_length=512", "--tpu=v5litepod-8", "--measure",
                          "--json"],
+        "llama_splash_text": ["--config=configs/llama_stdlib.py", "--config.engine=jax",
+                              "--config.model.context_length=512", "--tpu=v5litepod-8",
+                              "--measure"],
         # A keras-hub task with neither a preset nor its architecture.
         "no_architecture": ["--config=configs/finetune.py", "--tpu=v5litepod-8"],
     }, timeout=600)
@@ -144,3 +147,20 @@ def test_keras_hubs_llama_attention_compiles_to_the_tpus_fused_kernel(compiled):
     assert m["splash_attention_layers"] == 2 and m["fused_kernels"] == 6, m
     # The gpt (Keras's MultiHeadAttention) is not routed: no kernel in its program.
     assert json.loads(compiled["v5litepod_16"].stdout)["measured"]["fused_kernels"] == 0
+
+
+def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled):
+    p = json.loads(compiled["llama_splash"].stdout)
+    m = p["measured"]
+    by_term = tpu_compiler.terms(p, m)
+    # The plan counts keras-hub's attention scores; the compiled kernel keeps none.
+    assert p["per_device"]["total"] > 1.1 * m["peak"], (p["per_device"], m)
+    assert by_term["differs_most"] == "gradients and activations", by_term
+    assert by_term["gradients and activations"]["compiler"] == m["temporaries"]
+    text = compiled["llama_splash_text"].stdout
+    assert "the plan against the compiler, term by term:" in text, text[-3000:]
+    assert "differs most: gradients and activations: the plan counts every tensor" in text
+    # Where they agree within 10%, no such lines (lm_stdlib on a v5litepod-16: 0.91 here).
+    lm = json.loads(compiled["v5litepod_16"].stdout)
+    assert ("differs_most" in tpu_compiler.terms(lm, lm["measured"])) == (
+        abs(lm["per_device"]["total"] / lm["measured"]["peak"] - 1) > tpu_compiler.MEMORY_BOUND)

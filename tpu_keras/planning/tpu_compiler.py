@@ -221,6 +221,9 @@ def _figures(compiled, found, slices: int, devices: int) -> dict:
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     estimate = cost.get("optimal_seconds")
     return {**held, "total": total, "program": program, "peak": peak,
+            # libtpu's own peak figure (`peak_memory_in_bytes`), kept beside the sum of the
+            # buffers; it parts from that sum both ways, and its definition is not published.
+            "scheduled_peak": getattr(analysis, "peak_memory_in_bytes", None),
             "fits": peak <= found.hbm_bytes_per_device,
             "share_of_hbm": round(peak / found.hbm_bytes_per_device, 4),
             "sent_per_step": collectives.sent_per_device(text, devices, slices),
@@ -273,6 +276,60 @@ def _out_of_memory(message: str, found) -> dict:
             "share_of_hbm": round(required / found.hbm_bytes_per_device, 4) if required else None}
 
 
+MEMORY_BOUND = 0.10  # the plan's memory is held to the compiler's peak within this share
+
+# Why each of the plan's terms can part from the compiler's buffers, for the output.
+WHY = {
+    "state": "the compiler's arguments also hold the batch and the metrics' state",
+    "temporaries_low": "the plan counts every tensor autodiff keeps for the backward pass, all "
+                       "alive at once, as JAX traces them; the compiler fuses elementwise work "
+                       "into the matmuls around it and recomputes it in the backward pass, "
+                       "frees what it kept as the gradients appear, and keeps small buffers "
+                       "in the chip's own memory (a fused attention kernel keeps no scores)",
+    "temporaries_high": "the compiler's workspace (collective buffers, tiles padded to the "
+                        "chip's layout) outweighs this model's activations at this batch",
+    "program": "the compiled code, which the plan does not count",
+}
+
+
+def terms(p: dict, m: dict) -> dict:
+    """The plan's memory per device against the compiler's buffers, term by term:
+    {term: {"plan", "compiler", "why"}}, and "differs_most" where the totals part by more
+    than `MEMORY_BOUND`."""
+    d = p["per_device"]
+    planned_temporaries = d["gradients"] + d["activations"]
+    result = {
+        "weights and optimizer state": {"plan": d["parameters"] + d["optimizer"],
+                                        "compiler": m["arguments"], "why": WHY["state"]},
+        "gradients and activations": {
+            "plan": planned_temporaries, "compiler": m["temporaries"],
+            "why": WHY["temporaries_low" if m["temporaries"] < planned_temporaries
+                       else "temporaries_high"]},
+        "program": {"plan": 0, "compiler": m["program"], "why": WHY["program"]},
+    }
+    if abs(d["total"] / max(1, m["peak"]) - 1) > MEMORY_BOUND:
+        result["differs_most"] = max(
+            (term for term in result),
+            key=lambda term: abs(result[term]["plan"] - result[term]["compiler"]))
+    return result
+
+
+def _format_terms(p: dict, m: dict, format_bytes) -> list[str]:
+    """Lines for the plan's terms against the compiler's, when the totals part by more than
+    `MEMORY_BOUND`: which term differs most, and why."""
+    by_term = terms(p, m)
+    if "differs_most" not in by_term:
+        return []
+    lines = ["  the plan against the compiler, term by term:"]
+    for term in ("weights and optimizer state", "gradients and activations", "program"):
+        t = by_term[term]
+        lines.append(f"    {term:<28} plan {format_bytes(t['plan']):>11}  compiler "
+                     f"{format_bytes(t['compiler']):>11}")
+    most = by_term[by_term["differs_most"]]
+    lines.append(f"    differs most: {by_term['differs_most']}: {most['why']}")
+    return lines
+
+
 def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
     """The compiler's lines of the plan: memory per device against HBM, the step-time
     estimate and its MFU, and the collectives, most bytes first."""
@@ -299,6 +356,7 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
               f"  {'peak':<16} {format_bytes(m['peak']):>11}  {m['share_of_hbm']:.1%} of {hbm} HBM: "
               + ("fits" if m["fits"] else "does NOT fit")
               + f" (plan / compiler = {d['total'] / max(1, m['peak']):.2f})"]
+    lines += _format_terms(p, m, format_bytes)
     if m.get("splash_attention_layers"):
         lines.append(f"  {'attention':<16} {'splash':>11}  the TPU's fused kernel in "
                      f"{m['splash_attention_layers']} layers ({m['fused_kernels']} kernel calls "
