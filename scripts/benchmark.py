@@ -422,7 +422,8 @@ def tpu_compile_benchmark() -> dict:
     keep = ("compiler", "jax", "topology", "devices", "arguments", "outputs", "temporaries",
             "program", "peak", "hbm_bytes_per_device", "fits", "share_of_hbm", "step_seconds",
             "flops_per_device", "bytes_accessed_per_device", "model_flops_per_micro_batch", "mfu",
-            "mfu_of", "estimate_covers", "out_of_memory")
+            "mfu_of", "estimate_covers", "out_of_memory", "splash_attention_layers",
+            "fused_kernels", "scheduled_peak")
     return {"command": " ".join(command[1:]), "wall_seconds": round(wall, 1),
             "build_seconds": m["seconds"]["build"], "compile_seconds": m["seconds"]["compile"],
             "peak_host_memory_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
