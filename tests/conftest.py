@@ -2,6 +2,15 @@
 
 Every device layout runs in its own process (TensorFlow fixes its devices at
 start-up), and every process is bounded by a timeout.
+
+`tests/` holds only this file and the test modules (`test_*.py`); everything else
+lives in `tests/helpers/`: the probes, programs the tests start as subprocesses
+(`python tests/helpers/mesh_probe.py ...`, each device layout in a process of its
+own), and the modules tests import (`resume`, `pods`, `placements`, ...). This file
+puts `tests/helpers` on `sys.path` for the test modules; a probe run as a script
+finds the helpers beside it (a script's own folder is `sys.path[0]`). The helpers
+that import `conftest` (`resume`, `pods`) are imported by tests only, where pytest
+has put `tests/` on the path to import this file.
 """
 
 import fcntl
@@ -18,6 +27,7 @@ import pytest
 from tpu_keras.measurement import peak
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "helpers"))  # the helpers the test modules import
 
 # Test modules by CPU time, slowest first (one full run on the 2-core machine).
 # xdist's loadscope hands whole modules to the workers in collection order, so
@@ -51,8 +61,8 @@ def run(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO)
 
 def run_in_one_process(command, calls, *, timeout=300):
     """Several command lines of one toolkit `command` ('tpu_keras.plan'), run in one
-    process by tests/cli_batch.py: {name: CompletedProcess}, `stdout` and `stderr` apart."""
-    output = run([sys.executable, "tests/cli_batch.py", command, json.dumps(calls)],
+    process by tests/helpers/cli_batch.py: {name: CompletedProcess}, `stdout` and `stderr` apart."""
+    output = run([sys.executable, "tests/helpers/cli_batch.py", command, json.dumps(calls)],
                  timeout=timeout, merge_stderr=False).stdout
     done = [json.loads(line[len("CALL "):]) for line in output.splitlines() if line.startswith("CALL ")]
     return {call["name"]: subprocess.CompletedProcess(calls[call["name"]], call["code"], call["stdout"],

@@ -13,7 +13,7 @@ from resume import assert_same_weights, killed_after_checkpoint_then_resumed, re
 
 
 def test_four_micro_batches_make_the_update_of_their_union_under_mirrored(data_dir):
-    out = run([sys.executable, "tests/accum_probe.py", "tf", data_dir, "2"]).stdout
+    out = run([sys.executable, "tests/helpers/accum_probe.py", "tf", data_dir, "2"]).stdout
     result = json.loads(next(l for l in out.splitlines() if l.startswith("ACCUM "))[6:])
     assert result["moved"] > 1e-3, result  # the update is real
     assert result["between"] <= 1e-5, result

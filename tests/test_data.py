@@ -29,7 +29,7 @@ def write_files(directory, rows_per_file):
 
 
 def probe(pattern, hosts, devices, global_batch, epochs=1, seed=0, data_service=False):
-    """Runs tests/data_probe.py on every host; returns (per-host reports, output).
+    """Runs tests/helpers/data_probe.py on every host; returns (per-host reports, output).
 
     `pattern` may join several globs with ','; the reports are then a dict by glob.
     `seed` may join several seeds with ','; the reports are then a list, one per seed.
@@ -37,7 +37,7 @@ def probe(pattern, hosts, devices, global_batch, epochs=1, seed=0, data_service=
     result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
                   f"--devices_per_host={devices}", "--timeout=240",
                   *(["--data_service"] if data_service else []), "--",
-                  sys.executable, str(REPO / "tests" / "data_probe.py"), pattern,
+                  sys.executable, str(REPO / "tests" / "helpers" / "data_probe.py"), pattern,
                   str(global_batch), str(epochs), str(seed)], timeout=300)
     by_run = {}
     for line in re.findall(r"PROBE (.*)", result.stdout):
@@ -262,7 +262,7 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
     bad = str(tmp_path / "bad" / "*.jsonl")
     result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
                   f"--devices_per_host={devices}", "--timeout=240", "--",
-                  sys.executable, str(REPO / "tests" / "text_probe.py"), str(tmp_path / "logs"),
+                  sys.executable, str(REPO / "tests" / "helpers" / "text_probe.py"), str(tmp_path / "logs"),
                   ",".join([*documents, bad]), str(global_batch), str(TEXT_CONTEXT)], timeout=300)
     reports = [json.loads(line) for line in re.findall(r"PROBE (.*)", result.stdout)]
     assert len(reports) == 3 * hosts
@@ -302,7 +302,7 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
 def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, stdlib_text):
     """One process: evaluation over every token once equals numpy; a TFDS text feature
     packs; SentencePiece by class and by preset tokenize alike, as sentencepiece does."""
-    result = run([sys.executable, str(REPO / "tests" / "text_eval.py"), data_dir, str(tmp_path),
+    result = run([sys.executable, str(REPO / "tests" / "helpers" / "text_eval.py"), data_dir, str(tmp_path),
                   str(stdlib_text / "spm1024.model")])
     tokens, rows, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+) (\S+)",
                                                     result.stdout).groups()

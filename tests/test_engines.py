@@ -10,7 +10,7 @@ from conftest import run
 
 
 def losses(engine, config, data_dir, init, overrides):
-    out = run([sys.executable, "tests/engine_probe.py", engine, config, data_dir, str(init),
+    out = run([sys.executable, "tests/helpers/engine_probe.py", engine, config, data_dir, str(init),
                json.dumps(overrides)]).stdout
     return json.loads(next(l for l in out.splitlines() if l.startswith("ENGINE "))[7:])
 

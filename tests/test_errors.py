@@ -206,7 +206,7 @@ def filled(inputs, data_dir):
 @pytest.fixture(scope="module")
 def refused_together(filled, tmp_path_factory):
     """The cases on the tf engine's default devices, refused by one process of
-    tests/cli_batch.py (one start of TensorFlow instead of one per case)."""
+    tests/helpers/cli_batch.py (one start of TensorFlow instead of one per case)."""
     calls = {}
     for case in CASES:
         config, overrides = filled(*case.values[:2])

@@ -80,7 +80,6 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
     config.json changed a value that no shape shows (rope_theta), and after the folder was
     deleted; `export` still writes the transformers folder with the source's config."""
     import json
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
     import hf_checkpoints
     checkpoint, workdir = tmp_path / "checkpoint", tmp_path / "run"
     hf_checkpoints.write(checkpoint, "llama")

@@ -24,7 +24,7 @@ def generate(workdir, *flags):
 
 def test_tiny_llama_trains_exports_and_generates(data_dir, tmp_path):
     # The jax engine's run, export and generation are the SentencePiece test's and
-    # tests/hf_probe.py's; one start of keras-hub per command is what this test costs.
+    # tests/helpers/hf_probe.py's; one start of keras-hub per command is what this test costs.
     workdir = tmp_path / "tf"
     out = train(LLAMA_TINY, workdir, f"--config.data.data_dir={data_dir}").stdout
     assert "model: keras_hub:LlamaCausalLM with 26,720 parameters, float32" in out, out[-2000:]
@@ -82,7 +82,7 @@ def test_sentencepiece_llama_trains_on_packed_text_and_generates(stdlib_text, da
 def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):
     init, results = tmp_path / "init.npz", {}
     for mesh in ("1x1", "4x2"):  # the first run saves the initial weights the second loads
-        out = run([sys.executable, "tests/mesh_probe.py", mesh, data_dir, str(init),
+        out = run([sys.executable, "tests/helpers/mesh_probe.py", mesh, data_dir, str(init),
                    "llama_stdlib:tiny"], timeout=500).stdout
         line = next(line for line in out.splitlines() if line.startswith("PROBE "))
         results[mesh] = json.loads(line[len("PROBE "):])
@@ -164,15 +164,15 @@ def test_keras_hub_maps_of_other_families_are_checked(layouts):
 
 def test_a_saved_preset_is_loaded_not_reinitialised_on_both_engines(tmp_path):
     for engine in ("tf", "jax"):
-        out = run([sys.executable, "tests/hub_preset.py", engine, str(tmp_path / engine)]).stdout
+        out = run([sys.executable, "tests/helpers/hub_preset.py", engine, str(tmp_path / engine)]).stdout
         losses = json.loads(next(l for l in out.splitlines() if l.startswith("PRESET "))[7:])
         assert abs(losses["loaded"] - losses["saved"]) <= 1e-6, (engine, losses)
         assert abs(losses["scratch"] - losses["saved"]) > 1e-4, (engine, losses)
 
 
 def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device_and_nothing_compiled(tmp_path):
-    """keras-team/keras#21634, measured on 8 fake devices (tests/load_memory_probe.py)."""
-    out = run([sys.executable, "tests/load_memory_probe.py", str(tmp_path / "preset")],
+    """keras-team/keras#21634, measured on 8 fake devices (tests/helpers/load_memory_probe.py)."""
+    out = run([sys.executable, "tests/helpers/load_memory_probe.py", str(tmp_path / "preset")],
               timeout=500).stdout
     load = json.loads(next(line for line in out.splitlines()
                            if line.startswith("LOAD "))[len("LOAD "):])
@@ -191,7 +191,7 @@ def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device_and_noth
 
 def test_splash_attention_gives_keras_hubs_llama_outputs_and_gradients_at_every_real_token():
     """The TPU's fused kernel, in Pallas's interpreter, under data x fsdp x model (splash_probe.py)."""
-    out = run([sys.executable, "tests/splash_probe.py"], timeout=500).stdout
+    out = run([sys.executable, "tests/helpers/splash_probe.py"], timeout=500).stdout
     got = json.loads(next(line for line in out.splitlines()
                           if line.startswith("SPLASH "))[len("SPLASH "):])
     assert got["routed"] == 2, got  # both decoder layers
@@ -259,8 +259,8 @@ def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(ti
 
 def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_presets(tmp_path):
     """A Llama with a SentencePiece proto and a GPT-2 with byte-pair merges, both written by
-    tests/generate_probe.py: --temperature=0 gives keras-hub's greedy texts, byte for byte."""
-    out = run([sys.executable, "tests/generate_probe.py", str(tmp_path)]).stdout
+    tests/helpers/generate_probe.py: --temperature=0 gives keras-hub's greedy texts, byte for byte."""
+    out = run([sys.executable, "tests/helpers/generate_probe.py", str(tmp_path)]).stdout
     greedy = json.loads(next(line for line in out.splitlines()
                              if line.startswith("GREEDY "))[len("GREEDY "):])
     prompts = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
 """Transformers-format checkpoints in, keras-hub presets, transformers folders, LoRA
-factors and PEFT adapters out (tests/hf_probe.py), for Llama 3, Llama 3.1, Qwen 2, Gemma and
+factors and PEFT adapters out (tests/helpers/hf_probe.py), for Llama 3, Llama 3.1, Qwen 2, Gemma and
 Mistral, on both engines: the toolkit's logits are transformers' own (PEFT's on the base
 checkpoint, for an adapter), and the exported config.json is the checkpoint's; and the
 one-line errors of presets keras-hub cannot read."""
@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run, run_in_one_process, train
+from conftest import assert_one_line_error, run, run_in_one_process, train
 
-sys.path.insert(0, str(REPO / "tests"))
-import hf_checkpoints  # noqa: E402
+import hf_checkpoints
 
 TOLERANCE = 1e-5  # keras-hub against keras-hub, the same operations
 TRANSFORMERS = 1e-4  # the toolkit against transformers' own PyTorch model, float32
@@ -28,7 +27,7 @@ JAX_CHECKPOINTS = tuple(name for name in CHECKPOINTS if name != "llama31_rope_pa
 
 
 def probe(engine, out, data_dir, mesh, runs, checkpoints=CHECKPOINTS, env=None):
-    result = run([sys.executable, "tests/hf_probe.py", engine, str(out), data_dir, mesh, ",".join(runs),
+    result = run([sys.executable, "tests/helpers/hf_probe.py", engine, str(out), data_dir, mesh, ",".join(runs),
                   ",".join(checkpoints)], timeout=900, env=env)
     return json.loads(next(line[3:] for line in result.stdout.splitlines() if line.startswith("HF ")))
 

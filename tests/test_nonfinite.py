@@ -21,7 +21,7 @@ POISONED_ID = 5  # file 0, record 5
 CONFIG = """
 import sys
 sys.path.insert(0, "configs")
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/helpers")
 import digits
 
 def get_config(arg=None):

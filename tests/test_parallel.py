@@ -1,7 +1,7 @@
 """Data, model and hybrid parallelism on the jax engine, with 8 fake CPU devices.
 
 Every mesh runs in its own process (JAX fixes its devices at start-up) via
-`tests/mesh_probe.py`, which trains the same model from the same initial
+`tests/helpers/mesh_probe.py`, which trains the same model from the same initial
 weights on the same batches and reports each variable's sharding.
 """
 
@@ -39,7 +39,7 @@ def probe(data_dir, tmp_path_factory):
     init, results = tmp_path_factory.mktemp("mesh") / "init.npz", {}
 
     def run_probe(*meshes):
-        out = run([sys.executable, "tests/mesh_probe.py",
+        out = run([sys.executable, "tests/helpers/mesh_probe.py",
                    ",".join("x".join(map(str, _mesh_key(m))) for m in meshes),
                    data_dir, str(init), ""], timeout=500).stdout
         for line in out.splitlines():
@@ -151,7 +151,7 @@ def test_tf_engine_refuses_a_model_axis(tmp_path, axis):
 
 
 # Mistakes in a mesh or its rules on the jax engine's 8 fake devices: refused by one
-# process of tests/cli_batch.py (one start of JAX and TensorFlow for the four).
+# process of tests/helpers/cli_batch.py (one start of JAX and TensorFlow for the four).
 MESH_MISTAKES = {
     "does_not_fit": ["--config.mesh.model=3"],
     "indivisible": ["--config.mesh.model=8"],  # the tiny gpt has 2 heads
@@ -190,7 +190,7 @@ def test_uncovered_large_weight_is_refused(refused):
 
 
 def test_remat_keeps_the_losses_and_lowers_xla_temporary_bytes(data_dir):
-    out = run([sys.executable, "tests/remat_probe.py", data_dir], timeout=400).stdout
+    out = run([sys.executable, "tests/helpers/remat_probe.py", data_dir], timeout=400).stdout
     runs = {r["remat"]: r for r in (json.loads(line[len("REMAT "):]) for line in out.splitlines()
                                     if line.startswith("REMAT "))}
     for step, (a, b) in enumerate(zip(runs["none"]["losses"], runs["activations"]["losses"])):

@@ -42,7 +42,7 @@ def interrupted_then_resumed(workdir, data_dir, interrupt, *, slow_commits=False
     """
     args = train_args(workdir, data_dir)
     if slow_commits:
-        args = [args[0], "tests/slow_commit.py", *args[3:]]
+        args = [args[0], "tests/helpers/slow_commit.py", *args[3:]]
     first = start(args)
     try:
         first_output = interrupt(first)
@@ -127,9 +127,9 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference,
 
 @pytest.mark.parametrize("engine", ["tf", "jax"])
 def test_a_checkpoint_restores_each_weight_by_name_and_names_what_does_not_fit(engine, tmp_path):
-    # One process per engine (tests/checkpoint_probe.py): a layer that creates query and key
+    # One process per engine (tests/helpers/checkpoint_probe.py): a layer that creates query and key
     # in the other order, models that do not fit, and a checkpoint stored by position.
-    out = run([sys.executable, "tests/checkpoint_probe.py", engine, str(tmp_path)]).stdout
+    out = run([sys.executable, "tests/helpers/checkpoint_probe.py", engine, str(tmp_path)]).stdout
     r = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
          if line.split(" ", 1)[0] in ("SWAPPED", "WIDER", "EXTRA", "OLD")}
     assert set(r) == {"SWAPPED", "WIDER", "EXTRA", "OLD"}, out[-3000:]

@@ -389,6 +389,25 @@ def test_each_helper_is_defined_once():
         name: [module] for name, module in HELPERS.items()}
 
 
+def test_the_tests_folder_holds_test_modules_and_conftest_alone():
+    """What `tests/` lists is the tests; the probes the tests start as subprocesses and the
+    modules they import live in `tests/helpers/` (conftest.py's docstring says how they are found)."""
+    others = sorted(path.name for path in (REPO / "tests").glob("*.py")
+                    if path.name != "conftest.py" and not path.name.startswith("test_"))
+    assert others == [], f"not a test module: move into tests/helpers/: {others}"
+
+
+def test_every_test_file_named_in_the_code_and_docs_exists():
+    """A path to a file under tests/ (a probe, say) in a test, a helper, a script, the package or
+    a document names a file that is there (a test that runs a moved probe would fail late)."""
+    texts = [*(REPO / "tests").rglob("*.py"), *(REPO / "scripts").rglob("*.py"), *PACKAGE.rglob("*.py"),
+             *(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "setup.cfg"]
+    named = {(name, str(path.relative_to(REPO))) for path in texts
+             for name in re.findall(r"(?<![\w/.])tests/[\w/]+\.py\b", path.read_text())}
+    missing = sorted((name, where) for name, where in named if not (REPO / name).is_file())
+    assert missing == []
+
+
 def test_files_are_written_whole_and_paths_told_remote_by_the_workdir_helpers_alone():
     """An atomic write is `workdir.write_whole` (a temporary file, then a rename); a
     path's scheme is `workdir.is_remote`'s business."""

@@ -18,7 +18,7 @@ from conftest import assert_one_line_error, run, run_in_one_process
 
 @pytest.fixture(scope="module")
 def matrix():
-    output = run([sys.executable, "tests/topology_matrix.py"], timeout=600, merge_stderr=False).stdout
+    output = run([sys.executable, "tests/helpers/topology_matrix.py"], timeout=600, merge_stderr=False).stdout
     return {row["tpu"]: row for row in (json.loads(line[len("MATRIX "):])
                                         for line in output.splitlines() if line.startswith("MATRIX "))}
 
@@ -104,7 +104,7 @@ except OSError:
 control = no_route() - before
 env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_") and k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
 for command in (["-m", "tpu_keras.info", "--tpu=2xv5litepod-16", "--engine=jax", "--json"],
-                ["tests/topology_matrix.py", "v4-32", "v6e-16"]):
+                ["tests/helpers/topology_matrix.py", "v4-32", "v6e-16"]):
     subprocess.run([sys.executable, *command], env=env, check=True, timeout=300,
                    stdout=subprocess.DEVNULL)
 print("NO_ROUTE", control, no_route() - before - control)

@@ -37,7 +37,7 @@ def probe_results(output):
 
 def test_the_parallelism_guides_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model():
     # One 4-device process: the guide's example as written, then its promises (user_code_probe.py).
-    out = run([sys.executable, "tests/user_code_probe.py"], timeout=600,
+    out = run([sys.executable, "tests/helpers/user_code_probe.py"], timeout=600,
               env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}).stdout
     r = probe_results(out)
     assert set(r) == set(PROBE_TAGS), out[-3000:]

@@ -1,6 +1,6 @@
 """One update with gradient accumulation against one update on the whole batch.
 
-    python tests/accum_probe.py ENGINE DATA_DIR [REPLICAS]
+    python tests/helpers/accum_probe.py ENGINE DATA_DIR [REPLICAS]
 
 The tiny gpt (no dropout) from the same initial weights takes one step on
 the same 4 x 16 examples: once as one batch, once as 4 micro-batches of 16

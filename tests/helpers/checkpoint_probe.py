@@ -1,6 +1,6 @@
 """A run's checkpoints pair variables by name, on one engine, in one process.
 
-    python tests/checkpoint_probe.py ENGINE FOLDER
+    python tests/helpers/checkpoint_probe.py ENGINE FOLDER
 
 Saves a small model whose `attention` layer creates two same-shaped weights,
 `query` then `key`, with the toolkit's checkpointer, then prints one JSON

@@ -1,6 +1,6 @@
 """Several command lines of one toolkit command, run in one process as if each were its own.
 
-    python tests/cli_batch.py tpu_keras.plan '{"NAME": [ARG, ...], ...}'
+    python tests/helpers/cli_batch.py tpu_keras.plan '{"NAME": [ARG, ...], ...}'
 
 Each call gets freshly parsed flags and its own stdout and stderr, and ends
 where its process would end (`sys.exit`, `main` returning, or `cli.exit_at_once`,

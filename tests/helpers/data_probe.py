@@ -2,7 +2,7 @@
 files whose examples carry a unique id, and prints which ids each of this host's
 replicas received in the first epochs. Used by test_data.py, via the launcher.
 
-    python tests/data_probe.py GLOB[,GLOB...] GLOBAL_BATCH EPOCHS SEED[,SEED...]
+    python tests/helpers/data_probe.py GLOB[,GLOB...] GLOBAL_BATCH EPOCHS SEED[,SEED...]
 
 One PROBE line per glob and seed: several file sets, or several builds of
 one pipeline, share one start of every host.

@@ -1,6 +1,6 @@
 """Trains a config's model 10 steps on one device of one engine, from saved initial weights.
 
-    python tests/engine_probe.py ENGINE CONFIG[:VARIANT] DATA_DIR INIT.npz [OVERRIDES_JSON]
+    python tests/helpers/engine_probe.py ENGINE CONFIG[:VARIANT] DATA_DIR INIT.npz [OVERRIDES_JSON]
 
 OVERRIDES_JSON is {"section": {"key": value}} merged into the config.
 

@@ -1,6 +1,6 @@
 """Writes two tiny keras-hub causal LM presets and keras-hub's own greedy texts for them.
 
-    python tests/generate_probe.py FOLDER
+    python tests/helpers/generate_probe.py FOLDER
 
 FOLDER/llama: a LlamaCausalLM whose LlamaTokenizer reads a SentencePiece
 proto trained here by the sentencepiece library; FOLDER/gpt2: a GPT2CausalLM

@@ -1,8 +1,8 @@
 """Transformers checkpoints in, exports out, for every family, on one engine and mesh.
 
-    python tests/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [NAME:RUN,...] [NAME,...]
+    python tests/helpers/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [NAME:RUN,...] [NAME,...]
 
-For each checkpoint of tests/hf_checkpoints.py (Llama 3, Llama 3.1 in both
+For each checkpoint of tests/helpers/hf_checkpoints.py (Llama 3, Llama 3.1 in both
 config forms, Qwen 2, Gemma, Mistral; those named last, where given):
 writes it, builds the toolkit's model from it (`model.preset`) on the mesh
 and compares its logits before any step with transformers' own
@@ -49,8 +49,7 @@ from tpu_keras.config import defaults  # noqa: E402
 from tpu_keras.models import export, hub_layouts, hub_presets  # noqa: E402
 from tpu_keras.training import run, setup  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import hf_checkpoints  # noqa: E402
+import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
 
 TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCausalLM",
          "mistral": "MistralCausalLM"}

@@ -1,6 +1,6 @@
 """Saves a small Llama backbone as a keras-hub preset, then builds the toolkit's model from it.
 
-    python tests/hub_preset.py ENGINE PRESET_DIR
+    python tests/helpers/hub_preset.py ENGINE PRESET_DIR
 
 Prints one JSON line: the loss on one batch of the saved backbone itself,
 of the toolkit's model built from `model.preset=PRESET_DIR` (equal when

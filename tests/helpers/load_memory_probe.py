@@ -1,6 +1,6 @@
 """What each of 8 fake devices holds while a Llama preset loads under an fsdp=8 mesh.
 
-    python tests/load_memory_probe.py PRESET_DIR
+    python tests/helpers/load_memory_probe.py PRESET_DIR
 
 Saves a Llama backbone as a keras-hub preset, then loads it twice on the jax
 engine with the toolkit's distribution set for data=1 x fsdp=8: by keras-hub

@@ -1,6 +1,6 @@
 """Trains a config's model a few steps on jax meshes and reports what each device holds.
 
-    python tests/mesh_probe.py DATAxMODEL[,DATAxMODEL...] DATA_DIR INIT.npz VARIANT [MODEL_JSON] [STEPS]
+    python tests/helpers/mesh_probe.py DATAxMODEL[,DATAxMODEL...] DATA_DIR INIT.npz VARIANT [MODEL_JSON] [STEPS]
 
 Runs in its own process (JAX fixes its device count at start-up) with
 DATA x MODEL fake CPU devices (the same count for every mesh listed, which

@@ -1,4 +1,4 @@
-"""Checks on what `tests/mesh_probe.py` reports: the arrays laid out as the Placer said,
+"""Checks on what `tests/helpers/mesh_probe.py` reports: the arrays laid out as the Placer said,
 and the same losses as on one device."""
 
 

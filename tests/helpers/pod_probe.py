@@ -1,9 +1,9 @@
 """Trains a config's model a few steps on the same global batches, on one device or on a
 simulated pod, and reports the losses and where the batch rows and weights live.
 
-    python tests/pod_probe.py CONFIG INIT.npz
-    python -m tpu_keras.launch --tpu=v5litepod-16 -- python tests/pod_probe.py CONFIG INIT.npz
-    python -m tpu_keras.launch --tpu=2xv4-16 -- python tests/pod_probe.py CONFIG INIT.npz
+    python tests/helpers/pod_probe.py CONFIG INIT.npz
+    python -m tpu_keras.launch --tpu=v5litepod-16 -- python tests/helpers/pod_probe.py CONFIG INIT.npz
+    python -m tpu_keras.launch --tpu=2xv4-16 -- python tests/helpers/pod_probe.py CONFIG INIT.npz
 
 CONFIG is `digits` (the tiny MLP, its hidden kernels split over fsdp=2 on a
 pod) or `lm` (`configs/lm_stdlib.py:tiny`, the default mesh). On a pod of

@@ -14,8 +14,8 @@ from resume import STEPS, example_ids, finish, read_until, running, seen_over_th
 
 
 def probe(name, *launcher, init):
-    """`tests/pod_probe.py`'s reports, by host: one device, or each host of the launched pod."""
-    command = [sys.executable, "tests/pod_probe.py", name, str(init)]
+    """`tests/helpers/pod_probe.py`'s reports, by host: one device, or each host of the launched pod."""
+    command = [sys.executable, "tests/helpers/pod_probe.py", name, str(init)]
     if launcher:
         command = [sys.executable, "-m", "tpu_keras.launch", *launcher, "--timeout=400", "--", *command]
     out = run(command, timeout=450).stdout

@@ -1,6 +1,6 @@
 """Trains configs/lm_stdlib.py's gpt 5 steps with and without rematerialisation (jax, one device).
 
-    python tests/remat_probe.py DATA_DIR
+    python tests/helpers/remat_probe.py DATA_DIR
 
 Both start from the same initial weights and read the same batches. Prints
 one JSON line per setting: its losses, and XLA's temporary bytes for the

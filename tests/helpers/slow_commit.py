@@ -1,4 +1,4 @@
-"""`python tests/slow_commit.py ARGS`: `python -m tpu_keras.train ARGS`, with every checkpoint's
+"""`python tests/helpers/slow_commit.py ARGS`: `python -m tpu_keras.train ARGS`, with every checkpoint's
 files written `SLOW_COMMIT_SECONDS` (3) seconds before the run goes on to commit them.
 
 So a test can kill a run in the middle of a save, between the two steps that

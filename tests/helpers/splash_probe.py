@@ -1,6 +1,6 @@
 """keras-hub's Llama with splash attention against its own attention, on 8 fake devices.
 
-    python tests/splash_probe.py
+    python tests/helpers/splash_probe.py
 
 The kernel runs in Pallas's interpreter (a CPU has no TPU kernels); its
 numbers are the TPU kernel's. A Llama (grouped-query, 4 heads over 2 key

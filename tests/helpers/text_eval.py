@@ -2,7 +2,7 @@
 a TFDS text feature, SentencePiece by class and by preset, and instruction data's
 response-only loss and metrics against numpy, in one process.
 
-    python tests/text_eval.py DATA_DIR FOLDER SPM_PROTO
+    python tests/helpers/text_eval.py DATA_DIR FOLDER SPM_PROTO
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do

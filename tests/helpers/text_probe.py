@@ -4,7 +4,7 @@ builds it again as a restart would (the process's opened sources forgotten),
 resumed at the middle step, and pulls one batch. Used by test_data.py, via the
 launcher; the test reads the logs.
 
-    python tests/text_probe.py OUT GLOB[,GLOB...] GLOBAL_BATCH CONTEXT_LENGTH
+    python tests/helpers/text_probe.py OUT GLOB[,GLOB...] GLOBAL_BATCH CONTEXT_LENGTH
 
 Logs go to OUT/<glob index>/{epoch,resumed}/host<h>.txt; token counts are
 shared in OUT/counts. A glob under a folder named 'instructions' is read as

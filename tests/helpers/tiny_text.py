@@ -1,4 +1,4 @@
-"""A TFDS dataset with a text feature, for tests/text_eval.py (a builder must live in a module)."""
+"""A TFDS dataset with a text feature, for tests/helpers/text_eval.py (a builder must live in a module)."""
 
 import pathlib
 

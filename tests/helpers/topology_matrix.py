@@ -1,7 +1,7 @@
 """Every mesh `plan --auto` can recommend, on every TPU type of 1 to 64 hosts, laid out on
 libtpu's description of the slice as a run lays it out on a TPU.
 
-    python tests/topology_matrix.py [TYPE ...]
+    python tests/helpers/topology_matrix.py [TYPE ...]
 
 Types: every v4, v5e, v5p and v6e slice of the topology table with 1 to 64
 hosts, each as 1, 2 and 4 slices (or the TYPEs given, such as 2xv4-16). For

@@ -1,6 +1,6 @@
 """docs/parallelism.md's `<!-- user-code-mesh -->` example as written, then what it promises, in one process.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/user_code_probe.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/helpers/user_code_probe.py
 
 Runs the example (a transformer of Keras layers on fsdp=2 x model=2), then
 in the same process, on its cluster and its functions, prints one JSON line
@@ -26,7 +26,7 @@ import json
 import re
 from pathlib import Path
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "parallelism.md"
 code = re.search(r"<!-- user-code-mesh -->\n```python\n(.*?)```", GUIDE.read_text(), re.S).group(1)
 ns = {"__name__": "__main__"}
 exec(compile(code, "docs/parallelism.md", "exec"), ns)  # noqa: S102  (the example, as written)

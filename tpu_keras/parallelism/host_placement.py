@@ -7,7 +7,7 @@ then laying it out; it also makes every weight below its 250 MB threshold
 whole on that device when it initialises it. Under a distribution that
 splits weights, each of them passes whole through one device, and a model
 larger than a device's memory does not load (measured on 8 fake devices:
-tests/load_memory_probe.py, figure in docs/models.md).
+tests/helpers/load_memory_probe.py, figure in docs/models.md).
 
 Inside `placed_from_host()` both go to the devices as their shards: a
 numpy value assigned to a laid-out weight becomes
