@@ -20,11 +20,12 @@ library's error message:
 import ast
 import functools
 import importlib.util
+import logging as std_logging
 import os
 import sys
 import traceback
 
-from absl import app, flags
+from absl import app, flags, logging
 import ml_collections
 
 from tpu_keras import config as config_lib
@@ -64,7 +65,6 @@ def exit_at_once(code: int):
         import jax
         if jax.distributed.is_initialized():
             jax.distributed.shutdown()
-    from absl import logging
     logging.flush()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -73,8 +73,6 @@ def exit_at_once(code: int):
 
 def own_info_only() -> None:
     """Keeps the log readable: INFO lines from tpu_keras, warnings from everyone."""
-    import logging as std_logging
-    from absl import logging
     logging.get_absl_handler().python_handler.addFilter(
         lambda record: record.levelno >= std_logging.WARNING or "tpu_keras" in record.pathname)
 

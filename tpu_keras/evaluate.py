@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from tpu_keras import cli
 from tpu_keras import config as config_lib
 from tpu_keras.errors import UserError
+from tpu_keras.training import evaluation
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint to evaluate; default: the newest.")
@@ -38,7 +39,6 @@ def main(argv):
     logging.set_verbosity(logging.INFO)
     cli.own_info_only()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tpu_keras.training import evaluation
     config = config_lib.read_run_config(_WORKDIR.value)
     for key in _given_keys(sys.argv[1:]):
         *sections, name = key.split(".")

@@ -18,6 +18,7 @@ from absl import flags, logging
 from tpu_keras import cli
 from tpu_keras import config as config_lib
 from tpu_keras.errors import UserError
+from tpu_keras.training import restored
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint to export; default: the newest.")
@@ -35,7 +36,6 @@ def main(argv):
     if _FORMATS.value is not None:
         config.export.formats = tuple(_FORMATS.value)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host memory: never the accelerators
-    from tpu_keras.training import restored
     run, step = restored.load(_WORKDIR.value, config, _STEP.value, purpose="export")
     from tpu_keras.models import export  # Keras: once the run's setup selected the engine
     config, export_dir = run.config, os.path.join(_WORKDIR.value, "export")

@@ -20,7 +20,9 @@ from absl import flags, logging
 
 from tpu_keras import cli
 from tpu_keras import config as config_lib
+from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
+from tpu_keras.tools import sampling
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
 _PRESET = flags.DEFINE_string("preset", None, "Instead of --workdir: a keras-hub causal LM preset "
@@ -47,8 +49,6 @@ def main(argv):
     if _TEMPERATURE.value < 0 or _TOP_K.value < 0 or _BATCH_SIZE.value < 1:
         raise UserError("--temperature and --top_k must be 0 or more, --batch_size 1 or more")
     logging.set_verbosity(logging.WARNING)
-    from tpu_keras.cluster import engine
-    from tpu_keras.tools import sampling
     config = config_lib.read_run_config(_WORKDIR.value) if _WORKDIR.value else None
     engine.select(config.engine if config else _ENGINE.value)  # before TensorFlow brings Keras
     records = _read_prompts(_PROMPTS_FILE.value) if _PROMPTS_FILE.value else None

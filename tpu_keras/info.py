@@ -21,10 +21,12 @@ import json
 from absl import flags, logging
 from ml_collections import config_flags
 
-from tpu_keras import cli
+from tpu_keras import cli, cluster as cluster_lib
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
+from tpu_keras.tools import cluster_info, slice_layout
+from tpu_keras.training import defaults
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config whose `cluster` and `mesh` sections to connect with (default: "
@@ -44,14 +46,10 @@ def main(argv):
         config.engine = _ENGINE.value
     config_lib.check(config)
     if _TPU.value:
-        from tpu_keras.tools import slice_layout
         layout = slice_layout.describe(config, _TPU.value)
         print(json.dumps(layout) if _JSON.value else slice_layout.format_layout(layout), flush=True)
         return
     engine.select(config.engine, config.cluster.virtual_devices)
-    from tpu_keras import cluster as cluster_lib
-    from tpu_keras.tools import cluster_info
-    from tpu_keras.training import defaults
     cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
     info = cluster_info.describe(cluster, defaults.precision(config.train, cluster))
     print(json.dumps(info) if _JSON.value else cluster_info.format_table(info), flush=True)

@@ -22,6 +22,7 @@ from tpu_keras import cli
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
+from tpu_keras.planning import layout_report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices in the mesh; default: the product of the "
@@ -38,7 +39,6 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(config)
     engine.select("jax")  # for the allocation-free build, whatever engine trains
-    from tpu_keras.planning import layout_report
     devices = _DEVICES.value or math.prod(size for size in dict(config.mesh).values() if size > 0)
     report = layout_report.describe(config, devices)
     print(json.dumps(report, indent=1) if _JSON.value else layout_report.format_table(report))

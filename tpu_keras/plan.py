@@ -33,7 +33,9 @@ from ml_collections import config_flags
 
 from tpu_keras import cli
 from tpu_keras import config as config_lib
+from tpu_keras.cluster import engine, topology
 from tpu_keras.errors import UserError
+from tpu_keras.planning import layout_search, memory_plan
 
 NOTHING_FITS = 1  # the exit status when the config (or, with --auto, every layout) does not fit
 
@@ -66,8 +68,6 @@ def main(argv):
         raise UserError("give --config=configs/<name>.py and --tpu=<slice>, e.g. --tpu=v5p-64")
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(_CONFIG.value)
-    from tpu_keras.cluster import engine, topology
-    from tpu_keras.planning import memory_plan
     compiler = memory_plan.resolve_compiler(_COMPILER.value) if _MEASURE.value else "cpu"
     if _MEASURE.value and compiler == "tpu":  # the slice's own devices, described by libtpu
         engine.select("jax")
@@ -80,7 +80,6 @@ def main(argv):
         print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
         fits = result["fits"]
     else:
-        from tpu_keras.planning import layout_search
         result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                       compiler, _COMPILED.value)
         print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))

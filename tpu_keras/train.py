@@ -16,6 +16,7 @@ from ml_collections import config_flags
 from tpu_keras import cli
 from tpu_keras.errors import Preempted, UserError
 from tpu_keras.measurement import timings
+from tpu_keras.training import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py:tiny")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json, checkpoints, TensorBoard "
@@ -31,7 +32,6 @@ def main(argv):
     cli.own_info_only()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
-    from tpu_keras.training import run
     try:
         run.train(_CONFIG.value, _WORKDIR.value, started=timings.process_start())
     except UserError as error:

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 from typing import Any, Optional
 
-from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.parallelism import REPLICATE_BELOW, mesh as mesh_lib, scope
 
 # cluster.strategy: 'auto', then the kinds it picks from, in order.
 STRATEGIES = ("auto", "tpu", "multi_worker", "mirrored", "one_device")
@@ -79,7 +79,6 @@ class Cluster:
                 model = make_model()
                 model.compile(...)
         """
-        from tpu_keras.parallelism import REPLICATE_BELOW, scope
         return scope.LayoutScope(self, rules, REPLICATE_BELOW if replicate_below is None else replicate_below,
                                  ties)
 

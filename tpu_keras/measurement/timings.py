@@ -29,6 +29,8 @@ import time
 
 from absl import logging
 
+from tpu_keras import workdir
+
 
 # Phases in the order a run meets them; the log line keeps it.
 PHASES = ("startup", "data", "cluster", "model", "restore", "compile", "warmup", "steps", "validation",
@@ -104,7 +106,6 @@ class RunTimings:
                                 for name, value in report["seconds"].items()
                                 if value >= 0.05 or name == "compile"))
         if path:
-            from tpu_keras import workdir  # TensorFlow's filesystems; this module stays light
             workdir.write_whole(path, json.dumps(report, indent=2))
         return report
 

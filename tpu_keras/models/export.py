@@ -33,16 +33,25 @@ files; they are written into a temporary folder and copied with
 """
 
 import contextlib
+import inspect
+import json
 import os
 import shutil
 import sys
 import tempfile
 
 from absl import logging
+import keras
+from keras import ops
+from keras.src.backend.common import global_state
+import numpy as np
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line
-from tpu_keras.models import weight_paths
+from tpu_keras.models import hub, hub_presets, peft_format, weight_paths
+from tpu_keras.models.hub import KERAS_HUB
+from tpu_keras.models.hub_presets import complete_get_config
+from tpu_keras.models.peft_format import lora_layers
 
 LORA_FILE = "lora.weights.h5"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -50,7 +59,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def formats(config, task=None) -> tuple[str, ...]:
     """The formats to write: `export.formats`, or every one that applies."""
-    from tpu_keras.models.hub import KERAS_HUB
     chosen = tuple(config.export.formats)
     if chosen:
         return chosen
@@ -127,8 +135,6 @@ def _every_gemma_head():
     query and value kernels without their LoRA factors (`weights[0]`, where Llama's exporter
     reads `.kernel`, which adds them). While the toolkit exports, k_proj, v_proj and q_proj
     hold every head of `.kernel`."""
-    import numpy as np
-    from keras import ops
     from keras_hub.src.utils.transformers.export import hf_exporter
     original = hf_exporter.MODEL_EXPORTERS["GemmaBackbone"]
 
@@ -154,7 +160,6 @@ def _write_peft(host, config, local: str, export_dir: str):
     """The PEFT adapter of the host copy's LoRA factors into `local`/peft (and, where the
     run started from no transformers checkpoint, the base into `local`/peft_base); a line
     saying why not where its LoRA layers have no PEFT modules, else None."""
-    from tpu_keras.models import peft_format
     backbone = host.backbone
     with _on_host():
         try:
@@ -191,7 +196,6 @@ def _peft_base(preset: str, backbone, overrides: dict):
     (`model.preset`, or the source of the run's kept copy of it), as transformers and vLLM
     name it (`hf://org/name` is `org/name`); None where there is none (a keras-hub preset,
     no preset) or the run's `model.*` arguments changed what the exported config says."""
-    from tpu_keras.models import hub_presets
     if not preset or "{workdir}" in preset:
         return None
     source = hub_presets.kept_source(preset) if hub_presets.is_kept(preset) else preset
@@ -220,10 +224,8 @@ def _complete_config(folder: str, preset: str, backbone=None, overrides=None) ->
     Mistral's head_dim as hidden_size / num_attention_heads) and leave out what its own loader
     and vLLM read (Qwen's `architectures` and sliding-window keys, Gemma's rms_norm_eps).
     The checkpoint's tokenizer files are kept too (fine-tuning leaves the tokenizer as it was)."""
-    import json
     if not preset or "{workdir}" in preset:
         return
-    from tpu_keras.models import hub_presets
     if hub_presets.is_handle(preset) or not hub_presets.is_transformers(preset):
         return
     path = os.path.join(folder, "config.json")
@@ -255,7 +257,6 @@ def _complete_config(folder: str, preset: str, backbone=None, overrides=None) ->
 
 def _backbone_overrides(config) -> dict:
     """The run's `model.*` backbone arguments (over the preset's)."""
-    from tpu_keras.models import hub
     return hub._backbone_kwargs(dict(config.model))
 
 
@@ -263,10 +264,7 @@ def _changed_keys(backbone, preset: str, overrides: dict) -> set:
     """The config keys that keras-hub's exporter writes otherwise for `backbone` than for the
     same backbone with the arguments in `overrides` set back to the checkpoint's: the keys the
     run changed. Every exporter reads the backbone's attributes, named as its arguments."""
-    import inspect
-    import json
     from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_CONFIGS
-    from tpu_keras.models import hub_presets
     _, arguments = hub_presets.describe(preset)
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(type(backbone).__init__).parameters.items()}
@@ -296,11 +294,9 @@ def find_task(model):
 def host_copy(task, preset: str = ""):
     """The same task in host memory with `task`'s weights (LoRA factors kept, not merged),
     and the preset's preprocessor when it has a tokenizer."""
-    import keras
     backbone = task.backbone
     # Made without running initialisers (jax would compile a random initialiser for each
     # shape, most of an export's time): each variable is assigned the run's value.
-    from tpu_keras.models.hub_presets import complete_get_config  # Llama's tie_word_embeddings
     with _on_host(), keras.StatelessScope(initialize_variables=False):
         host_backbone = complete_get_config(type(backbone).from_config(
             complete_get_config(backbone).get_config()))
@@ -337,7 +333,6 @@ def _same_lora_alpha(backbone, copy):
     """The copy's LoRA layers scale as the run's: keras-hub 0.32's `enable_lora(rank)` takes
     no `lora_alpha` and leaves Keras's default (alpha = rank), which a layer enabled with
     its own `enable_lora(rank, lora_alpha=...)` does not have."""
-    from tpu_keras.models.peft_format import lora_layers
     for source, target in zip(lora_layers(backbone), lora_layers(copy), strict=True):
         target.lora_alpha = source.lora_alpha
 
@@ -358,7 +353,6 @@ def _preprocessor(task_cls, preset: str):
 def _initialize_the_rest():
     """Variables made in `StatelessScope(initialize_variables=False)` wait for a value: those
     the copy did not assign (a seed generator's state) get their initialiser's now."""
-    from keras.src.backend.common import global_state
     waiting = global_state.get_global_attribute("uninitialized_variables") or []
     global_state.set_global_attribute("uninitialized_variables", [])
     for variable in waiting:
@@ -369,7 +363,6 @@ def _initialize_the_rest():
 @contextlib.contextmanager
 def _on_host():
     """Builds variables in host memory: no distribution, the CPU device."""
-    import keras
     if keras.backend.backend() == "jax":
         import jax
         previous = keras.distribution.distribution()

@@ -32,8 +32,12 @@ optimizer holds state for the LoRA factors alone.
 import functools
 import inspect
 import os
+import re
+import time
 
+from absl import logging
 import keras
+import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
@@ -213,7 +217,6 @@ def _check_runs(task, backbone_kwargs):
 
 def _plain(line: str) -> str:
     """A line of an error message without Keras's terminal colour codes."""
-    import re
     return re.sub(r"\x1b\[[0-9;]*m|\{\{[^}]*\}\}", "", line).strip()
 
 
@@ -234,7 +237,6 @@ def _layout(backbone_cls, kwargs):
                             "model.layout_map='keras_hub', or give layout.rules")
         return []  # replicated; on a mesh that splits weights, the Placer names what to cover
     # Keras only needs axis names from this mesh: one stand-in device builds on any backend.
-    import numpy as np
     mesh = keras.distribution.DeviceMesh((1, 1), ["data", "model"], np.array([["cpu:0"]]))
     return rules_from_layout_map(backbone_cls.get_layout_map(
         mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
@@ -259,7 +261,6 @@ def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: flo
     if not path or not workdir_lib.inside(path, workdir) or hub_presets.is_kept(path):
         return
     import tensorflow as tf
-    import time
     if tf.io.gfile.exists(os.path.join(path, "config.json")):
         return
     if is_chief:
@@ -272,7 +273,6 @@ def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: flo
             tf.io.gfile.rmtree(partial)
         backbone.save_to_preset(partial)
         tf.io.gfile.rename(partial, path)
-        from absl import logging
         logging.info("wrote a freshly initialised %s to %s as the preset to fine-tune",
                      type(backbone).__name__, path)
         return

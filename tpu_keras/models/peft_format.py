@@ -43,6 +43,7 @@ import json
 import math
 import os
 
+import keras
 import numpy as np
 
 FOLDER = "peft"
@@ -67,7 +68,6 @@ def modules(backbone, weights_map) -> dict:
     transformers weight `(out_features, in_features)`, holds the flat index into the layer's
     kernel of the entry at each place. `weights_map(backbone)` is keras-hub's exporter's
     {name: tensor} (`hf_exporter.MODEL_EXPORTERS[...]`, as the transformers export runs it)."""
-    import keras
     layers = lora_layers(backbone)
     probes = {}
     for number, layer in enumerate(layers):
@@ -108,7 +108,6 @@ def factors(layer, index) -> tuple:
     the layer's LoRA delta `(lora_alpha / rank) * a @ b`, placed as `index` says, exactly:
     r is the rank times the product of the kernel axes that feed the output besides the
     last (the heads)."""
-    import keras
     shape = _kernel_shape(layer)
     coords = np.unravel_index(index, shape)  # the kernel's indices at each (out, in) place
     last, inner = coords[-1], coords[:-1]

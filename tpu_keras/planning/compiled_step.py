@@ -31,7 +31,10 @@ import math
 import os
 import tempfile
 
+from tpu_keras import cluster as cluster_lib
 from tpu_keras.errors import UserError
+from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
+from tpu_keras.training import setup
 
 
 def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
@@ -66,8 +69,6 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
 
 
 def _built(config):
-    from tpu_keras import cluster as cluster_lib
-    from tpu_keras.training import setup
     cluster = cluster_lib.connect(config.cluster, engine="jax", mesh=config.mesh)
     return setup.build_model(config, cluster)
 
@@ -79,7 +80,6 @@ def _analysis(model, config, batch_per_replica: int, slices: int = 1,
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
     from tpu_keras.planning import collectives as collectives_lib, memory
-    from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
     batch_sharding = NamedSharding(keras.distribution.distribution().device_mesh.backend_mesh,

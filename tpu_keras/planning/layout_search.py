@@ -27,7 +27,7 @@ import math
 from tpu_keras.config import REMAT_MODES
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.planning import memory_plan
+from tpu_keras.planning import compiled_step, memory_plan, tpu_compiler
 from tpu_keras.planning.layout_report import format_bytes
 from tpu_keras.planning.memory_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, usable_bytes
 
@@ -73,7 +73,6 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     if measure and best and compiler == "tpu":
         result.update(compiled_choice(config, slice_name, fitting, compiled))
     elif measure and best:
-        from tpu_keras.planning import compiled_step
         result["measured"] = compiled_step.measure(configured(config, best), best["mesh"],
                                                    best["batch_per_replica"], footprint.state_bytes,
                                                    slices)
@@ -90,7 +89,6 @@ def compiled_choice(config, slice_name: str, fitting: list[dict], count: int) ->
     Returns {'compiled': a row per compiled candidate, plan and compiler side by side,
     'chosen_by', 'plan_recommended', 'recommended', 'flags', 'measured' (the chosen one's
     figures)}; 'recommended' is None where nothing compiled fits."""
-    from tpu_keras.planning import tpu_compiler
     ranked = sorted(fitting, key=_preference)[:count]
     for candidate in ranked:
         candidate["measured"] = tpu_compiler.measure(configured(config, candidate), slice_name,
@@ -283,7 +281,6 @@ def format_search(s: dict, rows: int = 12) -> str:
               f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
               f"  {memory_plan.format_network(best['network'])}"]
     if s.get("measured", {}).get("backend") == "tpu":
-        from tpu_keras.planning import tpu_compiler
         lines += ["  " + line for line in tpu_compiler.format_measured(best, s["measured"],
                                                                         format_bytes)]
         if "sent_per_step" in s["measured"]:

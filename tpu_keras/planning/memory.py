@@ -15,6 +15,7 @@ part of its temporary memory that grows with the batch.
 
 import jax
 
+from tpu_keras.planning import model_split as model_split_lib
 from tpu_keras.planning.jaxpr_walk import is_literal, nbytes
 
 
@@ -63,7 +64,6 @@ def residual_bytes(traced, model, model_split: dict | None = None, model_size: i
     """
     split = {}
     if model_size > 1 and model_split:
-        from tpu_keras.planning import model_split as model_split_lib
         variables = model.trainable_variables + model.non_trainable_variables
         dims = [model_split.get(v.path) for v in variables] + [None, None]
         split = model_split_lib.split_dims(traced.jaxpr, dims)

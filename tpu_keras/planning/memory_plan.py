@@ -26,10 +26,10 @@ against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 
 import functools
 
-from tpu_keras.cluster import engine, topology
+from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.planning import layout_report
+from tpu_keras.planning import compiled_step, layout_report, network, tpu_compiler
 from tpu_keras.planning.layout_report import format_bytes
 
 
@@ -174,7 +174,6 @@ def one_slice_mesh(config, found) -> dict:
 
 
 def network_estimate(sent: dict, found, slices: int) -> dict:
-    from tpu_keras.planning import network
     return network.estimate(sent, found.generation, slices)
 
 
@@ -190,7 +189,6 @@ COMPILERS = ("auto", "tpu", "cpu")
 def resolve_compiler(compiler: str) -> str:
     """'tpu' or 'cpu' for `--compiler` (or `plan_model`'s `compiler`): 'auto' is the TPU's
     own where libtpu is installed."""
-    from tpu_keras.cluster import libtpu
     if compiler not in COMPILERS:
         raise UserError(f"compiler={compiler!r}: use one of {', '.join(COMPILERS)}")
     if compiler == "auto":
@@ -239,11 +237,9 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "network": network_estimate(sent, found, slices),
     }
     if measure and compiler == "tpu":
-        from tpu_keras.planning import tpu_compiler
         result["measured"] = tpu_compiler.measure(config, slice_name, mesh, per_replica)
         result["plan_fits"], result["fits"] = result["fits"], result["measured"]["fits"]
     elif measure:
-        from tpu_keras.planning import compiled_step
         result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes,
                                                    slices)
     return result
@@ -280,7 +276,6 @@ NETWORK_NOTE = ("estimated time: bytes over the published bandwidth (ICI: half t
 
 def measured_notes(sent: dict, m: dict) -> list[str]:
     """The across-slice check, and what XLA:CPU sends that a TPU would not."""
-    from tpu_keras.planning import network
     lines = []
     if m.get("slices", 1) > 1:
         planned, compiled = network.across_slices(sent), network.across_slices(m["sent_per_step"])
@@ -323,7 +318,6 @@ def format_plan(p: dict) -> str:
                   f"({_sent_parts(p['sent_per_step'])})",
               f"  {format_network(p['network'])}", f"  {NETWORK_NOTE}"]
     if p.get("measured", {}).get("backend") == "tpu":
-        from tpu_keras.planning import tpu_compiler
         lines += [""] + tpu_compiler.format_measured(p, p["measured"], format_bytes)
         if "sent_per_step" in p["measured"]:
             lines += measured_notes(p["sent_per_step"], p["measured"])

@@ -45,7 +45,10 @@ import re
 import time
 
 from tpu_keras.cluster import libtpu, topology
+from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError, first_line
+from tpu_keras.parallelism import mesh as mesh_lib
+from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
 OOM = "RESOURCE_EXHAUSTED"
 
@@ -127,10 +130,8 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     many attention layers run splash attention)."""
     import keras
     from tpu_keras import models
-    from tpu_keras.cluster.record import Cluster
     from tpu_keras.models import splash_attention
     from tpu_keras.parallelism import distribution
-    from tpu_keras.parallelism import mesh as mesh_lib
     from tpu_keras.training import defaults, optimization
 
     config = copy.deepcopy(config)
@@ -185,7 +186,6 @@ def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
     from tpu_keras.planning import memory
-    from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
     split = NamedSharding(backend_mesh, PartitionSpec(BATCH_AXES))

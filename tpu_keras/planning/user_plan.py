@@ -13,6 +13,7 @@ measures, the registry entry) is restored before it returns.
 import contextlib
 
 from tpu_keras import config as config_lib
+from tpu_keras.cluster import engine
 from tpu_keras.parallelism import REPLICATE_BELOW, as_rules
 from tpu_keras.planning import memory_plan
 
@@ -45,7 +46,6 @@ def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,
     allocated); 'cpu' is XLA:CPU, which needs as many devices in this process as the
     slice has (XLA_FLAGS on a CPU).
     """
-    from tpu_keras.cluster import engine
     engine.select("jax")  # the allocation-free build: a one-line error if Keras runs on tf
     import keras
     from tpu_keras.models import registry

@@ -25,6 +25,7 @@ import types
 from typing import Callable
 
 from tpu_keras.errors import UserError, first_line
+from tpu_keras.training import restored
 
 LM_HEADLINES = ("bits_per_byte", "bits_per_token")
 
@@ -45,7 +46,6 @@ def load(workdir: str, config):
     """(run, step): the run set up on one device (`training.setup.RunSetup`: its model, its
     resolved config), its newest checkpoint restored."""
     from tpu_keras import models
-    from tpu_keras.training import restored
 
     builder, _ = models.registry.get(config.model)
     if builder.headline not in LM_HEADLINES:

@@ -35,6 +35,7 @@ import os
 from absl import logging
 
 from tpu_keras import workdir as workdir_lib
+from tpu_keras.cluster import engine
 from tpu_keras.measurement import peak
 from tpu_keras.training import step_cache
 
@@ -72,7 +73,6 @@ def prepare(setting: str, workdir: str, engine_name: str) -> None:
     """tf engine: gives TensorFlow the cache folder while it can still read it, before the
     cluster makes its devices."""
     global _tf_folder_in_time
-    from tpu_keras.cluster import engine
     path = folder(setting, workdir) if engine_name == "tf" else ""
     if not path:
         return

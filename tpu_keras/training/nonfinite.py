@@ -33,6 +33,7 @@ import os
 
 import keras
 
+from tpu_keras import workdir
 from tpu_keras.errors import UserError
 
 GRAD_NORM = "grad_norm"  # the log key of the global gradient norm, which the guard watches
@@ -106,6 +107,5 @@ def load_skipped(checkpoint_dir: str) -> list[int]:
 def save_skipped(checkpoint_dir: str, positions: list[int]) -> None:
     """Writes the positions with a rename, so a reader never sees half a file."""
     import tensorflow as tf
-    from tpu_keras import workdir
     tf.io.gfile.makedirs(checkpoint_dir)
     workdir.write_whole(os.path.join(checkpoint_dir, SKIPPED_FILE), json.dumps(sorted(positions)))

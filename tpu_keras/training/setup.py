@@ -23,9 +23,10 @@ import threading
 
 from absl import logging
 
-from tpu_keras import config as config_lib
+from tpu_keras import cluster as cluster_lib, config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
+from tpu_keras.training import compile_cache
 
 
 @dataclasses.dataclass
@@ -66,12 +67,10 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         config = _on_one_device(config)
     config_lib.check(config)
     engine.select(config.engine, config.cluster.virtual_devices)  # before Keras loads
-    from tpu_keras.training import compile_cache
     if not one_device:
         compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
     import keras
     import tensorflow as tf
-    from tpu_keras import cluster as cluster_lib
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.training import checkpoint, preemption, run_config
 

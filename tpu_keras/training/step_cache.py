@@ -47,6 +47,7 @@ import platform
 import sys
 import time
 import zlib
+from importlib import metadata
 
 from absl import logging
 
@@ -456,7 +457,6 @@ def _join(folder: str, name: str) -> str:
 
 
 def _version(package: str) -> str:
-    from importlib import metadata
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
