@@ -4,9 +4,11 @@ helpers written once; the README is a front door, and every relative link in it 
 the guides leads somewhere."""
 
 import ast
+import io
 import pathlib
 import re
 import sys
+import tokenize
 
 import pytest
 
@@ -421,3 +423,35 @@ def test_files_are_written_whole_and_paths_told_remote_by_the_workdir_helpers_al
                     and node.left.value == "://" and isinstance(node.ops[0], (ast.In, ast.NotIn))):
                 scheme_tests.add(module)
     assert replaces == scheme_tests == {"workdir.py"}
+
+
+# ----- imports at the top of a module -------------------------------------------------
+
+def function_level_imports(source: str) -> list:
+    """(line, top-level package) of each import inside a function of `source`."""
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    found.append((node.lineno, node.module.split(".")[0]))
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_are_few_and_each_module_says_why():
+    """A module imports at its top. What start-up (the engine is selected before Keras
+    loads), an optional extra or an import cycle keeps inside a function, its module
+    says in a comment ("imported inside functions: ..."); the standard library never."""
+    stdlib, unexplained = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source, module = path.read_text(), str(path.relative_to(PACKAGE))
+        inside = function_level_imports(source)
+        stdlib += [f"{module}:{line} {name}" for line, name in inside if name in sys.stdlib_module_names]
+        comments = [token.string.lower() for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if token.type == tokenize.COMMENT]
+        if inside and not any("imported inside" in comment for comment in comments):
+            unexplained.append(module)
+    assert not stdlib, f"standard-library imports inside functions: {stdlib}"
+    assert not unexplained, f"imports inside functions, and no '# ... imported inside ...' comment: {unexplained}"

@@ -17,6 +17,8 @@ library's error message:
   does not set is added (any builder argument; the builder checks the name).
 """
 
+# Imported inside functions: JAX (optional: absent on a plain install; the tf engine runs
+# without JAX).
 import ast
 import functools
 import importlib.util

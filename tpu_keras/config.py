@@ -6,6 +6,7 @@ one, so a typo never silently falls back to a default. The `model` section is
 free-form here and checked against the chosen builder's arguments instead.
 """
 
+# Imported inside functions: TensorFlow (the engine must be selected first: engine.select).
 import contextlib
 import copy
 import json

@@ -11,6 +11,8 @@ the model's family has no exporter for is one `error:` line and exit 2,
 after the other formats are written.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); NumPy
+# (start-up time: not every caller needs it).
 import os
 
 from absl import flags, logging

@@ -14,6 +14,8 @@ object with a "prompt" field; each prints as one JSON line, the object with
 "text" (the prompt and its continuation) added.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); NumPy (start-up time: not every caller needs it).
 import json
 
 from absl import flags, logging

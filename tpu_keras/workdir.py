@@ -6,6 +6,7 @@ pod, `os.makedirs("gs://bucket/run")` would quietly create
 `./gs:/bucket/run` on worker 0's disk.
 """
 
+# Imported inside functions: TensorFlow (the engine must be selected first: engine.select).
 import os
 import uuid
 

@@ -9,6 +9,9 @@ module is imported. Everything above this package sees a `Cluster` and never
 asks which of those it got.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); JAX (optional: absent on a plain install; the tf engine runs without
+# JAX); and the engine-specific modules, which import this package back.
 from typing import Optional
 
 from absl import logging

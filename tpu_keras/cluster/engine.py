@@ -12,6 +12,7 @@ the jax engine, off a TPU, it keeps JAX from loading the TPU runtime for
 nothing (`cpu_only_jax`).
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select).
 import importlib.util
 import os
 import sys

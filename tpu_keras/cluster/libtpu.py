@@ -18,6 +18,8 @@ load it, and a simulated pod's hosts all do), and, for the load alone,
 0.0.42 reports in several alarming lines although nothing is wrong.
 """
 
+# Imported inside functions: JAX (optional: absent on a plain install; the tf engine runs
+# without JAX).
 import contextlib
 import functools
 import importlib.util

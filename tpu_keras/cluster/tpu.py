@@ -5,6 +5,7 @@ in the toolkit talks to the `TPUStrategy` built from what this returns, and
 tests exercise this boundary with a fake resolver.
 """
 
+# Imported inside functions: TensorFlow (the engine must be selected first: engine.select).
 import dataclasses
 import os
 import threading

@@ -3,6 +3,7 @@
 The images ship inside the scikit-learn wheel, so image classification can be
 trained and tested without any download.
 """
+# Imported inside functions: scikit-learn (optional: absent on a plain install).
 import functools
 
 import numpy as np

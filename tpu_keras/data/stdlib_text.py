@@ -19,6 +19,7 @@ which folds whitespace and drops newlines (a quarter of this corpus's
 bytes), and takes no option to change it, so the trainer is called directly.
 """
 
+# Imported inside functions: SentencePiece (optional: absent on a plain install).
 import os
 
 from tpu_keras.data import builders, stdlib_bytes

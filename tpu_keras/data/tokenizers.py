@@ -21,6 +21,7 @@ All of them tokenize a whole block of documents at once inside tf.data
 (graph ops: keras-hub tokenizers are TensorFlow preprocessing layers).
 """
 
+# Imported inside functions: keras-hub (optional: absent on a plain install).
 import dataclasses
 import hashlib
 import inspect

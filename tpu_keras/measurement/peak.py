@@ -9,6 +9,8 @@ later MFU). `TPU_KERAS_PEAK_FLOPS` overrides it (FLOP/s for the whole run). On T
 `tpu_keras.cluster.topology`, the rate MFU is conventionally quoted against.
 """
 
+# Imported inside functions: TensorFlow (the engine must be selected first: engine.select); JAX
+# (optional: absent on a plain install; the tf engine runs without JAX).
 import json
 import os
 import platform

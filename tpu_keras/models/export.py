@@ -32,6 +32,8 @@ files; they are written into a temporary folder and copied with
 `tf.io.gfile`, so DIR may be on gs://.
 """
 
+# Imported inside functions: JAX and keras-hub (optional: absent on a plain install; the tf
+# engine runs without JAX); TensorFlow (start-up time: not every caller needs it).
 import contextlib
 import inspect
 import json

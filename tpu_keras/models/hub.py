@@ -29,6 +29,8 @@ frozen (the LoRA layers' biases too, which Keras would train), and the
 optimizer holds state for the LoRA factors alone.
 """
 
+# Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
+# (start-up time: not every caller needs it).
 import functools
 import inspect
 import os

@@ -12,6 +12,8 @@ changes the model, the key is passed through here (`_DROPPED`), in the one
 place both the arguments and the built model come from.
 """
 
+# Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
+# (start-up time: not every caller needs it).
 import functools
 import inspect
 import json

@@ -16,6 +16,8 @@ Presets inside the workdir (`{workdir}/base_preset`) are kept already,
 and a model without a preset is all in `config.json`.
 """
 
+# Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
+# (start-up time: not every caller needs it).
 import json
 import os
 

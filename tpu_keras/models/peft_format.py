@@ -38,6 +38,7 @@ PEFT's scaling `lora_alpha / r` is Keras's. An 8B Llama 3 (32 query heads)
 at `model.lora_rank=16` gives r = 512.
 """
 
+# Imported inside functions: safetensors (optional: absent on a plain install).
 import contextlib
 import json
 import math

@@ -36,6 +36,9 @@ Keras has no public hook for any of this, so the scope replaces
 Keras is unchanged.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); JAX
+# (optional: absent on a plain install; the tf engine runs without JAX); NumPy (start-up
+# time: not every caller needs it).
 import contextlib
 
 

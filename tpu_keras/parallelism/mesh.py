@@ -19,6 +19,8 @@ of `data` (`device_grid`). A layout rule may not name `slices`, nor `data`
 when it spans slices.
 """
 
+# Imported inside functions: JAX (optional: absent on a plain install; the tf engine runs
+# without JAX); NumPy (start-up time: not every caller needs it).
 import math
 
 from tpu_keras.errors import UserError, first_line

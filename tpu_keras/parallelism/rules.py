@@ -27,6 +27,7 @@ matching one path are an error: Keras's `LayoutMap` looks paths up the same
 way, so a keras-hub `get_layout_map` means here what it means to Keras.
 """
 
+# Imported inside functions: NumPy (start-up time: not every caller needs it).
 import collections.abc
 import dataclasses
 import math

@@ -16,6 +16,7 @@ others with the run's one line), so every weight is replicated; the scope
 is the strategy's, and `check(model)` checks the rules against a built model.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select).
 import contextlib
 
 from tpu_keras.errors import UserError

@@ -25,6 +25,9 @@ float32 copies a TPU does not. On a TPU VM the same command gives the TPU
 compiler's figures.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); JAX
+# (optional: absent on a plain install; the tf engine runs without JAX); NumPy (start-up
+# time: not every caller needs it).
 import copy
 import glob
 import math

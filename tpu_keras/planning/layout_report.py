@@ -9,6 +9,8 @@ the same bytes. `python -m tpu_keras.layout` prints it; the memory plan
 (`python -m tpu_keras.plan`) builds on these figures.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); NumPy
+# (start-up time: not every caller needs it).
 import math
 
 from tpu_keras.parallelism import mesh as mesh_lib

@@ -24,6 +24,9 @@ Nothing is allocated; it needs the jax extra. `--measure` checks the plan
 against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); JAX
+# (optional: absent on a plain install; the tf engine runs without JAX); NumPy (start-up
+# time: not every caller needs it).
 import functools
 
 from tpu_keras.cluster import engine, libtpu, topology

@@ -27,6 +27,7 @@ step, so a layout's ICI time is at least its bytes' ideal time times the
 hops of the axis they cross.
 """
 
+# Imported inside functions: NumPy (start-up time: not every caller needs it).
 import math
 
 

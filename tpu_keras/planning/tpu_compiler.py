@@ -38,6 +38,9 @@ From the compiled program, per device:
   training log counts them) over that time and the chips' bf16 peak.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); JAX
+# (optional: absent on a plain install; the tf engine runs without JAX); NumPy (start-up
+# time: not every caller needs it).
 import copy
 import importlib.metadata
 import math

@@ -10,6 +10,8 @@ planner sets for itself (the dtype policy, a `keras.distribution` when it
 measures, the registry entry) is restored before it returns.
 """
 
+# Imported inside functions: Keras (the engine must be selected first: engine.select); NumPy
+# (start-up time: not every caller needs it).
 import contextlib
 
 from tpu_keras import config as config_lib

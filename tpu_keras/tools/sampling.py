@@ -20,6 +20,9 @@ Keras, keras-hub and TensorFlow are imported inside the functions:
 `python -m tpu_keras.generate` imports this module before it selects the engine.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); keras-hub (optional: absent on a plain install); NumPy (start-up time:
+# not every caller needs it).
 import dataclasses
 import types
 from typing import Callable

@@ -9,6 +9,10 @@ engine (`tf_steps`), the guarded step on jax (`jax_steps`). Both log the
 global gradient norm and apply no update from a non-finite step.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); JAX (optional: absent on a plain install; the tf engine runs without
+# JAX); and the engine-specific modules, which import this package back.
+
 
 def distributed_steps(model, grad_accum_steps: int = 1):
     """Gives `model` step functions that work under any strategy (tf) or mesh (jax); returns it.

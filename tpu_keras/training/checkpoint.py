@@ -30,6 +30,8 @@ with a warning in favour of the one before it. On the jax engine Orbax does
 the same: it writes into a temporary folder and renames it when complete.
 """
 
+# Imported inside functions: JAX and Orbax (optional: absent on a plain install; the tf
+# engine runs without JAX).
 import os
 import re
 

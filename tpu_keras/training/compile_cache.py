@@ -30,6 +30,8 @@ A folder that cannot be written costs the run its cache, not the run:
 one warning, and it goes on compiling.
 """
 
+# Imported inside functions: TensorFlow (the engine must be selected first: engine.select); JAX
+# (optional: absent on a plain install; the tf engine runs without JAX).
 import os
 
 from absl import logging

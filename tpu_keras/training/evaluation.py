@@ -16,6 +16,9 @@ last step; a checkpoint that `checkpoint.keep` deletes before its turn is
 skipped with a warning.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); JAX (optional: absent on a plain install; the tf engine runs without
+# JAX); NumPy (start-up time: not every caller needs it).
 import os
 import time
 

@@ -27,6 +27,7 @@ engines (the tf engine keeps Keras's own step for it; `jax_steps` keeps the
 optimizer's new scale in the step it skips).
 """
 
+# Imported inside functions: TensorFlow (start-up time: not every caller needs it).
 import json
 import math
 import os

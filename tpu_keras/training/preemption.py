@@ -16,6 +16,8 @@ on Cloud TPU VMs and GCE CPU VMs (it logs that it "does not support usage
 with TPU or CPU device on GCP"), exactly where preemptions happen.
 """
 
+# Imported inside functions: JAX (optional: absent on a plain install; the tf engine runs
+# without JAX); TensorFlow (start-up time: not every caller needs it).
 import signal
 import threading
 

@@ -9,6 +9,8 @@ plugin finds it, under `DIR/tensorboard/plugins/profile/`, by
 host writes its own trace there.
 """
 
+# Imported inside functions: JAX (optional: absent on a plain install; the tf engine runs
+# without JAX); TensorFlow (start-up time: not every caller needs it).
 from absl import logging
 import keras
 

@@ -11,6 +11,9 @@ when it is first imported, so everything that imports Keras or TensorFlow is
 imported inside `train`, after `setup` has selected the engine.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); JAX (optional: absent on a plain install; the tf engine runs without
+# JAX); NumPy (start-up time: not every caller needs it).
 import functools
 import math
 import os

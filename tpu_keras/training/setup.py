@@ -16,6 +16,9 @@ imports Keras or TensorFlow is imported inside the functions below, after
 `set_up` has selected the engine.
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); JAX (optional: absent on a plain install; the tf engine runs without
+# JAX); NumPy (start-up time: not every caller needs it).
 import contextlib
 import dataclasses
 import os

@@ -39,6 +39,9 @@ is a miss with one warning line. Entries are pickles, so the cache folder
 must be as trusted as the code (JAX's own cache has the same rule).
 """
 
+# Imported inside functions: Keras and TensorFlow (the engine must be selected first:
+# engine.select); JAX (optional: absent on a plain install; the tf engine runs without
+# JAX); NumPy (start-up time: not every caller needs it).
 import hashlib
 import json
 import os
