@@ -43,7 +43,6 @@ From the compiled program, per device:
 # time: not every caller needs it).
 import copy
 import importlib.metadata
-import math
 import re
 import time
 
