@@ -36,7 +36,7 @@ from tpu_keras.planning import memory_plan, tpu_compiler  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
-MEMORY_BOUND, SENT_BOUND = tpu_compiler.MEMORY_BOUND, 0.15
+MEMORY_BOUND, SENT_BOUND = tpu_compiler.MEMORY_BOUND, tpu_compiler.SENT_BOUND
 _SLICES = flags.DEFINE_list("slices", ["v5litepod-8", "v5litepod-16", "v5p-64", "2xv5litepod-16"],
                             "The slices to plan for.")
 # configs/finetune.py names no model until model.preset or its architecture is given: the
@@ -74,6 +74,8 @@ def row(name, slice_name):
         result["sent_ratio"] is not None and abs(result["sent_ratio"] - 1) <= SENT_BOUND)
     result["terms"] = tpu_compiler.terms(p, m)
     result["differs_most"] = result["terms"].pop("differs_most", None)
+    result["sent_terms"] = tpu_compiler.sent_terms(p, m)
+    result["sent_differs_most"] = result["sent_terms"].pop("differs_most", None)
     return result
 
 

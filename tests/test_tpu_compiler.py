@@ -164,3 +164,17 @@ def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled
     lm = json.loads(compiled["v5litepod_16"].stdout)
     assert ("differs_most" in tpu_compiler.terms(lm, lm["measured"])) == (
         abs(lm["per_device"]["total"] / lm["measured"]["peak"] - 1) > tpu_compiler.MEMORY_BOUND)
+
+
+def test_where_the_bytes_sent_part_the_output_names_the_collective_and_why(compiled):
+    """Across two slices the plan counts 6-15% less than the compiled transfers; the kinds
+    are set side by side, and the line appears exactly when the totals part by over 15%."""
+    for name, text_name in (("two_slices", "two_slices_text"), ("llama_splash", "llama_splash_text")):
+        p = json.loads(compiled[name].stdout)
+        by_kind = tpu_compiler.sent_terms(p, p["measured"])
+        assert sum(k["compiler"] for kind, k in by_kind.items() if kind != "differs_most") == \
+            p["measured"]["sent_per_step"]["total"], by_kind
+        parted = abs(p["sent_per_step"]["total"] / p["measured"]["sent_per_step"]["total"] - 1) > 0.15
+        assert ("differs_most" in by_kind) == parted
+        assert ("    differs most: all" in compiled[text_name].stdout
+                or "    differs most: collective" in compiled[text_name].stdout) == parted

@@ -316,6 +316,44 @@ def terms(p: dict, m: dict) -> dict:
     return result
 
 
+SENT_BOUND = 0.15  # the plan's bytes sent are held to the compiled collectives' within this share
+
+# The plan's collectives by the compiled program's kind of collective.
+_PLANNED_AS = {"all_gather": ("fsdp_all_gather",), "reduce_scatter": ("fsdp_reduce_scatter",),
+               "all_reduce": ("gradient_all_reduce", "gradient_all_reduce_across_slices",
+                              "model_all_reduce"),
+               "all_to_all": (), "collective_permute": ()}
+WHY_SENT = {
+    "all_gather": ("the compiled program gathers a split weight again where it is used again "
+                   "(the backward pass, a rematerialised layer), where the plan counts one "
+                   "gather per weight and micro-batch"),
+    "reduce_scatter": "the compiler splits or merges the gradients' reduce-scatters otherwise "
+                      "than one per weight",
+    "all_reduce": ("the compiler sums across devices otherwise than the plan's one all-reduce "
+                   "per gradient and per split layer output (it may reduce-scatter instead, or "
+                   "sum a layer's outputs at another point)"),
+    "all_to_all": "the plan counts no all-to-all: the compiler moves data between devices "
+                  "where one layout meets another",
+    "collective_permute": "the plan counts no collective permute: the compiler passes data "
+                          "between neighbours (a windowed matmul's pieces, a reshard)",
+}
+
+
+def sent_terms(p: dict, m: dict) -> dict:
+    """The plan's bytes sent per device against the compiled collectives', by kind:
+    {kind: {"plan", "compiler", "why"}}, and "differs_most" where the totals part by more
+    than `SENT_BOUND`."""
+    planned, compiled = p["sent_per_step"], m["sent_per_step"]
+    result = {kind: {"plan": sum(planned.get(name, 0) for name in names),
+                     "compiler": compiled.get(kind, 0) + compiled.get(f"{kind}_across_slices", 0),
+                     "why": WHY_SENT[kind]}
+              for kind, names in _PLANNED_AS.items()}
+    if abs(planned["total"] / max(1, compiled["total"]) - 1) > SENT_BOUND:
+        result["differs_most"] = max(
+            _PLANNED_AS, key=lambda kind: abs(result[kind]["plan"] - result[kind]["compiler"]))
+    return result
+
+
 def _format_terms(p: dict, m: dict, format_bytes) -> list[str]:
     """Lines for the plan's terms against the compiler's, when the totals part by more than
     `MEMORY_BOUND`: which term differs most, and why."""
@@ -391,4 +429,10 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
                      "in all (--json lists each)")
     if not m["collectives"]:
         lines.append("    none")
+    by_kind = sent_terms(p, m)
+    if "differs_most" in by_kind:
+        kind = by_kind["differs_most"]
+        lines.append(f"    differs most: {kind.replace('_', '-')}, plan "
+                     f"{format_bytes(by_kind[kind]['plan'])} against compiled "
+                     f"{format_bytes(by_kind[kind]['compiler'])}: {by_kind[kind]['why']}")
     return lines
