@@ -74,8 +74,9 @@ def seen_as_a_tpu_vm(chips):
 
 
 def compiled(config, tpu, mesh, attention):
-    quiet = seen_as_a_tpu_vm(libtpu.devices(tpu)) if attention == "keras" else contextlib.nullcontext()
-    with quiet:
+    as_keras_sees_it = (seen_as_a_tpu_vm(libtpu.devices(tpu)) if attention == "keras"
+                        else contextlib.nullcontext())
+    with as_keras_sees_it:
         m = tpu_compiler.measure(config, tpu, mesh, BATCH_PER_REPLICA, attention=attention)
     return {"fused_kernels": m.get("fused_kernels"), "peak": m.get("peak"),
             "temporaries": m.get("temporaries"), "fits": m["fits"]}
@@ -83,18 +84,19 @@ def compiled(config, tpu, mesh, attention):
 
 def main(argv):
     del argv
+    config = llama()  # measure works on its own copy
     rows = []
     for tpu in _TPUS.value:
         devices = len(libtpu.devices(tpu))
         for name, mesh in meshes(devices).items():
-            keras_run = compiled(llama(), tpu, mesh, "keras")
-            toolkit_run = compiled(llama(), tpu, mesh, "auto")
+            keras_run = compiled(config, tpu, mesh, "keras")
+            toolkit_run = compiled(config, tpu, mesh, "auto")
             rows.append({"tpu": tpu, "mesh": name, **{f"mesh_{k}": v for k, v in mesh.items()},
                          "keras": keras_run, "toolkit": toolkit_run,
                          "peak_ratio": round(toolkit_run["peak"] / keras_run["peak"], 3)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"compiler": tpu_compiler.name(), "jax": jax.__version__,
-                      "model": dict(llama().model), "batch_per_replica": BATCH_PER_REPLICA,
+                      "model": dict(config.model), "batch_per_replica": BATCH_PER_REPLICA,
                       "rows": rows}, indent=2))
 
 
