@@ -11,6 +11,10 @@ LM_TINY = "configs/lm_stdlib.py:tiny"
 DIGITS_TINY = "configs/digits.py:tiny"
 DATA = "--config.data.data_dir={data_dir}"
 LLAMA_TINY = "configs/llama_stdlib.py:tiny"
+# llama_stdlib:tiny as a LoRA DPO run on the pairs file {} of the inputs below.
+DPO_PAIRS = ("--config.data.preferences=True --config.data.name= --config.data.preprocess= "
+             "--config.model.lora_rank=4 --config.data.text_files={{inputs}}/{0}.jsonl "
+             "--config.data.eval_text_files={{inputs}}/{0}.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,9 @@ def inputs(tmp_path_factory):
     (folder / "docs.jsonl").write_text('{"body": "no text key here"}\n')
     (folder / "pairs.jsonl").write_text('{"prompt": "a", "response": "b"}\n'
                                         '{"prompt": "c", "answer": "d"}\n')
+    (folder / "prefs_missing.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+                                                '{"prompt": "a", "chosen": "b"}\n')
+    (folder / "prefs_same.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "b"}\n')
     (folder / "long.jsonl").write_text('{"prompt": "%s", "response": "b"}\n' % ("x" * 100))
     return folder
 
@@ -151,6 +158,23 @@ CASES = [
                  ["long.jsonl:1 has a prompt of 100 tokens, longer than data.context_length=64",
                   "raise data.context_length", "to at least 100, or shorten that prompt"],
                  id="instruction-prompt-longer-than-the-context"),
+    # Preference pairs (DPO).
+    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_missing").split(), DATA],
+                 ["prefs_missing.jsonl:2 has no text under data.rejected_field='rejected'",
+                  "['chosen', 'prompt']"], id="preference-pair-without-rejected"),
+    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), DATA],
+                 ["prefs_same.jsonl:1 has the same text under data.chosen_field='chosen' and "
+                  "data.rejected_field='rejected'", "fix the pair or drop the line"],
+                 id="preference-pair-chosen-equals-rejected"),
+    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), "--config.train.dpo_beta=-0.5",
+                              DATA], ["train.dpo_beta=-0.5 must be a number above 0"], id="dpo-beta-not-positive"),
+    pytest.param(DIGITS_TINY, ["--config.data.preferences=True", DATA],
+                 ["DPO (data.preferences) trains a language model", "keras_hub:LlamaCausalLM"],
+                 id="dpo-on-a-model-that-is-not-a-language-model"),
+    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").replace(
+        "--config.model.lora_rank=4", "").split(), DATA],
+                 ["DPO (data.preferences) needs a LoRA run", "set model.lora_rank"],
+                 id="dpo-without-lora"),
     pytest.param(LM_TINY, ["--config.data.text_field=text", DATA],
                  ["'stdlib_bytes/ctx64' has no text feature data.text_field='text'"],
                  id="tfds-without-the-text-feature"),

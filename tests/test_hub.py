@@ -11,10 +11,8 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, run, run_in_one_process, train
 from placements import assert_laid_out_as_placed, assert_same_losses
-from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step
 
 LLAMA_TINY = "configs/llama_stdlib.py:tiny"
-LLAMA_LORA = "configs/llama_stdlib.py:lora"
 
 
 def generate(workdir, *flags):
@@ -199,33 +197,6 @@ def test_splash_attention_gives_keras_hubs_llama_outputs_and_gradients_at_every_
     # The check can fail: a padding query attends other keys under the kernel.
     assert got["padding"] > 1e-2, got
     assert got["routed_on_cpu"] == 0, got  # the kernel is the TPU's: CPU devices keep Keras's
-
-
-def test_lora_trains_only_its_factors_and_resumes_exactly_after_a_kill(data_dir, tmp_path):
-    args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
-    reference = train(LLAMA_LORA, tmp_path / "reference", *args).stdout
-    assert "wrote a freshly initialised LlamaBackbone" in reference
-    # config.json holds the preset the run read: {workdir} expanded (training.run_config).
-    recorded = json.loads((tmp_path / "reference" / "config.json").read_text())
-    assert recorded["model"]["preset"] == str(tmp_path / "reference" / "base_preset"), recorded["model"]
-    # LoRA rank 4 on the query and value kernels of one block:
-    # query A 32x2x4 + B 4x16, value A 32x2x4 + B 4x16.
-    assert "27,360 parameters, 640 of them trainable (2.3%)" in reference, reference[-3000:]
-    losses = [float(x) for x in re.findall(r"step \d+/40 \| .*? loss (\S+)", reference)]
-    assert len(losses) == 4 and losses[-1] < losses[0], losses
-
-    # The optimizer holds two moments for the 640 LoRA values, and nothing for frozen weights.
-    import tensorflow as tf
-    latest = tf.train.latest_checkpoint(str(tmp_path / "reference" / "checkpoints"))
-    state = [np.prod(shape) for name, shape in tf.train.list_variables(latest)
-             if name.startswith("optimizer_by_path/") and shape]
-    assert sum(state) == 2 * 640, tf.train.list_variables(latest)
-
-    command = [sys.executable, "-m", "tpu_keras.train", f"--config={LLAMA_LORA}",
-               f"--workdir={tmp_path / 'killed'}", *args]
-    resumed = killed_after_checkpoint_then_resumed(command, step=20)
-    assert resumed_step(resumed) == 20, resumed[-2000:]
-    assert_same_weights(tmp_path / "killed", tmp_path / "reference")
 
 
 def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(tiny_run, tmp_path):

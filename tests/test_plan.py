@@ -47,6 +47,10 @@ def plans():
         "auto_json": GPT + ["--auto", "--json"],
         "auto_1b_v5p_64": ["--config=configs/lm_stdlib.py:1b", "--tpu=v5p-64", "--auto", "--json"],
         "auto_two_slices": ["--config=configs/lm_stdlib.py:1b", "--tpu=2xv5litepod-256", "--auto"],
+        "dpo": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8", "--json"],
+        "dpo_text": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8"],
+        "sft_same_model": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8",
+                           "--config.data.preferences=False", "--json"],
         "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
                          "--config.model.depth=1", "--auto"],
         **{f"bad:{name}": ["--config=configs/lm_stdlib.py", *args] for name, (args, _) in BAD_INPUTS.items()},
@@ -181,6 +185,16 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     assert "HBM is what the devices report usable" in too_big
     assert "fits: NO" in too_big and "lower train.batch_size" in too_big
     assert f"largest global batch that fits: {largest:,} ({largest // 8:,} per replica)" in too_big
+
+
+def test_a_lora_dpo_plan_counts_two_sequences_per_pair_and_no_second_copy(plans):
+    dpo, sft = (json.loads(plans[name].stdout) for name in ("dpo", "sft_same_model"))
+    assert dpo["sequences_per_example"] == 2 and sft["sequences_per_example"] == 1
+    for key in ("parameters", "optimizer", "gradients"):  # the reference adds no weights
+        assert dpo["per_device"][key] == sft["per_device"][key], key
+    assert dpo["per_device"]["activations"] > 1.5 * sft["per_device"]["activations"]
+    assert dpo["largest_global_batch"] < sft["largest_global_batch"]
+    assert "DPO: each example is a pair, 2 sequences" in plans["dpo_text"].stdout
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)

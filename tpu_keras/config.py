@@ -106,6 +106,11 @@ def defaults() -> ml_collections.ConfigDict:
         instructions=False,
         prompt_field="prompt",
         response_field="response",
+        # Preference pairs for DPO: each .jsonl line a prompt, a chosen and a rejected
+        # response (tpu_keras.data.preferences); the loss is DPO's (train.dpo_beta).
+        preferences=False,
+        chosen_field="chosen",
+        rejected_field="rejected",
         # Where each text file's token count is kept, made once and read by every host and
         # restart (tpu_keras.data.token_counts); empty: DIR/token_counts.
         token_counts="",
@@ -143,6 +148,9 @@ def defaults() -> ml_collections.ConfigDict:
         # is ~/.cache/tpu_keras/compile_cache, or WORKDIR/compile_cache on gs://; a folder;
         # '' or 'off'.
         compile_cache="auto",
+        # DPO's beta (data.preferences): how strongly the policy is held to the reference,
+        # the model as training started (tpu_keras.models.preference).
+        dpo_beta=0.1,
     )
 
     config.checkpoint = dict(
@@ -186,6 +194,7 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise UserError(f"export.formats has {name!r}, which is not one of {EXPORT_FORMATS}"
                             f"{closest(str(name), EXPORT_FORMATS)}")
     train, log = config.train, config.log
+    _check_preferences(config)
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "
                         f"{', '.join(map(repr, PRECISIONS))}{closest(train.precision, PRECISIONS)}")
@@ -274,6 +283,18 @@ def _same_kind(value, expected) -> bool:
     if isinstance(expected, (tuple, list)):
         return isinstance(value, (tuple, list))
     return expected is None or isinstance(value, type(expected))
+
+
+def _check_preferences(config) -> None:
+    beta = config.train.dpo_beta
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0 \
+            or not math.isfinite(beta):
+        raise UserError(f"train.dpo_beta={beta!r} must be a number above 0; DPO's beta is how "
+                        "strongly the policy is held to the reference, such as 0.1")
+    if config.data.preferences and config.data.instructions:
+        raise UserError("data.preferences and data.instructions are both set; preference pairs "
+                        "(prompt, chosen, rejected) train with DPO, instructions (prompt, response) "
+                        "with cross-entropy: set one")
 
 
 def a_type(kind: type) -> str:

@@ -104,7 +104,8 @@ def _concat(parts):
 
 
 def check_lines(path: str, recipe) -> int:
-    """The lines of a .jsonl file; a one-line error for the first that lacks a field."""
+    """The lines of a .jsonl file; a one-line error for the first that lacks a field, or
+    whose fields the recipe refuses (`preferences.Pairs.problem`)."""
     count = 0
     with tf.io.gfile.GFile(path, "rb") as file:
         for count, line in enumerate(file, 1):
@@ -118,4 +119,7 @@ def check_lines(path: str, recipe) -> int:
                     keys = sorted(record) if isinstance(record, dict) else []
                     raise UserError(f"{path}:{count} has no text under {key}={field!r}; set "
                                     f"{key} to the key of the {what} (this line has {keys})")
+            problem = recipe.problem(record) if hasattr(recipe, "problem") else ""
+            if problem:
+                raise UserError(f"{path}:{count} {problem}")
     return count

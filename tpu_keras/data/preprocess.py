@@ -8,6 +8,8 @@ the `data` config section, so generic ones can name the features they use.
 
 import tensorflow as tf
 
+from tpu_keras.data import preferences
+
 
 def next_token(config):
     """A token sequence of length L+1 -> (first L tokens, the L tokens after each), and
@@ -40,4 +42,5 @@ PREPROCESSORS = {
     "digits_image": _image_classification(16.0),   # sklearn digits hold 0..16
     "image": _image_classification(255.0),          # mnist, cifar10, ...
     "features": features,
+    preferences.PREPROCESSOR: preferences.preprocessor,  # DPO's pairs (data.preferences)
 }

@@ -144,6 +144,10 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
     del layout_map  # the rules' business
     dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
     backbone_cls = task_cls.backbone_cls
+    if WORKDIR_PLACEHOLDER in preset:
+        # A preset the run writes from these arguments (`prepare_preset`), not written yet:
+        # `plan` builds the architecture it will hold.
+        preset = ""
     if preset:
         try:
             load = not hub_presets.is_kept(preset)  # a run's kept model: its checkpoint's weights

@@ -220,11 +220,16 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
                         f"batch splits ({'slices x ' if slices > 1 else ''}data x fsdp) of "
                         f"{slice_name}; use a multiple of {splits}")
     per_replica = global_batch // splits
+    # DPO (data.preferences): an example is a pair, two sequences through the model. Its
+    # reference is the base with the adapters off: no weights of its own, and its forward
+    # pass keeps nothing for the backward (models.preference).
+    sequences = 2 if config.data.get("preferences") else 1
     footprint = Footprint(config)
     remat = config.train.remat
-    per_device = footprint.per_device(mesh, per_replica, remat)
-    largest = footprint.largest_batch(mesh, remat, usable)
-    sent = footprint.sent_per_step(mesh, per_replica, config.train.grad_accum_steps, slices)
+    per_device = footprint.per_device(mesh, per_replica * sequences, remat)
+    largest = footprint.largest_batch(mesh, remat, usable) // sequences
+    sent = footprint.sent_per_step(mesh, per_replica * sequences, config.train.grad_accum_steps,
+                                   slices)
     result = {
         "model": config.model.name, "slice": found.name, "slices": slices,
         "generation": found.generation.name,
@@ -232,6 +237,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
         "usable_bytes_per_device": usable, "precision": footprint.precision, "remat": remat,
         "global_batch": global_batch, "per_replica_batch": per_replica,
+        "sequences_per_example": sequences,
         "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
         "fits": per_device["total"] <= usable,
@@ -240,10 +246,11 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "network": network_estimate(sent, found, slices),
     }
     if measure and compiler == "tpu":
-        result["measured"] = tpu_compiler.measure(config, slice_name, mesh, per_replica)
+        result["measured"] = tpu_compiler.measure(config, slice_name, mesh, per_replica * sequences)
         result["plan_fits"], result["fits"] = result["fits"], result["measured"]["fits"]
     elif measure:
-        result["measured"] = compiled_step.measure(config, mesh, per_replica, footprint.state_bytes,
+        result["measured"] = compiled_step.measure(config, mesh, per_replica * sequences,
+                                                   footprint.state_bytes,
                                                    slices)
     return result
 
@@ -310,8 +317,12 @@ def format_plan(p: dict) -> str:
     lines = [f"{p['model']} on {where}: {p['devices']} devices on {p['hosts']} host(s), "
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
              f"mesh {describe(mesh, p.get('slices', 1))}, global batch "
-             f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}", "",
-             "per device"]
+             f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}"]
+    if p.get("sequences_per_example", 1) == 2:
+        lines.append("DPO: each example is a pair, 2 sequences (chosen, rejected); the reference is "
+                     "the base with the adapters off, so it adds no weights, and its forward pass "
+                     "keeps nothing for the backward")
+    lines += ["", "per device"]
     labels = {"parameters": "parameters", "optimizer": "optimizer state",
               "gradients": "gradients", "activations": "activations"}
     for key, label in labels.items():

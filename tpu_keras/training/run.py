@@ -44,6 +44,7 @@ def train(config, workdir: str, started: float | None = None):
     import tensorflow as tf
     from tpu_keras import data
     from tpu_keras.measurement import flops, peak
+    from tpu_keras.models import preference
     from tpu_keras.training import callbacks, checkpoint, nonfinite, preemption, profiler
     cluster, config, builder, model, saver = run.cluster, run.config, run.builder, run.model, run.saver
     cache_watch, train_cfg = run.cache_watch, config.train
@@ -77,10 +78,14 @@ def train(config, workdir: str, started: float | None = None):
     if cluster.engine == "jax":
         import jax
         peer_errors += (jax.errors.JaxRuntimeError,)
+    policy = preference.policy_of(model)  # a DPO run's language model
+    flops_per_example = flops.training_flops_per_example(policy)
+    if policy is not model:  # a pair: two sequences, each also through the reference's forward
+        flops_per_example = 2 * (flops_per_example + flops.forward_flops_per_example(policy))
     logger = callbacks.IntervalLogger(
         total_steps=train_cfg.steps, global_batch=update_batch,
         tokens_per_example=builder.tokens_per_example(run.model_kwargs),
-        flops_per_example=flops.training_flops_per_example(model),
+        flops_per_example=flops_per_example,
         peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
     fit_timer = callbacks.FitTimer(run_timings, cache_watch)  # first: its batch end times the call alone
@@ -117,7 +122,7 @@ def train(config, workdir: str, started: float | None = None):
 
     # ----- export --------------------------------------------------------------
     with run_timings.phase("export"):
-        _export(model, config, workdir, cluster)
+        _export(policy, config, workdir, cluster)
     logger.close()
     run_timings.compile_cache = cache_watch.report()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)

@@ -75,6 +75,8 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     import keras
     import tensorflow as tf
     from tpu_keras import data, models, workdir as workdir_lib
+    from tpu_keras.data import preferences
+    from tpu_keras.models import preference
     from tpu_keras.training import checkpoint, preemption, run_config
 
     if trains:
@@ -102,20 +104,26 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
     builder, model_kwargs = models.registry.get(resolved.model)
     text_source = None
-    if not one_device and data.text.is_text(resolved.data):
+    pairs = resolved.data.preferences and not one_device  # DPO; a restore reads the policy alone
+    if pairs:
+        builder = preference.builder(builder, resolved.train.dpo_beta)
+    elif not one_device and data.text.is_text(resolved.data):
         # Its tokens per byte turn bits per token into bits per byte.
         with phase("data"):
             text_source = data.text.open_source(resolved.data, training=False,
                                                 hosts=(cluster.host_index, cluster.num_processes))
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with phase("model"):
-        model = build_model(resolved, cluster, builder)
+        model = build_model(resolved, cluster, builder, pairs=pairs)
     if trains and cluster.is_chief:
         models.kept.keep(resolved.model, workdir)
     if cache_watch is not None:
         compile_cache.keep_steps(model, cache_watch, resolved)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], resolved.data)
+    if pairs:
+        data.text.check_vocabulary(preferences.make_tokenizer(resolved.data),
+                                   model.policy.output_shape[-1], resolved.data)
     keep = {"keep": resolved.checkpoint.keep} if trains else {}
     saver = checkpoint.open_checkpointer(workdir, model, cluster, **keep)
     return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
@@ -139,11 +147,12 @@ def with_text_metrics(builder, tokens_per_byte: float):
         bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
 
 
-def build_model(config, cluster, builder=None):
+def build_model(config, cluster, builder=None, pairs: bool = False):
     """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
 
     `builder` replaces the registry's for `config.model` (packed text's metrics:
-    `with_text_metrics`).
+    `with_text_metrics`; DPO's loss: `models.preference.builder`). `pairs`: the
+    model scores preference pairs for DPO (`models.preference.PairsModel`).
 
     On jax this first sets the process's `keras.distribution` from the
     model's layout rules, so that Keras lays each weight out as it creates
@@ -164,5 +173,8 @@ def build_model(config, cluster, builder=None):
         if routed := splash_attention.route(model, cluster):
             logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
     placer.check(model.weights)
+    if pairs:
+        from tpu_keras.models import preference
+        model = preference.PairsModel(model)
     optimization.compile_model(model, builder, config.train, cluster)
     return model

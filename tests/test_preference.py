@@ -1,0 +1,72 @@
+"""Preference tuning (DPO) on keras-hub's Llama with LoRA: the loss against numpy on both
+engines, the offline example learning, a kill -9 resumed exactly, and evaluation."""
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run, train
+from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step
+
+DPO_TINY = "configs/preference_stdlib.py:tiny"
+
+
+@pytest.mark.parametrize("engine, mesh", [("tf", ""), ("jax", "fsdp2_model2")],
+                         ids=["tf", "jax-fsdp2-model2"])
+def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, data_dir, tmp_path):
+    """tests/helpers/dpo_probe.py: eight real pairs, adapters set at random, the engine's own
+    evaluation against numpy's log-softmax of the policy's and the base's logits."""
+    out = run([sys.executable, "tests/helpers/dpo_probe.py", engine, data_dir, str(tmp_path / "run"),
+               mesh], timeout=300).stdout
+    got = json.loads(re.search(r"^DPO (.*)$", out, re.M).group(1))
+    assert got["devices"] == (4 if mesh else 1), got
+    # Adapters start at zero: the policy is its reference, every reward 0, every pair a tie.
+    assert got["untrained"] == {"loss": pytest.approx(np.log(2), abs=1e-6), "reward_accuracy": 0.5,
+                                "reward_chosen": 0.0, "reward_margin": 0.0, "reward_rejected": 0.0}
+    moved = got["evaluated"]
+    assert max(abs(moved["reward_chosen"]), abs(moved["reward_rejected"])) > 1e-3, got  # adapters on
+    assert got["largest_difference"] < 1e-5, got
+    assert got["score_relative_difference"] < 1e-5, got
+    # Weight 0 on the start token and the prompt, 1 on the response and its end token.
+    assert got["masks_exact"] and got["prompt_tokens"] > 0, got
+    # No second copy of the base: the pairs model holds the policy's weights and no others.
+    assert got["weights"] == got["policy_weights"] and got["parameters"] == got["policy_parameters"]
+
+
+def test_dpo_raises_reward_accuracy_resumes_exactly_after_a_kill_and_evaluates(data_dir, tmp_path):
+    args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
+    reference = train(DPO_TINY, tmp_path / "reference", *args).stdout
+    assert "wrote a freshly initialised LlamaBackbone" in reference
+    # LoRA rank 8 on the query and value kernels of one block: the only trainable weights.
+    assert "77,152 parameters, 1,280 of them trainable (1.7%)" in reference, reference[-3000:]
+    accuracy = [float(a) for a in re.findall(r"\| val_reward_accuracy (\S+)", reference)]
+    assert len(accuracy) == 2 and accuracy[-1] >= 0.8, reference[-3000:]
+    for name in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
+        assert re.search(rf"step 20/20 \|.* {name} -?\d", reference), name
+
+    # The optimizer holds two moments for the 1,280 LoRA values, and nothing for the base.
+    import tensorflow as tf
+    latest = tf.train.latest_checkpoint(str(tmp_path / "reference" / "checkpoints"))
+    variables = tf.train.list_variables(latest)
+    state = [np.prod(shape) for name, shape in variables
+             if name.startswith("optimizer_by_path/") and shape]
+    assert sum(state) == 2 * 1280, variables
+    model = [np.prod(shape) for name, shape in variables if name.startswith("model_by_path/")]
+    assert sum(model) == 77_152, variables  # the policy's weights once: no reference copy
+
+    command = [sys.executable, "-m", "tpu_keras.train", f"--config={DPO_TINY}",
+               f"--workdir={tmp_path / 'killed'}", *args]
+    resumed = killed_after_checkpoint_then_resumed(command, step=10)
+    assert resumed_step(resumed) == 10, resumed[-2000:]
+    assert_same_weights(tmp_path / "killed", tmp_path / "reference", step=20)
+
+    evaluated = run([sys.executable, "-m", "tpu_keras.evaluate",
+                     f"--workdir={tmp_path / 'reference'}"]).stdout
+    line = re.search(r"^step 20 \| (.*)$", evaluated, re.M).group(1)
+    again = float(re.search(r"val_reward_accuracy (\S+)", line).group(1))
+    assert again == pytest.approx(accuracy[-1], abs=5e-4), (line, accuracy)
+    events = b"".join(p.read_bytes() for p in (tmp_path / "reference" / "tensorboard").rglob("events*"))
+    assert b"reward_margin" in events and b"val_reward_accuracy" in events

@@ -1,0 +1,177 @@
+"""DPO (Rafailov et al. 2023) on preference pairs: the policy's pairs model, its loss and TRL's metrics.
+
+A language model (`gpt` or a keras-hub causal LM: token ids in, logits out)
+is wrapped in `PairsModel`, which reads a batch of pairs
+(`data.preferences`: `{"tokens", "mask"}`, each [batch, 2, L + 1], row 0
+the chosen response, row 1 the rejected) and returns, per pair, four sums of
+log-probabilities over the response tokens (the mask's weights):
+
+    [policy chosen, policy rejected, reference chosen, reference rejected]
+
+The reference is the model as training started, with no second copy of the
+base: a LoRA run (`model.lora_rank`) computes it with the same weights, the
+adapters switched off for a second forward pass (the base weights are frozen,
+so the base *is* the starting model); its gradient is stopped. The policy
+pass costs a forward and a backward, the reference pass a forward.
+
+Everything DPO needs is then a function of those four columns, so the loss
+and the metrics are plain Keras ones and every step of the toolkit (both
+engines, meshes, accumulation, the non-finite guard) runs them unchanged:
+
+    reward chosen   = beta * (policy chosen - reference chosen)
+    reward rejected = beta * (policy rejected - reference rejected)
+    loss            = -log sigmoid(reward chosen - reward rejected)
+
+and, as TRL logs them (`rewards/chosen`, `rewards/rejected`,
+`rewards/margins`, `rewards/accuracies`): `reward_chosen`,
+`reward_rejected`, `reward_margin` and `reward_accuracy`, the share of pairs
+whose chosen reward is the higher, a tie counting half (so the untrained
+policy, whose rewards are both 0, scores 0.5; TRL counts a tie as a miss).
+"""
+
+import dataclasses
+
+import keras
+
+from tpu_keras.errors import UserError
+
+HEADLINE = "reward_accuracy"
+COLUMNS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
+
+
+class PairsModel(keras.Model):
+    """A language model's scores of preference pairs: [batch, 4] sums of log-probabilities
+    (`COLUMNS`). `policy` is the wrapped model (tokens [batch, L] -> logits)."""
+
+    def __init__(self, policy, **kwargs):
+        super().__init__(name=kwargs.pop("name", f"{policy.name}_pairs"), **kwargs)
+        self.policy = policy
+        self.adapters = lora_layers(policy)
+        if not self.adapters:
+            raise UserError("DPO (data.preferences) needs a LoRA run: its reference is the base "
+                            "model with the adapters off, so set model.lora_rank (such as 8); "
+                            "a full fine-tune would need a second copy of the model")
+        self.built = True
+
+    def call(self, inputs, training=None):
+        tokens, mask = inputs["tokens"], keras.ops.cast(inputs["mask"], "float32")
+        length = keras.ops.shape(tokens)[-1] - 1
+        # [batch, 2, L + 1] -> [2 * batch, L + 1]: a pair's rows stay next to each other, so
+        # a batch split over devices by rows keeps its split.
+        flat = keras.ops.reshape(tokens, (-1, length + 1))
+        weights = keras.ops.reshape(mask, (-1, length + 1))[:, 1:]
+        inputs_, targets = flat[:, :-1], flat[:, 1:]
+        policy = self._scores(inputs_, targets, weights, training)
+        with adapters_off(self.adapters):
+            reference = keras.ops.stop_gradient(self._scores(inputs_, targets, weights, False))
+        both = keras.ops.stack([policy, reference], axis=-1)  # [2 * batch, 2]
+        # [batch, (chosen, rejected), (policy, reference)] -> COLUMNS' order
+        pairs = keras.ops.reshape(both, (-1, 2, 2))
+        return keras.ops.reshape(keras.ops.transpose(pairs, (0, 2, 1)), (-1, 4))
+
+    def _scores(self, inputs, targets, weights, training):
+        logits = self.policy(inputs, training=training)
+        log_probs = -keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
+        return keras.ops.sum(log_probs * weights, axis=-1)
+
+    def get_config(self):
+        """The policy's config: what the step cache keys a compiled step by."""
+        return {"name": self.name, "policy": keras.saving.serialize_keras_object(self.policy)}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["policy"]), name=config["name"])
+
+    def compute_output_spec(self, inputs, training=None):
+        return keras.KerasTensor((inputs["tokens"].shape[0], 4), "float32")
+
+
+class adapters_off:
+    """Within the block, the LoRA layers compute with their base weights alone: Keras reads
+    `lora_enabled` when a layer's kernel is read, so a traced call sees the base."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __enter__(self):
+        for layer in self.layers:
+            layer.lora_enabled = False
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            layer.lora_enabled = True
+
+
+def lora_layers(model) -> list:
+    return [layer for layer in model._flatten_layers(include_self=False)
+            if getattr(layer, "lora_enabled", False)]
+
+
+def policy_of(model):
+    """The language model inside a `PairsModel`; any other model as it is."""
+    return model.policy if isinstance(model, PairsModel) else model
+
+
+def rewards(scores, beta: float):
+    """(chosen, rejected) rewards of [batch, 4] scores."""
+    chosen = beta * (scores[:, 0] - scores[:, 2])
+    rejected = beta * (scores[:, 1] - scores[:, 3])
+    return chosen, rejected
+
+
+class DPOLoss(keras.losses.Loss):
+    """-log sigmoid(reward chosen - reward rejected), averaged over the weighted pairs (a
+    padded evaluation row weighs 0)."""
+
+    def __init__(self, beta: float, name="dpo_loss"):
+        super().__init__(name=name, reduction="mean_with_sample_weight")
+        self.beta = beta
+
+    def call(self, y_true, y_pred):
+        del y_true  # everything is in the scores
+        chosen, rejected = rewards(y_pred, self.beta)
+        return keras.ops.softplus(rejected - chosen)
+
+    def get_config(self):
+        return {"beta": self.beta, "name": self.name}
+
+
+def reward_chosen(y_true, y_pred, beta):
+    del y_true
+    return rewards(y_pred, beta)[0]
+
+
+def reward_rejected(y_true, y_pred, beta):
+    del y_true
+    return rewards(y_pred, beta)[1]
+
+
+def reward_margin(y_true, y_pred, beta):
+    del y_true
+    chosen, rejected = rewards(y_pred, beta)
+    return chosen - rejected
+
+
+def reward_accuracy(y_true, y_pred, beta):
+    del y_true
+    chosen, rejected = rewards(y_pred, beta)
+    return (keras.ops.cast(chosen > rejected, "float32")
+            + 0.5 * keras.ops.cast(chosen == rejected, "float32"))
+
+
+def metrics(beta: float) -> list:
+    """TRL's reward metrics, weighted by pair (beta in each one's config)."""
+    return [keras.metrics.MeanMetricWrapper(fn, name=fn.__name__, beta=beta)
+            for fn in (reward_chosen, reward_rejected, reward_margin, reward_accuracy)]
+
+
+def builder(language_model, beta: float):
+    """The registry `Builder` of a language model, turned to DPO: its loss, its metrics,
+    two sequences per example."""
+    if language_model.headline not in ("bits_per_byte", "bits_per_token"):
+        raise UserError("DPO (data.preferences) trains a language model; set model.name to "
+                        "'gpt' or a keras-hub causal LM such as 'keras_hub:LlamaCausalLM'")
+    per_sequence = language_model.tokens_per_example
+    return dataclasses.replace(language_model, loss=lambda: DPOLoss(beta),
+                               metrics=lambda: metrics(beta), headline=HEADLINE,
+                               tokens_per_example=lambda kwargs: 2 * per_sequence(kwargs))
