@@ -171,10 +171,6 @@ CASES = [
     pytest.param(DIGITS_TINY, ["--config.data.preferences=True", DATA],
                  ["DPO (data.preferences) trains a language model", "keras_hub:LlamaCausalLM"],
                  id="dpo-on-a-model-that-is-not-a-language-model"),
-    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").replace(
-        "--config.model.lora_rank=4", "").split(), DATA],
-                 ["DPO (data.preferences) needs a LoRA run", "set model.lora_rank"],
-                 id="dpo-without-lora"),
     pytest.param(LM_TINY, ["--config.data.text_field=text", DATA],
                  ["'stdlib_bytes/ctx64' has no text feature data.text_field='text'"],
                  id="tfds-without-the-text-feature"),

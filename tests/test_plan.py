@@ -49,6 +49,8 @@ def plans():
         "auto_two_slices": ["--config=configs/lm_stdlib.py:1b", "--tpu=2xv5litepod-256", "--auto"],
         "dpo": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8", "--json"],
         "dpo_text": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8"],
+        "dpo_full": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8",
+                     "--config.model.lora_rank=0", "--json"],
         "sft_same_model": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8",
                            "--config.data.preferences=False", "--json"],
         "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
@@ -187,7 +189,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     assert f"largest global batch that fits: {largest:,} ({largest // 8:,} per replica)" in too_big
 
 
-def test_a_lora_dpo_plan_counts_two_sequences_per_pair_and_no_second_copy(plans):
+def test_a_dpo_plan_counts_two_sequences_per_pair_and_a_reference_copy_only_without_lora(plans):
     dpo, sft = (json.loads(plans[name].stdout) for name in ("dpo", "sft_same_model"))
     assert dpo["sequences_per_example"] == 2 and sft["sequences_per_example"] == 1
     for key in ("parameters", "optimizer", "gradients"):  # the reference adds no weights
@@ -195,6 +197,11 @@ def test_a_lora_dpo_plan_counts_two_sequences_per_pair_and_no_second_copy(plans)
     assert dpo["per_device"]["activations"] > 1.5 * sft["per_device"]["activations"]
     assert dpo["largest_global_batch"] < sft["largest_global_batch"]
     assert "DPO: each example is a pair, 2 sequences" in plans["dpo_text"].stdout
+    assert "reference" not in dpo["per_device"]
+    # A full fine-tune scores against a frozen copy: one more set of weights, counted.
+    full = json.loads(plans["dpo_full"].stdout)["per_device"]
+    assert full["reference"] == full["parameters"] > 0
+    assert full["total"] == sum(value for key, value in full.items() if key != "total")
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)

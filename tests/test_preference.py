@@ -1,5 +1,6 @@
-"""Preference tuning (DPO) on keras-hub's Llama with LoRA: the loss against numpy on both
-engines, the offline example learning, a kill -9 resumed exactly, and evaluation."""
+"""Preference tuning (DPO) on keras-hub's Llama: the loss against numpy on both engines (LoRA,
+and a full fine-tune's frozen reference), the offline example learning, a kill -9 resumed
+exactly, and evaluation."""
 
 import json
 import re
@@ -14,15 +15,19 @@ from resume import assert_same_weights, killed_after_checkpoint_then_resumed, re
 DPO_TINY = "configs/preference_stdlib.py:tiny"
 
 
-@pytest.mark.parametrize("engine, mesh", [("tf", ""), ("jax", "fsdp2_model2")],
-                         ids=["tf", "jax-fsdp2-model2"])
-def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, data_dir, tmp_path):
-    """tests/helpers/dpo_probe.py: eight real pairs, adapters set at random, the engine's own
-    evaluation against numpy's log-softmax of the policy's and the base's logits."""
+# LoRA's reference (the adapters off) on a jax mesh that splits the weights, a full
+# fine-tune's (a frozen copy) on tf; the tiny run below trains LoRA on tf.
+@pytest.mark.parametrize("engine, mesh, full", [("tf", "", True), ("jax", "fsdp2_model2", False)],
+                         ids=["tf-full", "jax-fsdp2-model2-lora"])
+def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, full, data_dir, tmp_path):
+    """tests/helpers/dpo_probe.py: eight real pairs, the policy moved (adapters set at random;
+    full: noise on every weight), the engine's own evaluation against numpy's log-softmax
+    of the policy's and the starting model's logits."""
     out = run([sys.executable, "tests/helpers/dpo_probe.py", engine, data_dir, str(tmp_path / "run"),
-               mesh], timeout=300).stdout
+               *([mesh] if mesh else []), *(["full"] if full else [])], timeout=300).stdout
     got = json.loads(re.search(r"^DPO (.*)$", out, re.M).group(1))
-    assert got["devices"] == (4 if mesh else 1), got
+    assert got["devices"] == (4 if mesh else 1) and got["full"] == full, got
+    assert (got["split_weights"] > 0) == bool(mesh), got  # the mesh splits weights
     # Adapters start at zero: the policy is its reference, every reward 0, every pair a tie.
     assert got["untrained"] == {"loss": pytest.approx(np.log(2), abs=1e-6), "reward_accuracy": 0.5,
                                 "reward_chosen": 0.0, "reward_margin": 0.0, "reward_rejected": 0.0}
@@ -32,12 +37,18 @@ def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, data_dir, tmp_pat
     assert got["score_relative_difference"] < 1e-5, got
     # Weight 0 on the start token and the prompt, 1 on the response and its end token.
     assert got["masks_exact"] and got["prompt_tokens"] > 0, got
-    # No second copy of the base: the pairs model holds the policy's weights and no others.
-    assert got["weights"] == got["policy_weights"] and got["parameters"] == got["policy_parameters"]
+    assert got["trainable"] == got["policy_trainable"], got  # the reference never trains
+    if full:  # the reference: a frozen copy of the policy, as training started
+        assert got["weights"] == 2 * got["policy_weights"], got
+        assert got["parameters"] == 2 * got["policy_parameters"], got
+    else:  # LoRA: no second copy of the base, the pairs model holds the policy's weights alone
+        assert got["weights"] == got["policy_weights"], got
+        assert got["parameters"] == got["policy_parameters"], got
 
 
 def test_dpo_raises_reward_accuracy_resumes_exactly_after_a_kill_and_evaluates(data_dir, tmp_path):
-    args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
+    args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True",
+            "--config.export.formats=('keras_hub',)")  # the cheapest export
     reference = train(DPO_TINY, tmp_path / "reference", *args).stdout
     assert "wrote a freshly initialised LlamaBackbone" in reference
     # LoRA rank 8 on the query and value kernels of one block: the only trainable weights.

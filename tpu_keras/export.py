@@ -39,9 +39,9 @@ def main(argv):
         config.export.formats = tuple(_FORMATS.value)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host memory: never the accelerators
     run, step = restored.load(_WORKDIR.value, config, _STEP.value, purpose="export")
-    from tpu_keras.models import export  # Keras: once the run's setup selected the engine
+    from tpu_keras.models import export, preference  # Keras: once the setup selected the engine
     config, export_dir = run.config, os.path.join(_WORKDIR.value, "export")
-    problems = export.write(run.model, config, export_dir)
+    problems = export.write(preference.policy_of(run.model), config, export_dir)
     print(f"exported step {step} of {config.model.name} to {export_dir}")
     if problems:
         raise UserError("; ".join(problems))

@@ -1,19 +1,22 @@
 """DPO's scores, loss and rewards on one engine against numpy.
 
-    python tests/helpers/dpo_probe.py ENGINE DATA_DIR WORKDIR [MESH]
+    python tests/helpers/dpo_probe.py ENGINE DATA_DIR WORKDIR [MESH] [full]
 
 configs/preference_stdlib.py:tiny, set up as a run sets it up (`training.setup`:
 its LoRA Llama wrapped in `models.preference.PairsModel`, compiled with the
 DPO loss), on ENGINE; MESH 'fsdp2_model2' is a jax mesh of 4 fake devices
-that splits the weights. Eight real pairs go through the pipeline's own
-preprocessor. The probe:
+that splits the weights; 'full' trains every weight instead of LoRA (the
+reference is then a frozen copy). Eight real pairs go through the
+pipeline's own preprocessor. The probe:
 
-- evaluates them untrained (the adapters start at zero: rewards 0, accuracy 0.5);
-- gives every adapter random values, evaluates again (`model.evaluate`: the
-  engine's compiled test step) and reads the four scores (`model.predict`);
-- computes the same from logits in numpy: the policy's with the adapters on,
-  the reference's with the adapters' B factors set to zero (the base alone),
-  log-softmax at the targets, weighted by the mask, summed, DPO's loss;
+- evaluates them untrained (the policy is its reference: rewards 0, accuracy 0.5);
+- gives every adapter random values (full: adds noise to every weight of the
+  policy), evaluates again (`model.evaluate`: the engine's compiled test
+  step) and reads the four scores (`model.predict`);
+- computes the same from logits in numpy: the policy's as it is now, the
+  reference's with the adapters' B factors set to zero (the base alone; full:
+  the policy's logits before the noise), log-softmax at the targets,
+  weighted by the mask, summed, DPO's loss;
 - checks each mask against the pair's own tokenization: weight 0 on the start
   token and the prompt, 1 on the response and its end token, 0 on padding.
 
@@ -32,8 +35,11 @@ sys.path.insert(0, "configs")
 import preference_stdlib  # noqa: E402
 
 engine_name, data_dir, workdir = sys.argv[1:4]
-mesh = sys.argv[4] if len(sys.argv) > 4 else ""
+mesh = next((arg for arg in sys.argv[4:] if arg != "full"), "")
+full = "full" in sys.argv[4:]
 config = preference_stdlib.get_config("tiny")
+if full:
+    config.model.lora_rank = 0
 config.engine = engine_name
 config.data.data_dir = data_dir
 if mesh == "fsdp2_model2":
@@ -74,17 +80,22 @@ for row, record in enumerate(records):
         expected = np.array(([0.0] * prompt + [1.0] * response + [0.0] * length)[:length])
         masks_exact &= bool(np.array_equal(mask[row, column], expected))
 
+flat_tokens = tokens.reshape(-1, length)
+inputs, targets = flat_tokens[:, :-1], flat_tokens[:, 1:]
 untrained = model.evaluate(x, y, batch_size=8, return_dict=True, verbose=0)
+starting_logits = model.policy.predict(inputs, batch_size=16, verbose=0)
 adapters = preference.lora_layers(model.policy)
 rng = np.random.default_rng(0)
 for layer in adapters:
     for variable in (layer.lora_kernel_a, layer.lora_kernel_b):
         variable.assign(rng.normal(0, 1.0, variable.shape).astype("float32"))
+if full:
+    for variable in model.policy.trainable_variables:
+        noise = rng.normal(0, 0.05, variable.shape).astype("float32")
+        variable.assign(keras.ops.convert_to_numpy(variable.value) + noise)
 evaluated = model.evaluate(x, y, batch_size=8, return_dict=True, verbose=0)
 scores = model.predict(x, batch_size=8, verbose=0)
 
-flat_tokens = tokens.reshape(-1, length)
-inputs, targets = flat_tokens[:, :-1], flat_tokens[:, 1:]
 weights = mask.reshape(-1, length)[:, 1:].astype("float64")
 
 
@@ -99,7 +110,8 @@ def summed_log_probs(logits):
 policy = summed_log_probs(model.policy.predict(inputs, batch_size=16, verbose=0))
 for layer in adapters:
     layer.lora_kernel_b.assign(np.zeros(layer.lora_kernel_b.shape, "float32"))
-reference = summed_log_probs(model.policy.predict(inputs, batch_size=16, verbose=0))
+reference = summed_log_probs(starting_logits if full else
+                             model.policy.predict(inputs, batch_size=16, verbose=0))
 chosen = beta * (policy[:, 0] - reference[:, 0])
 rejected = beta * (policy[:, 1] - reference[:, 1])
 numpy = {"loss": np.mean(np.log1p(np.exp(-(chosen - rejected)))),
@@ -114,7 +126,11 @@ print("DPO " + json.dumps({
     "score_relative_difference": float(np.max(np.abs(scores - expected_scores)
                                               / np.abs(expected_scores))),
     "masks_exact": masks_exact, "prompt_tokens": int((mask[:, :, :] == 0).sum()),
-    "weights": len(model.weights), "policy_weights": len(model.policy.weights),
+    "full": full, "weights": len(model.weights), "policy_weights": len(model.policy.weights),
+    "trainable": len(model.trainable_weights),
+    "policy_trainable": len(model.policy.trainable_weights),
+    "split_weights": sum(not getattr(getattr(w.value, "sharding", None), "is_fully_replicated", True)
+                         for w in model.weights),
     "parameters": int(model.count_params()), "policy_parameters": int(model.policy.count_params()),
 }), flush=True)
 os._exit(0)  # what JAX's and TensorFlow's teardown would add is not the probe's

@@ -8,11 +8,14 @@ log-probabilities over the response tokens (the mask's weights):
 
     [policy chosen, policy rejected, reference chosen, reference rejected]
 
-The reference is the model as training started, with no second copy of the
-base: a LoRA run (`model.lora_rank`) computes it with the same weights, the
-adapters switched off for a second forward pass (the base weights are frozen,
-so the base *is* the starting model); its gradient is stopped. The policy
-pass costs a forward and a backward, the reference pass a forward.
+The reference is the model as training started. A LoRA run (`model.lora_rank`)
+computes it with the same weights, the adapters switched off for a second
+forward pass (the base weights are frozen, so the base *is* the starting
+model): no second copy. A full fine-tune has no frozen base, so it keeps a
+frozen copy of the starting weights (`reference`), saved in the checkpoint
+beside the policy's so that a resumed run scores against the same reference.
+Either way the reference's gradient is stopped: the policy pass costs a
+forward and a backward, the reference pass a forward.
 
 Everything DPO needs is then a function of those four columns, so the loss
 and the metrics are plain Keras ones and every step of the toolkit (both
@@ -41,16 +44,18 @@ COLUMNS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_re
 
 class PairsModel(keras.Model):
     """A language model's scores of preference pairs: [batch, 4] sums of log-probabilities
-    (`COLUMNS`). `policy` is the wrapped model (tokens [batch, L] -> logits)."""
+    (`COLUMNS`). `policy` is the wrapped model (tokens [batch, L] -> logits); `reference`,
+    for a policy without LoRA layers, a frozen copy of its starting weights."""
 
-    def __init__(self, policy, **kwargs):
+    def __init__(self, policy, reference=None, **kwargs):
         super().__init__(name=kwargs.pop("name", f"{policy.name}_pairs"), **kwargs)
         self.policy = policy
         self.adapters = lora_layers(policy)
-        if not self.adapters:
-            raise UserError("DPO (data.preferences) needs a LoRA run: its reference is the base "
-                            "model with the adapters off, so set model.lora_rank (such as 8); "
-                            "a full fine-tune would need a second copy of the model")
+        if not self.adapters and reference is None:
+            raise ValueError("a policy without LoRA layers needs a reference copy")
+        self.reference = None if self.adapters else reference
+        if self.reference is not None:
+            self.reference.trainable = False
         self.built = True
 
     def call(self, inputs, training=None):
@@ -61,26 +66,33 @@ class PairsModel(keras.Model):
         flat = keras.ops.reshape(tokens, (-1, length + 1))
         weights = keras.ops.reshape(mask, (-1, length + 1))[:, 1:]
         inputs_, targets = flat[:, :-1], flat[:, 1:]
-        policy = self._scores(inputs_, targets, weights, training)
-        with adapters_off(self.adapters):
-            reference = keras.ops.stop_gradient(self._scores(inputs_, targets, weights, False))
+        policy = self._scores(self.policy, inputs_, targets, weights, training)
+        if self.reference is not None:
+            reference = self._scores(self.reference, inputs_, targets, weights, False)
+        else:
+            with adapters_off(self.adapters):
+                reference = self._scores(self.policy, inputs_, targets, weights, False)
+        reference = keras.ops.stop_gradient(reference)
         both = keras.ops.stack([policy, reference], axis=-1)  # [2 * batch, 2]
         # [batch, (chosen, rejected), (policy, reference)] -> COLUMNS' order
         pairs = keras.ops.reshape(both, (-1, 2, 2))
         return keras.ops.reshape(keras.ops.transpose(pairs, (0, 2, 1)), (-1, 4))
 
-    def _scores(self, inputs, targets, weights, training):
-        logits = self.policy(inputs, training=training)
+    @staticmethod
+    def _scores(model, inputs, targets, weights, training):
+        logits = model(inputs, training=training)
         log_probs = -keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
         return keras.ops.sum(log_probs * weights, axis=-1)
 
     def get_config(self):
-        """The policy's config: what the step cache keys a compiled step by."""
-        return {"name": self.name, "policy": keras.saving.serialize_keras_object(self.policy)}
+        """The policy's config and the reference's kind: what the step cache keys a step by."""
+        return {"name": self.name, "policy": keras.saving.serialize_keras_object(self.policy),
+                "frozen_reference": self.reference is not None}
 
     @classmethod
     def from_config(cls, config):
-        return cls(keras.saving.deserialize_keras_object(config["policy"]), name=config["name"])
+        make = lambda: keras.saving.deserialize_keras_object(config["policy"])
+        return cls(make(), make() if config.get("frozen_reference") else None, name=config["name"])
 
     def compute_output_spec(self, inputs, training=None):
         return keras.KerasTensor((inputs["tokens"].shape[0], 4), "float32")

@@ -221,13 +221,17 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
                         f"{slice_name}; use a multiple of {splits}")
     per_replica = global_batch // splits
     # DPO (data.preferences): an example is a pair, two sequences through the model. Its
-    # reference is the base with the adapters off: no weights of its own, and its forward
-    # pass keeps nothing for the backward (models.preference).
+    # reference's forward pass keeps nothing for the backward; with LoRA it is the base with
+    # the adapters off, otherwise a frozen copy of the weights (models.preference).
     sequences = 2 if config.data.get("preferences") else 1
     footprint = Footprint(config)
     remat = config.train.remat
     per_device = footprint.per_device(mesh, per_replica * sequences, remat)
-    largest = footprint.largest_batch(mesh, remat, usable) // sequences
+    reference = 0
+    if sequences == 2 and not config.model.get("lora_rank"):
+        reference = per_device["parameters"]
+        per_device = {**per_device, "reference": reference, "total": per_device["total"] + reference}
+    largest = footprint.largest_batch(mesh, remat, usable - reference) // sequences
     sent = footprint.sent_per_step(mesh, per_replica * sequences, config.train.grad_accum_steps,
                                    slices)
     result = {
@@ -319,12 +323,15 @@ def format_plan(p: dict) -> str:
              f"mesh {describe(mesh, p.get('slices', 1))}, global batch "
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}"]
     if p.get("sequences_per_example", 1) == 2:
-        lines.append("DPO: each example is a pair, 2 sequences (chosen, rejected); the reference is "
-                     "the base with the adapters off, so it adds no weights, and its forward pass "
-                     "keeps nothing for the backward")
+        lines.append("DPO: each example is a pair, 2 sequences (chosen, rejected); the reference's "
+                     "forward pass keeps nothing for the backward, and " +
+                     ("it is a frozen copy of the weights" if "reference" in d else
+                      "it is the base with the adapters off, so it adds no weights"))
     lines += ["", "per device"]
     labels = {"parameters": "parameters", "optimizer": "optimizer state",
               "gradients": "gradients", "activations": "activations"}
+    if "reference" in d:
+        labels["reference"], note["reference"] = "reference", "exact: DPO's frozen copy"
     for key, label in labels.items():
         lines.append(f"  {label:<16} {format_bytes(d[key]):>11}  {note[key]}")
     lines.append(f"  {'total':<16} {format_bytes(d['total']):>11}")

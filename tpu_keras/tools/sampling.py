@@ -62,7 +62,9 @@ def from_run(workdir: str, config) -> Generator:
     import keras_hub
     from tpu_keras.data import text, tokenizers
     run, step = load(workdir, config)
-    model, config = run.model, run.config  # data.tokenizer='preset': the resolved preset's
+    from tpu_keras.models import preference
+    model, config = preference.policy_of(run.model), run.config  # a DPO run's language model
+    # (and data.tokenizer='preset': the resolved preset's)
     data = text.with_data_dir(config.data) if text.is_text(config.data) else types.SimpleNamespace(
         tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
     tokenizer = tokenizers.make(data)

@@ -104,7 +104,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
     builder, model_kwargs = models.registry.get(resolved.model)
     text_source = None
-    pairs = resolved.data.preferences and not one_device  # DPO; a restore reads the policy alone
+    pairs = bool(resolved.data.preferences)  # DPO: the pairs model (`models.preference`)
     if pairs:
         builder = preference.builder(builder, resolved.train.dpo_beta)
     elif not one_device and data.text.is_text(resolved.data):
@@ -121,7 +121,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         compile_cache.keep_steps(model, cache_watch, resolved)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], resolved.data)
-    if pairs:
+    if pairs and not one_device:
         data.text.check_vocabulary(preferences.make_tokenizer(resolved.data),
                                    model.policy.output_shape[-1], resolved.data)
     keep = {"keep": resolved.checkpoint.keep} if trains else {}
@@ -152,12 +152,15 @@ def build_model(config, cluster, builder=None, pairs: bool = False):
 
     `builder` replaces the registry's for `config.model` (packed text's metrics:
     `with_text_metrics`; DPO's loss: `models.preference.builder`). `pairs`: the
-    model scores preference pairs for DPO (`models.preference.PairsModel`).
+    model scores preference pairs for DPO (`models.preference.PairsModel`); without
+    LoRA layers its reference is a second, frozen copy of the model, made here with
+    the model's layout and starting weights.
 
     On jax this first sets the process's `keras.distribution` from the
     model's layout rules, so that Keras lays each weight out as it creates
     it; on tf every weight is replicated and the rules are only checked.
     """
+    import keras
     from tpu_keras import models
     from tpu_keras.training import optimization
     if builder is None:
@@ -175,6 +178,14 @@ def build_model(config, cluster, builder=None, pairs: bool = False):
     placer.check(model.weights)
     if pairs:
         from tpu_keras.models import preference
-        model = preference.PairsModel(model)
+        reference = None
+        if not preference.lora_layers(model):  # a full fine-tune: a frozen copy to score against
+            with cluster.scope():
+                reference = models.build(config.model, remat=config.train.remat)
+                for copy, weight in zip(reference.weights, model.weights):
+                    copy.assign(keras.ops.copy(weight.value))  # a buffer of its own (jax donates)
+            logging.info("DPO reference: a frozen copy of the model's %s starting weights",
+                         f"{reference.count_params():,}")
+        model = preference.PairsModel(model, reference)
     optimization.compile_model(model, builder, config.train, cluster)
     return model
