@@ -144,5 +144,5 @@ def seen_over_the_run(first_attempt, second_attempt, resumed_at):
 
 def resumed_step(output):
     """The step a run resumed from; 0 if it was killed before its first checkpoint."""
-    resumed = re.search(r"resumed from \S+ckpt-(\d+) at step", output)
+    resumed = re.search(r"resumed from \S+ at step (\d+)", output)  # tf's ckpt-N, Orbax's folder
     return int(resumed.group(1)) if resumed else 0

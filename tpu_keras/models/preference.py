@@ -32,6 +32,7 @@ whose chosen reward is the higher, a tie counting half (so the untrained
 policy, whose rewards are both 0, scores 0.5; TRL counts a tie as a miss).
 """
 
+import contextlib
 import dataclasses
 
 import keras
@@ -98,19 +99,16 @@ class PairsModel(keras.Model):
         return keras.KerasTensor((inputs["tokens"].shape[0], 4), "float32")
 
 
-class adapters_off:
+@contextlib.contextmanager
+def adapters_off(layers):
     """Within the block, the LoRA layers compute with their base weights alone: Keras reads
     `lora_enabled` when a layer's kernel is read, so a traced call sees the base."""
-
-    def __init__(self, layers):
-        self.layers = layers
-
-    def __enter__(self):
-        for layer in self.layers:
-            layer.lora_enabled = False
-
-    def __exit__(self, *exc):
-        for layer in self.layers:
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
             layer.lora_enabled = True
 
 
