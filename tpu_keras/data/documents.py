@@ -47,7 +47,7 @@ class Text:
 
     def tokenize(self, tokenizer, texts):
         """(tokens, weights or None, prompt tokens) of a block of documents: ragged."""
-        tokens = _concat([tokenizer.tokenize(texts), _column(texts, tokenizer.eos_id)])
+        tokens = _concat([tokenizer.tokenize(texts), column(texts, tokenizer.eos_id)])
         return tokens, None, tf.zeros_like(tokens.row_lengths())
 
     def sizes(self, texts):
@@ -83,9 +83,9 @@ class Instructions:
     def tokenize(self, tokenizer, block):
         prompt = tokenizer.tokenize(block["prompt"])
         for token in self.prompt_start(tokenizer):
-            prompt = _concat([_column(block["prompt"], token), prompt])
+            prompt = _concat([column(block["prompt"], token), prompt])
         response = _concat([tokenizer.tokenize(block["response"]),
-                            _column(block["response"], tokenizer.eos_id)])
+                            column(block["response"], tokenizer.eos_id)])
         weights = _concat([tf.zeros_like(prompt), tf.ones_like(response)])
         return _concat([prompt, response]), weights, prompt.row_lengths()
 
@@ -94,7 +94,7 @@ class Instructions:
         return tf.strings.length(block["prompt"]) + response, response
 
 
-def _column(texts, token: int):
+def column(texts, token: int):
     """One `token` per document, ragged [batch, 1]."""
     return tf.RaggedTensor.from_tensor(tf.fill([tf.shape(texts)[0], 1], token))
 

@@ -32,6 +32,7 @@ from tpu_keras.data import documents, sources, stdlib_preferences, text, tokeniz
 from tpu_keras.errors import UserError
 
 PREPROCESSOR = "preference_pairs"
+_OPENED = {}  # (the data section, training) -> its Source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +65,7 @@ class Pairs:
         return {name: tf.ensure_shape(t, []) for name, t in zip(("prompt", "chosen", "rejected"),
                                                                 texts)}
 
-    def prompt_start(self, tokenizer) -> list:
-        """The tokens before each prompt, as instruction data has them."""
-        return [] if tokenizer.start_id is None else [tokenizer.start_id]
+    prompt_start = documents.Instructions.prompt_start  # the start token, as instructions have it
 
 
 def recipe(config) -> Pairs:
@@ -90,7 +89,15 @@ def make_tokenizer(config) -> tokenizers.Tokenizer:
 
 
 def open_source(config, training: bool) -> sources.Source:
-    """The train or eval pairs of the `data` section: one example per line."""
+    """The train or eval pairs of the `data` section: one example per line. Opened once per
+    process, since opening reads every line (a run opens each again at every resume)."""
+    key = (config.to_json_best_effort(sort_keys=True), training)
+    if key not in _OPENED:
+        _OPENED[key] = _open(config, training)
+    return _OPENED[key]
+
+
+def _open(config, training: bool) -> sources.Source:
     sources.check_choice(config)
     config = _prepared(config)
     key = "data.text_files" if training else "data.eval_text_files"
@@ -132,19 +139,14 @@ def preprocessor(config):
 def tokenize(tokenizer, start: list, block, length: int):
     """(tokens int32 [n, 2, length], mask float32 [n, 2, length]) of a block of pairs."""
     prompt = tokenizer.tokenize(block["prompt"])
-    count = tf.shape(block["prompt"])[:1]
     for token in reversed(start):
-        prompt = tf.concat([_column(count, token), prompt], axis=1)
+        prompt = tf.concat([documents.column(block["prompt"], token), prompt], axis=1)
     rows, masks = [], []
     for key in ("chosen", "rejected"):
-        response = tf.concat([tokenizer.tokenize(block[key]), _column(count, tokenizer.eos_id)],
-                             axis=1)
+        response = tf.concat([tokenizer.tokenize(block[key]),
+                              documents.column(block[key], tokenizer.eos_id)], axis=1)
         sequence = tf.concat([prompt, response], axis=1)
         weights = tf.concat([tf.zeros_like(prompt), tf.ones_like(response)], axis=1)
         rows.append(sequence.to_tensor(0, shape=[None, length]))
         masks.append(tf.cast(weights.to_tensor(0, shape=[None, length]), tf.float32))
     return tf.stack(rows, axis=1), tf.stack(masks, axis=1)
-
-
-def _column(count, token: int):
-    return tf.RaggedTensor.from_tensor(tf.fill(tf.concat([count, [1]], 0), token))

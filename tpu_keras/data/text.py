@@ -246,9 +246,8 @@ def _open(config, training: bool, hosts) -> PackedSource:
 
 
 def document_recipe(config):
-    """What a document is in `config` (the data section): instructions or plain text (DPO's
-    pairs start their prompts as instructions do: `preferences.Pairs`)."""
-    if config.instructions or config.get("preferences"):
+    """What a document is in `config` (the data section): instructions or plain text."""
+    if config.instructions:
         return documents_lib.Instructions(config.prompt_field, config.response_field)
     return documents_lib.Text(config.text_field)
 

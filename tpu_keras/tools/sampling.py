@@ -60,7 +60,7 @@ def load(workdir: str, config):
 def from_run(workdir: str, config) -> Generator:
     """The run's model and tokenizer (`data.tokenizer`; bytes for byte-level data)."""
     import keras_hub
-    from tpu_keras.data import text, tokenizers
+    from tpu_keras.data import preferences, text, tokenizers
     run, step = load(workdir, config)
     from tpu_keras.models import preference
     model, config = preference.policy_of(run.model), run.config  # a DPO run's language model
@@ -69,8 +69,9 @@ def from_run(workdir: str, config) -> Generator:
         tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
     tokenizer = tokenizers.make(data)
     # A prompt starts as training started one: instruction data puts the start token first.
-    start = text.document_recipe(config.data).prompt_start(tokenizer) if text.is_text(
-        config.data) else []
+    recipe = (preferences.recipe(config.data) if config.data.preferences
+              else text.document_recipe(config.data))
+    start = recipe.prompt_start(tokenizer) if text.is_text(config.data) else []
     context = model.input_shape[1]
     task = next((layer for layer in model.layers
                  if isinstance(layer, keras_hub.models.CausalLM)), None)
