@@ -1,12 +1,15 @@
 """Simulated multislice pods on the jax engine, in the TPU's own chip order.
 
 Two v4-16 slices (2 hosts of 4 chips each) train like one device on the same
-global batches; when a host of one slice dies, the three others (its own
-slice's and the other slice's) stop by themselves within bounded time, and
-the rerun resumes exactly from the last checkpoint. (The one kill test of a
+global batches. On that pod, with the MLP's hidden units split over a model
+axis, when a host of one slice dies, the three others (its own slice's and
+the other slice's) stop by themselves within bounded time, and the rerun
+resumes exactly from the last checkpoint. (The one kill test of a
 jax pod: each simulated host costs a start of TensorFlow and JAX and a
 compile, so the slices and the hosts-per-slice are checked in one run.)
 """
+
+import re
 
 from pods import a_host_killed_then_the_run_resumed, assert_trains_like_one_device, probe, train_on_a_pod
 
@@ -30,10 +33,12 @@ def test_two_v4_slices_in_the_tpu_chip_order_train_like_one_device(tmp_path):
 
 def test_a_dead_host_stops_every_slice_and_the_rerun_resumes_exactly(tmp_path, data_dir):
     # 20 steps, a checkpoint at 10, host 3 (slice 1) killed after step 15: steps 11-15 run twice.
+    # The MLP's hidden units split over a model axis: a hybrid mesh of four processes.
     command = train_on_a_pod(("--tpu=2xv4-16",), tmp_path, "configs/digits.py:tiny",
                              f"--config.data.data_dir={data_dir}", "--config.mesh.slices=2",
-                             steps=20, every=10)
-    seen = a_host_killed_then_the_run_resumed(command, tmp_path, 4, killed=3, slice_of=lambda host: host // 2,
-                                              steps=20, every=10)
+                             "--config.mesh.model=2", steps=20, every=10)
+    seen, rerun = a_host_killed_then_the_run_resumed(command, tmp_path, 4, killed=3,
+                                                     slice_of=lambda host: host // 2, steps=20, every=10)
+    assert re.search(r"jax mesh (slices=2 x )?data=4 x model=2 over 4 process", rerun), rerun[-3000:]
     examples = [i for ids in seen.values() for i in ids]
     assert len(examples) == len(set(examples)) == 20 * 64  # 20 steps of 64 images, none twice

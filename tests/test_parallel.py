@@ -20,7 +20,7 @@ LM_TINY = "configs/lm_stdlib.py:tiny"
 
 # The gpt has 4 heads, so the widest model axis is 4 (2x4), not 8. Meshes are
 # (data, model), or (data, fsdp, model) for the fully-sharded ones.
-MESHES = [(8, 1), (2, 4), (4, 2)]
+MESHES = [(2, 4), (4, 2)]  # data alone: the pods of test_multislice.py, the README's two replicas
 FSDP_MESHES = [(1, 8, 1), (2, 2, 2)]  # fsdp alone; and with data and model axes
 
 
@@ -56,7 +56,7 @@ def probe(data_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("data_axis,model_axis", MESHES,
-                         ids=["data_8x1", "model_2x4", "hybrid_4x2"])
+                         ids=["model_2x4", "hybrid_4x2"])
 def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis):
     reference, result = probe(1, 1), probe(data_axis, model_axis)
     assert result["mesh"] == {"slices": 1, "data": data_axis, "fsdp": 1, "model": model_axis}
@@ -64,7 +64,7 @@ def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis
     # 10 per block (QKV kernels and biases, attention-out, MLP up kernel and
     # bias, MLP down) + the token embedding + the head's kernel and bias (the
     # position embedding stays whole, like the residual stream it joins).
-    assert split == (0 if model_axis == 1 else 2 * 10 + 3), split
+    assert split == 2 * 10 + 3, split
     # Optimizer state follows its variable.
     momentum = result["optimizer"]["adam_w/block0_mlp_up_kernel_momentum"]
     assert momentum["shard_shape"] == result["weights"]["block0_mlp_up/kernel"]["shard_shape"]
@@ -128,19 +128,6 @@ def test_plan_bytes_match_sharded_variables(probe):
     assert plan["per_device"]["parameters"] == sharded["param_bytes_device0"]
     assert plan["per_device"]["optimizer"] == sharded["optimizer_bytes_device0"]
     assert plan["per_device"]["gradients"] == sharded["param_bytes_device0"]  # all trainable
-
-
-def test_two_hosts_train_a_hybrid_mesh(data_dir, tmp_path):
-    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=4",
-                  "--timeout=500", "--", sys.executable, "-m", "tpu_keras.train", f"--config={LM_TINY}",
-                  f"--workdir={tmp_path}", f"--config.data.data_dir={data_dir}",
-                  "--config.engine=jax", "--config.mesh.model=2"], timeout=560)
-    out = result.stdout
-    assert "[host 0] " in out and "jax mesh data=4 x model=2 over 2 process(es)" in out
-    losses = {host: re.findall(rf"\[host {host}\].*step 20/20 \| .*? loss (\S+)", out) for host in "01"}
-    assert losses["0"] and losses["0"] == losses["1"], losses
-    prints = dict(re.findall(r"\[host (\d)\].*weights fingerprint: (\S+)", out))
-    assert len(prints) == 2 and prints["0"] == prints["1"], prints
 
 
 @pytest.mark.parametrize("axis", ["model", "fsdp"])

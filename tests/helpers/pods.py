@@ -1,5 +1,5 @@
 """What the simulated-pod tests share: the probe that trains like one device, and a run
-whose host is killed mid-run and then resumed (`test_multislice`, `test_tpu_pod`)."""
+whose host is killed mid-run and then resumed (`test_multislice`)."""
 
 import glob
 import json
@@ -55,7 +55,8 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
     bounded time, then reruns it to the end and checks the resume was exact: each host
     resumed from that checkpoint with the same weights, the steps trained in both attempts
     gave the same losses bit for bit, on the same batches, and over the run every host fed
-    every step once. Returns every example id trained on, by (host, batch position)."""
+    every step once. Returns (every example id trained on, by (host, batch position); the
+    rerun's output)."""
     killed_after = every + 10 if every + 10 < steps else every + 5
     assert killed_after < 2 * every and killed_after < steps
 
@@ -102,7 +103,7 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
     seen = seen_over_the_run(example_ids(workdir / "example_ids.first", steps),
                              example_ids(workdir / "example_ids", steps), every)
     assert sorted(seen) == [(h, p) for h in range(hosts) for p in range(steps)]
-    return seen
+    return seen, second
 
 
 def logged_losses(workdir):
