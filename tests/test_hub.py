@@ -20,21 +20,29 @@ def generate(workdir, *flags):
                merge_stderr=False)
 
 
-def test_tiny_llama_trains_exports_and_generates(data_dir, tmp_path):
-    # The jax engine's run, export and generation are the SentencePiece test's and
-    # tests/helpers/hf_probe.py's; one start of keras-hub per command is what this test costs.
+def test_sentencepiece_llama_trains_on_packed_text_exports_and_generates(stdlib_text, data_dir, tmp_path):
+    """configs/llama_stdlib.py:spm_tiny: LlamaTokenizer on the offline vocabulary, the tf
+    engine (the jax engine trains keras-hub's Llama in tests/helpers/hf_probe.py, the
+    DPO test and the hybrid mesh below). One start of keras-hub per command."""
     workdir = tmp_path / "tf"
-    out = train(LLAMA_TINY, workdir, f"--config.data.data_dir={data_dir}").stdout
-    assert "model: keras_hub:LlamaCausalLM with 26,720 parameters, float32" in out, out[-2000:]
-    losses = [float(x) for x in re.findall(r"step \d+/20 \| .*? loss (\S+)", out)]
-    assert len(losses) == 2 and losses[1] < losses[0] < 6, losses
+    out = train("configs/llama_stdlib.py:spm_tiny", workdir, f"--config.data.data_dir={data_dir}").stdout
+    assert "model: keras_hub:LlamaCausalLM with 75,872 parameters, float32" in out, out[-2000:]
+    assert re.search(r"validation/\*\.txt \(LlamaTokenizer\(spm1024\.model\), 65 tokens per "
+                     r"sequence\): 55 documents, [\d,]+ tokens, 0\.\d+ tokens per byte", out), out[-3000:]
+    lines = re.findall(r"step \d+/20 \| bits_per_byte (\S+) \| bits_per_token (\S+) \| .*? loss "
+                       r"(\S+) \| val_bits_per_byte (\S+) \| val_bits_per_token (\S+)", out)
+    assert len(lines) == 2, out[-3000:]
+    for bpb, bpt, loss, val_bpb, val_bpt in (map(float, line) for line in lines):
+        assert bpt == pytest.approx(float(loss) / np.log(2), rel=1e-3)
+        assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
+    assert float(lines[1][2]) < float(lines[0][2])
     assert re.search(r"done at step 20: val_bits_per_byte \d", out)
     assert (workdir / "export" / "saved_model.pb").exists()
     assert (workdir / "export" / "keras_hub" / "task.json").exists()  # and no transformers/:
     assert not (workdir / "export" / "transformers").exists()  # LlamaBackbone has no exporter
     # Asked for, it is one line, after the other formats are written.
     (workdir / "export" / "keras_hub" / "task.json").unlink()
-    exported = run_in_one_process("tpu_keras.export", {  # one start of keras-hub
+    exported = run_in_one_process("tpu_keras.export", {
         "transformers": [f"--workdir={workdir}", "--step=10", "--formats=keras_hub,transformers"],
         "unsaved_step": [f"--workdir={workdir}", "--step=7"],
         "peft": [f"--workdir={workdir}", "--step=10", "--formats=peft"]})
@@ -46,32 +54,15 @@ def test_tiny_llama_trains_exports_and_generates(data_dir, tmp_path):
     assert_one_line_error(exported["unsaved_step"], "--step=7 is not a checkpoint", "[10, 20]")
     assert_one_line_error(exported["peft"], "export format 'peft' needs a LoRA run (model.lora_rank)",
                           "trained every weight; drop 'peft' from export.formats")
-    text = generate(workdir, "--prompt=def ", "--max_length=40", "--seed=3", "--top_k=20").stdout
-    assert text.startswith("def ") and len(text) > len("def "), text
-
-
-def test_sentencepiece_llama_trains_on_packed_text_and_generates(stdlib_text, data_dir, tmp_path):
-    """configs/llama_stdlib.py:spm at the tiny size: LlamaTokenizer on the offline vocabulary,
-    on the jax engine (the same tokenizer and packing train on tf in test_data.py's
-    instruction tuning, configs/instruct_stdlib.py:tiny)."""
-    workdir = tmp_path / "jax"
-    out = train("configs/llama_stdlib.py:spm_tiny", workdir, f"--config.data.data_dir={data_dir}",
-                "--config.engine=jax").stdout
-    assert re.search(r"validation/\*\.txt \(LlamaTokenizer\(spm1024\.model\), 65 tokens per "
-                     r"sequence\): 55 documents, [\d,]+ tokens, 0\.\d+ tokens per byte", out), out[-3000:]
-    lines = re.findall(r"step \d+/20 \| bits_per_byte (\S+) \| bits_per_token (\S+) \| .*? loss "
-                       r"(\S+) \| val_bits_per_byte (\S+) \| val_bits_per_token (\S+)", out)
-    assert len(lines) == 2, out[-3000:]
-    for bpb, bpt, loss, val_bpb, val_bpt in (map(float, line) for line in lines):
-        assert bpt == pytest.approx(float(loss) / np.log(2), rel=1e-3)
-        assert 0.2 < val_bpb / val_bpt < 0.6  # x tokens per byte: 1,024 pieces are 2-5 bytes
-    assert float(lines[1][2]) < float(lines[0][2])
-    assert re.search(r"done at step 20: val_bits_per_byte \d", out)
     # Generation reads and writes the run's own SentencePiece pieces.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "import ", "id": 7}\n\n"def "\n')
-    out = generate(workdir, f"--prompts_file={prompts}", "--seed=1").stdout
-    lines = [json.loads(line) for line in out.splitlines()]
+    generated = run_in_one_process("tpu_keras.generate", {
+        "prompt": [f"--workdir={workdir}", "--prompt=def ", "--max_length=40", "--seed=3", "--top_k=20"],
+        "file": [f"--workdir={workdir}", f"--prompts_file={prompts}", "--seed=1"]})
+    text = generated["prompt"].stdout
+    assert text.startswith("def ") and len(text) > len("def "), text
+    lines = [json.loads(line) for line in generated["file"].stdout.splitlines()]
     assert [(line["prompt"], line.get("id")) for line in lines] == [("import ", 7), ("def ", None)]
     assert all(line["text"].startswith(line["prompt"]) and len(line["text"]) > len(line["prompt"])
                for line in lines), lines
