@@ -71,8 +71,22 @@ def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis
     assert_same_losses(result, reference)
 
 
+@pytest.fixture(scope="module")
+def layouts():
+    """`python -m tpu_keras.layout` of lm_stdlib's gpt on the meshes below, in one process:
+    {"DATAxFSDPxMODEL": JSON report, "table": the 4x1x2 report as text}."""
+    meshes = [(4, 1, 2), *FSDP_MESHES]
+    calls = run_in_one_process("tpu_keras.layout", {
+        **{"x".join(map(str, m)): ["--config=configs/lm_stdlib.py", f"--config.mesh.data={m[0]}",
+                                   f"--config.mesh.fsdp={m[1]}", f"--config.mesh.model={m[2]}", "--json"]
+           for m in meshes},
+        "table": ["--config=configs/lm_stdlib.py", "--config.mesh.data=4", "--config.mesh.model=2"]})
+    assert all(call.returncode == 0 for call in calls.values()), {n: c.stderr[-2000:] for n, c in calls.items()}
+    return {name: call.stdout if name == "table" else json.loads(call.stdout) for name, call in calls.items()}
+
+
 @pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2"])
-def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, mesh):
+def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, layouts, mesh):
     reference, result = probe(1, 1), probe(*mesh)
     assert result["mesh"] == {"slices": 1, **dict(zip(("data", "fsdp", "model"), mesh))}
     assert_laid_out_as_placed(result)
@@ -88,23 +102,18 @@ def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, mesh):
     assert_same_losses(result, reference)
 
     # Device 0 holds, to the byte, what the layout tool reports.
-    data, fsdp, model = mesh
-    report = json.loads(run([sys.executable, "-m", "tpu_keras.layout", "--config=configs/lm_stdlib.py",
-                             f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}",
-                             f"--config.mesh.model={model}", "--json"], merge_stderr=False).stdout)
+    report = layouts["x".join(map(str, mesh))]
     assert report["totals"]["parameters"]["bytes_per_device"] == result["param_bytes_device0"]
     assert report["totals"]["optimizer"]["bytes_per_device"] == result["optimizer_bytes_device0"]
     notes = {w["path"]: w["note"] for w in report["weights"]}
     assert notes["block0_mlp_up/kernel"].startswith("fsdp on dimension"), notes
 
 
-def test_layout_tool_bytes_match_sharded_variables(probe):
-    command = [sys.executable, "-m", "tpu_keras.layout", "--config=configs/lm_stdlib.py",
-               "--config.mesh.data=4", "--config.mesh.model=2"]
-    table = run(command).stdout
+def test_layout_tool_bytes_match_sharded_variables(probe, layouts):
+    table = layouts["table"]
     assert re.search(r"^block0_mlp_up/kernel\s+128x512\s+P\(None, 'model'\)\s+128\.00 KiB$", table, re.M), table
     assert re.search(r"^parameters .* per device$", table, re.M), table
-    report = json.loads(run(command + ["--json"], merge_stderr=False).stdout)
+    report = layouts["4x1x2"]
 
     sharded = probe(4, 2)
     per_weight = {w["path"]: w["bytes_per_device"] for w in report["weights"]}
