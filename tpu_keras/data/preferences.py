@@ -91,10 +91,7 @@ def make_tokenizer(config) -> tokenizers.Tokenizer:
 def open_source(config, training: bool) -> sources.Source:
     """The train or eval pairs of the `data` section: one example per line. Opened once per
     process, since opening reads every line (a run opens each again at every resume)."""
-    key = (config.to_json_best_effort(sort_keys=True), training)
-    if key not in _OPENED:
-        _OPENED[key] = _open(config, training)
-    return _OPENED[key]
+    return sources.opened_once(_OPENED, _open, config, training)
 
 
 def _open(config, training: bool) -> sources.Source:

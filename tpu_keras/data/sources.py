@@ -85,6 +85,16 @@ def check_choice(config) -> None:
                         "and data.text_files (a text glob), not several")
 
 
+def opened_once(opened: dict, open_source, config, *args):
+    """`open_source(config, *args)`, kept in `opened` for the rest of the process, keyed by
+    the whole data section and the arguments: opening a text or pairs source reads every
+    line, and a run opens each several times (metrics, evaluation, every resume)."""
+    key = (config.to_json_best_effort(sort_keys=True), *args)
+    if key not in opened:
+        opened[key] = open_source(config, *args)
+    return opened[key]
+
+
 def open_source(config, training: bool) -> Source:
     """The train or eval source: `data.name` (TFDS, with its splits) or
     `data.files` / `data.eval_files` (TFRecord globs). Text is `text.open_source`'s."""

@@ -191,10 +191,7 @@ def open_source(config, training: bool, hosts: tuple[int, int] = (0, 1)) -> Pack
     tokens, once per corpus (`token_counts`); with `data.token_counts`
     empty, it counts them all.
     """
-    key = (config.to_json_best_effort(sort_keys=True), training, tuple(hosts))
-    if key not in _OPENED:
-        _OPENED[key] = _open(config, training, hosts)
-    return _OPENED[key]
+    return sources.opened_once(_OPENED, _open, config, training, tuple(hosts))
 
 
 def _open(config, training: bool, hosts) -> PackedSource:
