@@ -37,6 +37,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from tpu_keras import cli  # noqa: E402
 from tpu_keras import config as config_lib  # noqa: E402
+from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
 from tpu_keras.planning import memory_plan, tpu_compiler  # noqa: E402
 
 TPU = "v5litepod-8"
@@ -80,7 +81,7 @@ def accumulation_extra(config, results) -> dict:
         return {}
     footprint = memory_plan.Footprint(config)  # the model again, nothing allocated
     mesh = results["toolkit_accumulating"]["mesh"]
-    weights = footprint.layout(tuple(mesh[a] for a in ("data", "fsdp", "model")))["totals"]
+    weights = footprint.layout(tuple(mesh[axis] for axis in mesh_lib.AXES))["totals"]
     bf16 = footprint.precision == "mixed_bfloat16"
     copies = weights["parameters"]["bytes_per_device"] // 2 if bf16 else 0
     return {"bytes": toolkit - keras, "bf16_weight_copies_held_through_the_loop": copies,
