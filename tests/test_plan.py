@@ -6,17 +6,10 @@ XLA's own buffer assignment, and the planner's answers meet each other.
 """
 
 import json
-import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process
-
-
-def plan(*args, check=True):
-    result = run([sys.executable, "-m", "tpu_keras.plan", *args, "--json"], merge_stderr=False,
-                 check=check)
-    return json.loads(result.stdout) if check else result
+from conftest import assert_one_line_error, run_in_one_process
 
 
 # float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.planning.memory).
@@ -63,10 +56,32 @@ def plans():
         "gpt_one_more": GPT + [f"--config.train.batch_size={largest + 8}"]})}
 
 
-def test_auto_recommendation_matches_the_compiled_sharded_step():
+@pytest.fixture(scope="module")
+def measured():
+    """The four plans that XLA:CPU checks, on 8 fake devices, in one process: each call
+    after the first also shows that a plan leaves no mesh or dtype policy behind (the
+    third call's optimizer slots would otherwise be placed by the first call's mesh)."""
+    done = run_in_one_process("tpu_keras.plan", {
+        "auto": GPT + [FLOAT32, "--auto", "--measure", CPU, "--json"],
+        "three_axes": GPT + [FLOAT32, "--config.engine=jax", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+                             "--config.mesh.model=2", "--measure", CPU, "--json"],
+        "two_slices_bf16": ["--config=configs/lm_stdlib.py", "--tpu=2xv5litepod-4", "--config.engine=jax",
+                            "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.model=2",
+                            "--config.train.precision=mixed_bfloat16", "--measure", CPU, "--json"],
+        "pure_fsdp": GPT + [FLOAT32, "--config.engine=jax", "--config.mesh.data=1", "--config.mesh.fsdp=8",
+                            "--config.model.width=512", "--config.model.num_heads=8",
+                            "--config.model.context_length=512", "--config.data.name=stdlib_bytes/ctx512",
+                            "--config.train.batch_size=8", "--measure", CPU, "--json"],
+    }, timeout=600)
+    for name, result in done.items():
+        assert result.returncode == 0, (name, result.stderr[-2000:])
+    return {name: json.loads(result.stdout) for name, result in done.items()}
+
+
+def test_auto_recommendation_matches_the_compiled_sharded_step(measured):
     # --auto on 8 devices picks a layout; --measure compiles that layout's real training
     # step on 8 fake CPU devices and reads XLA's memory_analysis().
-    result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--auto", "--measure", CPU)
+    result = measured["auto"]
     best, measured = result["recommended"], result["measured"]
     assert best["fits"] and measured["devices"] == 8 and measured["backend"] == "cpu"
     assert abs(best["per_device"]["total"] / measured["total"] - 1) <= 0.15, (best, measured)
@@ -76,10 +91,9 @@ def test_auto_recommendation_matches_the_compiled_sharded_step():
     assert abs(sent / compiled - 1) <= 0.02, (best["sent_per_step"], measured["sent_per_step"])
 
 
-def test_plan_against_the_compiled_sharded_step_on_three_axes():
+def test_plan_against_the_compiled_sharded_step_on_three_axes(measured):
     # data, fsdp and model at once (fsdp alone and data alone: the tests around this one).
-    result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--config.engine=jax",
-                  "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.model=2", "--measure", CPU)
+    result = measured["three_axes"]
     measured = result["measured"]
     assert abs(result["per_device"]["total"] / measured["total"] - 1) <= 0.15, (result, measured)
     # The plan counts fsdp's all-gather twice (ZeRO-3) and a reduce-scatter where CPU XLA
@@ -88,13 +102,11 @@ def test_plan_against_the_compiled_sharded_step_on_three_axes():
     assert 0.75 <= sent <= 1.25, (result["sent_per_step"], measured["sent_per_step"])
 
 
-def test_two_slices_in_bf16_send_what_the_partitioned_step_sends():
+def test_two_slices_in_bf16_send_what_the_partitioned_step_sends(measured):
     # 2 slices of 4 fake devices (slices=2 x fsdp=2 x model=2), in mixed_bfloat16 as on a
     # TPU. XLA:CPU widens bf16 collectives to float32 (8.70 MiB where the partitioner's
     # program sends 4.66); --measure counts the partitioner's and says so.
-    result = plan("--config=configs/lm_stdlib.py", "--tpu=2xv5litepod-4", "--config.engine=jax",
-                  "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.model=2",
-                  "--config.train.precision=mixed_bfloat16", "--measure", CPU)
+    result = measured["two_slices_bf16"]
     measured, sent = result["measured"], result["sent_per_step"]
     assert result["slices"] == 2 and result["devices"] == 8 and measured["slices"] == 2
     assert abs(sent["total"] / measured["sent_per_step"]["total"] - 1) <= 0.15, (sent, measured)
@@ -121,13 +133,10 @@ def test_nothing_fits_exits_1(plans):
     assert result.returncode == 1 and "nothing fits" in result.stdout, result.stdout[-2000:]
 
 
-def test_pure_fsdp_gathers_weights_not_activations():
+def test_pure_fsdp_gathers_weights_not_activations(measured):
     # Without the layer outputs held to the batch split, XLA met this model's fsdp-split
     # weights by reshuffling activations: 3.3x the plan's memory, 3x its traffic.
-    result = plan("--config=configs/lm_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--config.engine=jax",
-                  "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.model.width=512",
-                  "--config.model.num_heads=8", "--config.model.context_length=512",
-                  "--config.data.name=stdlib_bytes/ctx512", "--config.train.batch_size=8", "--measure", CPU)
+    result = measured["pure_fsdp"]
     measured = result["measured"]
     assert abs(result["per_device"]["total"] / measured["total"] - 1) <= 0.15, (result, measured)
     sent = result["sent_per_step"]["total"] / measured["sent_per_step"]["total"]

@@ -8,9 +8,9 @@ which here ends the call instead of the process). Prints one line per call,
 `CALL {"name", "code", "stdout", "stderr"}`. One start of TensorFlow and JAX
 then serves many calls of a command that keeps no state between them (`plan`,
 `layout`, `generate`), or many mistakes of one that does (`train` refusing
-bad input): a call that trains, picks another engine, or fixes its devices
-(`--config.cluster.virtual_devices`, `plan --measure --compiler=cpu`) needs
-a process of its own.
+bad input). A call that trains or picks another engine needs a process of its
+own; calls that fix the device count (`--config.cluster.virtual_devices`,
+`plan --measure --compiler=cpu`) share one only where they all ask for the same.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do

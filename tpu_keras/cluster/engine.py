@@ -13,6 +13,7 @@ nothing (`cpu_only_jax`).
 """
 
 # Imported inside functions: Keras (the engine must be selected first: engine.select).
+import contextlib
 import importlib.util
 import os
 import sys
@@ -115,6 +116,24 @@ def tensorflow_started() -> bool:
     context = sys.modules.get("tensorflow.python.eager.context")
     handle = context.context_safe() if context else None
     return bool(getattr(handle, "_initialized", False))
+
+
+@contextlib.contextmanager
+def keras_settings_kept():
+    """Keras's process-wide dtype policy and `keras.distribution` as they were, after the block.
+
+    A plan builds models as a run would, which sets both; a notebook or a
+    second command in the same process must not inherit the planned slice's
+    mesh (an optimizer slot would then be placed by its own path, against
+    rules that name only the weights).
+    """
+    import keras
+    policy, distribution = keras.config.dtype_policy(), keras.distribution.distribution()
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(policy)
+        keras.distribution.set_distribution(distribution)
 
 
 def check_name(engine: str) -> None:

@@ -35,6 +35,7 @@ import os
 import tempfile
 
 from tpu_keras import cluster as cluster_lib
+from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
 from tpu_keras.training import setup
@@ -64,9 +65,10 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
     config.engine, config.cluster.virtual_devices = "jax", devices
     config.mesh = dict(mesh)
     config.train.steps_per_execution = 1
-    model = _built(config)
-    at_batch = _analysis(model, config, batch_per_replica, slices)
-    at_twice = _analysis(model, config, 2 * batch_per_replica, slices, collectives=False)
+    with engine.keras_settings_kept():
+        model = _built(config)
+        at_batch = _analysis(model, config, batch_per_replica, slices)
+        at_twice = _analysis(model, config, 2 * batch_per_replica, slices, collectives=False)
     return {**at_batch, "activations": at_twice["temporaries"] - at_batch["temporaries"],
             "backend": jax.default_backend(), "devices": devices, "slices": slices}
 

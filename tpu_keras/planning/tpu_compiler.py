@@ -46,7 +46,7 @@ import importlib.metadata
 import re
 import time
 
-from tpu_keras.cluster import libtpu, topology
+from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError, first_line
 from tpu_keras.parallelism import mesh as mesh_lib
@@ -89,12 +89,10 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
     holds the compiler's words.
     """
     import jax
-    import keras
     slices, found = topology.parse_tpu(tpu)
     chips = libtpu.devices(tpu)  # a one-line error where libtpu does not describe it
-    previous = keras.distribution.distribution(), keras.config.dtype_policy()
     started = time.perf_counter()
-    try:
+    with engine.keras_settings_kept():
         model, config, backend_mesh, routed = _built(config, found, slices, mesh, chips, step,
                                                      attention)
         state, batch = _abstract_step_inputs(model, config, backend_mesh, batch_per_replica)
@@ -120,9 +118,6 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
         result["seconds"] = {"build": round(built - started, 1),
                              "compile": round(time.perf_counter() - built, 1)}
         return result
-    finally:
-        keras.distribution.set_distribution(previous[0])
-        keras.config.set_dtype_policy(previous[1])
 
 
 def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",

@@ -87,10 +87,6 @@ def _registered(registry: dict, name: str, builder):
 def _restored():
     """The dtype policy and the `keras.distribution` as they were, after the block."""
     import keras
-    policy, distribution = keras.config.dtype_policy(), keras.distribution.distribution()
-    keras.distribution.set_distribution(None)  # the abstract builds place nothing
-    try:
+    with engine.keras_settings_kept():
+        keras.distribution.set_distribution(None)  # the abstract builds place nothing
         yield
-    finally:
-        keras.config.set_dtype_policy(policy)
-        keras.distribution.set_distribution(distribution)
