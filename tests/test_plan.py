@@ -12,10 +12,15 @@ import pytest
 from conftest import assert_one_line_error, run_in_one_process
 
 
-# float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.planning.memory).
+# float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.planning.compiled_step).
 FLOAT32 = "--config.train.precision=float32"
 # These check the plan against XLA:CPU on fake devices; the TPU compiler: test_tpu_compiler.py.
 CPU = "--compiler=cpu"
+# The plan counts the activations a TPU keeps. XLA:CPU fuses less: it also keeps what the TPU
+# compiler remakes in the backward pass (softmax's output beside its exponentials, a float32
+# copy beside its source). So the plan is under XLA:CPU's memory (0.6-0.85 of it here), never
+# above it by more than XLA's workspace would hide.
+UNDER_CPU = (0.55, 1.05)
 GPT = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
 BAD_INPUTS = {
     "unknown-slice": (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
@@ -84,8 +89,8 @@ def test_auto_recommendation_matches_the_compiled_sharded_step(measured):
     result = measured["auto"]
     best, measured = result["recommended"], result["measured"]
     assert best["fits"] and measured["devices"] == 8 and measured["backend"] == "cpu"
-    assert abs(best["per_device"]["total"] / measured["total"] - 1) <= 0.15, (best, measured)
-    assert abs(best["per_device"]["activations"] / measured["activations"] - 1) <= 0.25
+    assert UNDER_CPU[0] <= best["per_device"]["total"] / measured["total"] <= UNDER_CPU[1], (best, measured)
+    assert UNDER_CPU[0] <= best["per_device"]["activations"] / measured["activations"] <= UNDER_CPU[1]
     # Data parallel: the gradients' all-reduce is all the compiled step sends, to the byte's width.
     sent, compiled = best["sent_per_step"]["total"], measured["sent_per_step"]["total"]
     assert abs(sent / compiled - 1) <= 0.02, (best["sent_per_step"], measured["sent_per_step"])
@@ -95,7 +100,7 @@ def test_plan_against_the_compiled_sharded_step_on_three_axes(measured):
     # data, fsdp and model at once (fsdp alone and data alone: the tests around this one).
     result = measured["three_axes"]
     measured = result["measured"]
-    assert abs(result["per_device"]["total"] / measured["total"] - 1) <= 0.15, (result, measured)
+    assert UNDER_CPU[0] <= result["per_device"]["total"] / measured["total"] <= UNDER_CPU[1], (result, measured)
     # The plan counts fsdp's all-gather twice (ZeRO-3) and a reduce-scatter where CPU XLA
     # keeps the gathered weights and all-reduces: within 25% of what the program sends.
     sent = result["sent_per_step"]["total"] / measured["sent_per_step"]["total"]
@@ -135,10 +140,11 @@ def test_nothing_fits_exits_1(plans):
 
 def test_pure_fsdp_gathers_weights_not_activations(measured):
     # Without the layer outputs held to the batch split, XLA met this model's fsdp-split
-    # weights by reshuffling activations: 3.3x the plan's memory, 3x its traffic.
+    # weights by reshuffling activations: 3.3x the plan's memory (then counted as XLA:CPU
+    # keeps it), 3x its traffic.
     result = measured["pure_fsdp"]
     measured = result["measured"]
-    assert abs(result["per_device"]["total"] / measured["total"] - 1) <= 0.15, (result, measured)
+    assert UNDER_CPU[0] <= result["per_device"]["total"] / measured["total"] <= UNDER_CPU[1], (result, measured)
     sent = result["sent_per_step"]["total"] / measured["sent_per_step"]["total"]
     assert abs(sent - 1) <= 0.05, (result["sent_per_step"], measured["sent_per_step"])
 

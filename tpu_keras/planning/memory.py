@@ -1,22 +1,33 @@
 """Activation memory of a training step: what autodiff keeps for the backward pass.
 
 With rematerialisation off, every intermediate the backward pass needs (the
-"residuals" of the forward pass) is alive at once at the step's peak. Their
-total is the activation estimate: JAX traces the model's loss on abstract
-values and lists the residuals it would save, so the estimate is exact about
-shapes and dtypes (bf16 activations under mixed precision, attention's
-seq x seq scores) and allocates nothing. Weights that autodiff also keeps are
-left out: they are already counted as parameters.
+"residuals" of the forward pass) is alive at once at the step's peak. JAX
+traces the model's loss on abstract values and lists the residuals it would
+save, so the estimate is exact about shapes and dtypes (bf16 activations
+under mixed precision, attention's seq x seq scores) and allocates nothing.
+Not every residual is a buffer the compiler keeps; the estimate counts one
+that is, and leaves out:
 
-The check is XLA's own buffer assignment for the compiled sharded step
-(`tpu_keras.planning.compiled_step`, `python -m tpu_keras.plan --measure`): the
-part of its temporary memory that grows with the batch.
+- weights passed straight through: they are already counted as parameters;
+- a value listed twice (one tensor that several backward rules need);
+- constants, computed from no input (a causal mask from `iota`, an array of
+  -inf): the compiler makes them where they are used;
+- a residual that cheap elementwise work makes from another residual (a
+  float32 copy of a bf16 activation, softmax's normalised output from its
+  exponentials): the compiler fuses that work into the backward pass and
+  keeps the one it came from.
+
+The check is the compiled step's own buffer assignment (`python -m
+tpu_keras.plan --measure`: the TPU compiler, `planning.tpu_compiler`, or
+XLA:CPU, `planning.compiled_step`).
 """
+
+import math
 
 import jax
 
 from tpu_keras.planning import model_split as model_split_lib
-from tpu_keras.planning.jaxpr_walk import is_literal, nbytes
+from tpu_keras.planning.jaxpr_walk import Producers, is_literal, nbytes
 
 
 def abstract_inputs(model, batch: int):
@@ -54,27 +65,69 @@ def backward_trace(model, loss, batch: int):
 
 
 def residual_bytes(traced, model, model_split: dict | None = None, model_size: int = 1) -> int:
-    """Bytes of the residuals in `traced` (`backward_trace` of `model`), weights excluded.
+    """Bytes of the residuals in `traced` (`backward_trace` of `model`) that the compiler
+    keeps (the module's docstring says which those are).
 
-    Those that are an input passed straight through (the weights and state)
-    are not counted. With a `model` axis of `model_size` devices,
-    `model_split` maps a weight's path to the dimension split over it; a
-    residual that tensor parallelism splits (`planning.model_split`) then
-    counts once per shard.
+    With a `model` axis of `model_size` devices, `model_split` maps a weight's
+    path to the dimension split over it; a residual that tensor parallelism
+    splits (`planning.model_split`) then counts once per shard.
     """
     split = {}
     if model_size > 1 and model_split:
         variables = model.trainable_variables + model.non_trainable_variables
         dims = [model_split.get(v.path) for v in variables] + [None, None]
         split = model_split_lib.split_dims(traced.jaxpr, dims)
-    inputs = {id(v) for v in traced.jaxpr.invars}
-    total = 0.0
+    producers = Producers(traced.jaxpr)
+    kept = {}  # each residual once, by the value it is
     for v in traced.jaxpr.outvars:
-        if id(v) in inputs:
+        if is_literal(v):
             continue
-        is_split = not is_literal(v) and split.get(v) is not None
-        total += nbytes(v) / model_size if is_split else nbytes(v)
+        value = producers.resolve(v)
+        if value not in producers.inputs and not producers.is_constant(value):
+            kept.setdefault(value, v)
+    total = 0.0
+    for value, v in kept.items():
+        if _made_from_another(value, kept, producers):
+            continue
+        total += nbytes(v) / model_size if split.get(v) is not None else nbytes(v)
     return round(total)
+
+
+# Keep their one input's elements, in another shape or dtype.
+_MOVES = ("convert_element_type", "copy", "copy_p", "reduce_precision", "reshape", "transpose",
+          "squeeze", "expand_dims", "broadcast_in_dim")
+# Output shaped like an operand, but not elementwise: never fused away as cheap.
+_NOT_ELEMENTWISE = ("dot_general", "conv_general_dilated", "cumsum", "cumprod", "cummax", "cummin",
+                    "cumlogsumexp", "sort", "dynamic_update_slice", "scatter", "scatter-add",
+                    "scatter_add", "select_and_scatter_add", "pallas_call", "custom_call",
+                    "while", "scan", "cond", "reduce_window_sum", "reduce_window")
+
+
+def _made_from_another(value, kept, producers) -> bool:
+    """Whether cheap elementwise steps make `value` from another kept residual: each step
+    reads one operand of the output's size, anything else it reads being smaller (a
+    row's max or sum, a bias) or a constant."""
+    current = value
+    while True:
+        made = producers.made_by(current)
+        if made is None:
+            return False
+        name, operands = made
+        operands = [v for v in operands if not producers.is_constant(v)]
+        size = math.prod(current.aval.shape)
+        if name in _MOVES:
+            full = operands[:1]
+        elif name in _NOT_ELEMENTWISE:
+            return False
+        else:
+            full = [v for v in operands if producers.unbroadcast_size(v) == size]
+            if any(v.aval.shape != current.aval.shape for v in full):
+                return False
+        if len(full) != 1:
+            return False
+        current = full[0]
+        if current in kept:
+            return True
 
 
 def step_temp_bytes(model, loss, batch: int) -> int:

@@ -278,11 +278,15 @@ MEMORY_BOUND = 0.10  # the plan's memory is held to the compiler's peak within t
 # Why each of the plan's terms can part from the compiler's buffers, for the output.
 WHY = {
     "state": "the compiler's arguments also hold the batch and the metrics' state",
-    "temporaries_low": "the plan counts every tensor autodiff keeps for the backward pass, all "
-                       "alive at once, as JAX traces them; the compiler fuses elementwise work "
-                       "into the matmuls around it and recomputes it in the backward pass, "
-                       "frees what it kept as the gradients appear, and keeps small buffers "
-                       "in the chip's own memory (a fused attention kernel keeps no scores)",
+    "temporaries_low": "the plan counts each tensor autodiff keeps for the backward pass once, "
+                       "all alive at once (less constants and what cheap elementwise work "
+                       "remakes from another); the compiler also recomputes some of them in the "
+                       "backward pass, frees what it kept as the gradients appear, and keeps "
+                       "small buffers in the chip's own memory (a fused attention kernel keeps "
+                       "no scores)",
+    "temporaries_squeezed": "the compiler's peak is within {:.0%} of HBM: near its limit the TPU "
+                            "compiler recomputes activations in the backward pass until the step "
+                            "fits (a slower step), so its figure is what it squeezed into HBM",
     "temporaries_high": "the compiler's workspace (collective buffers, tiles padded to the "
                         "chip's layout) outweighs this model's activations at this batch",
     "program": "the compiled code, which the plan does not count",
@@ -300,8 +304,7 @@ def terms(p: dict, m: dict) -> dict:
                                         "compiler": m["arguments"], "why": WHY["state"]},
         "gradients and activations": {
             "plan": planned_temporaries, "compiler": m["temporaries"],
-            "why": WHY["temporaries_low" if m["temporaries"] < planned_temporaries
-                       else "temporaries_high"]},
+            "why": _why_temporaries(planned_temporaries, m)},
         "program": {"plan": 0, "compiler": m["program"], "why": WHY["program"]},
     }
     if abs(d["total"] / max(1, m["peak"]) - 1) > MEMORY_BOUND:
@@ -309,6 +312,19 @@ def terms(p: dict, m: dict) -> dict:
             (term for term in result),
             key=lambda term: abs(result[term]["plan"] - result[term]["compiler"]))
     return result
+
+
+# libtpu rematerialises where the step would pass 95% of HBM
+# (--xla_jf_rematerialization_percent_shared_memory_limit, libtpu 0.0.42).
+SQUEEZED = 0.9
+
+
+def _why_temporaries(planned: int, m: dict) -> str:
+    if m["temporaries"] >= planned:
+        return WHY["temporaries_high"]
+    if m["peak"] >= SQUEEZED * m["hbm_bytes_per_device"]:
+        return WHY["temporaries_squeezed"].format(1 - SQUEEZED)
+    return WHY["temporaries_low"]
 
 
 SENT_BOUND = 0.15  # the plan's bytes sent are held to the compiled collectives' within this share
