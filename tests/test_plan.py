@@ -51,6 +51,11 @@ def plans():
                      "--config.model.lora_rank=0", "--json"],
         "sft_same_model": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8",
                            "--config.data.preferences=False", "--json"],
+        # keras-hub's Llama at 512 tokens: on the jax engine a TPU run takes the fused kernel.
+        "llama_512_jax": ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", "--config.engine=jax",
+                          "--config.model.context_length=512", "--json"],
+        "llama_512_tf": ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", "--config.engine=tf",
+                         "--config.model.context_length=512", "--json"],
         "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
                          "--config.model.depth=1", "--auto"],
         **{f"bad:{name}": ["--config=configs/lm_stdlib.py", *args] for name, (args, _) in BAD_INPUTS.items()},
@@ -131,6 +136,17 @@ def test_auto_on_two_v5e_256_slices_puts_data_parallelism_across_them(plans):
     assert "recommended: slices=2 x data=" in text and "the least estimated communication time" in text
     assert "across the 2 slices" in text and "(DCN, " in text and "(ICI, " in text
     assert "--config.mesh.slices=2" in text
+
+
+def test_the_fused_attention_kernel_keeps_no_scores(plans):
+    # A jax run on the TPU routes keras-hub's Llama through splash attention
+    # (models.splash_attention), which keeps no scores; the plan traces that kernel. On the
+    # tf engine, XLA's attention keeps each layer's float32 softmax, and the plan counts it.
+    jax_plan, tf_plan = (json.loads(plans[name].stdout) for name in ("llama_512_jax", "llama_512_tf"))
+    layers, heads, length, rows = 2, 4, 512, jax_plan["per_replica_batch"]
+    scores = layers * rows * heads * length * length * 4
+    saved = tf_plan["per_device"]["activations"] - jax_plan["per_device"]["activations"]
+    assert scores <= saved <= 1.1 * scores, (saved, scores)
 
 
 def test_nothing_fits_exits_1(plans):

@@ -53,17 +53,21 @@ def route(model, cluster) -> int:
     return install(model) if platform == "tpu" else 0
 
 
-def install(model, interpret: bool = False, shortest: int = SHORTEST) -> int:
+def install(model, interpret: bool = False, shortest: int = SHORTEST,
+            one_device: bool = False) -> int:
     """Routes the attention of `model`'s layers of a known family through the kernel, for
     sequences of at least `shortest` tokens; returns how many layers it routed.
     `interpret` runs the kernel in Pallas's interpreter, on any device (the tests' way to
-    check its numbers on a CPU)."""
+    check its numbers on a CPU). `one_device`: the kernel on the whole batch, with no
+    distribution, as one device runs it on its rows; the memory plan traces that (the
+    trace is never compiled) to count what the kernel keeps for the backward pass."""
     routed = 0
     for layer in model._flatten_layers(include_self=False):
         if type(layer).__name__ in FAMILIES and "_compute_attention" not in vars(layer):
             # An instance attribute: keras-hub's method stays the fallback.
             object.__setattr__(layer, "_compute_attention", functools.partial(
-                _attention, layer._compute_attention, interpret=interpret, shortest=shortest))
+                _attention, layer._compute_attention, interpret=interpret, shortest=shortest,
+                one_device=one_device))
             routed += 1
     return routed
 
@@ -77,19 +81,21 @@ def covers(query_shape, key_shape, shortest: int = SHORTEST) -> bool:
 
 
 def _attention(keras_hub_attention, query, key, value, attention_mask=None, *, interpret,
-               shortest):
+               shortest, one_device=False):
     distribution = keras.distribution.distribution()
-    if distribution is None or not covers(query.shape, key.shape, shortest):
+    if (distribution is None and not one_device) or not covers(query.shape, key.shape, shortest):
         return keras_hub_attention(query, key, value, attention_mask)
     layer = keras_hub_attention.__self__
-    mesh = distribution.device_mesh.backend_mesh
-    heads = "model" if query.shape[2] % mesh.shape["model"] == 0 else None
-    rows = PartitionSpec(BATCH_AXES, None, heads, None)
     # keras-hub's mask is min(key padding, causal): its last row is the key padding.
     segments = (jnp.ones(query.shape[:2], jnp.int32) if attention_mask is None
                 else attention_mask[:, -1, :].astype(jnp.int32))
     query = query * jnp.asarray(layer._inv_norm_factor, query.dtype)  # the kernel does not scale
     kernel = functools.partial(_local, interpret=interpret)
+    if one_device:
+        return kernel(query, key, value, segments)
+    mesh = distribution.device_mesh.backend_mesh
+    heads = "model" if query.shape[2] % mesh.shape["model"] == 0 else None
+    rows = PartitionSpec(BATCH_AXES, None, heads, None)
     return jax.shard_map(kernel, mesh=mesh, in_specs=(rows, rows, rows, PartitionSpec(BATCH_AXES)),
                          out_specs=rows, check_vma=False)(query, key, value, segments)
 

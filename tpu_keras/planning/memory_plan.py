@@ -78,11 +78,17 @@ class Footprint:
 
     @functools.lru_cache(maxsize=None)
     def _model_with(self, remat: str):
-        """The model built under `remat` (Keras fixes remat when a layer is made), no memory behind it."""
+        """The model built under `remat` (Keras fixes remat when a layer is made), no memory
+        behind it. On the jax engine its attention is the TPU's fused kernel where a run on
+        the slice routes it there (`models.splash_attention`), which keeps no scores."""
         import keras
         from tpu_keras import models
+        from tpu_keras.models import splash_attention
         with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
-            return self.builder.make(**self.kwargs)
+            model = self.builder.make(**self.kwargs)
+        if self.config.engine == "jax":
+            splash_attention.install(model, one_device=True)
+        return model
 
     @functools.lru_cache(maxsize=None)
     def _backward(self, remat: str, batch: int):

@@ -282,8 +282,7 @@ WHY = {
                        "all alive at once (less constants and what cheap elementwise work "
                        "remakes from another); the compiler also recomputes some of them in the "
                        "backward pass, frees what it kept as the gradients appear, and keeps "
-                       "small buffers in the chip's own memory (a fused attention kernel keeps "
-                       "no scores)",
+                       "small buffers in the chip's own memory",
     "temporaries_squeezed": "the compiler's peak is within {:.0%} of HBM: near its limit the TPU "
                             "compiler recomputes activations in the backward pass until the step "
                             "fits (a slower step), so its figure is what it squeezed into HBM",
