@@ -11,7 +11,7 @@ a network. The data are read with the checkpoint's own tokenizer
 a transformers folder and, for LoRA, lora.weights.h5 and a PEFT adapter (docs/fine_tuning.md).
 
 Variants: '' (LoRA rank 16, tensor parallel over 8 chips: an 8B Llama 3 on a
-v5e-8 at 512 tokens and a batch of 2; `plan` allows up to 8) and 'full' (every
+v5e-8 at 512 tokens and a batch of 2; `plan` allows up to 7) and 'full' (every
 weight trains, split over fsdp as well: a larger slice for 8B).
 """
 

@@ -6,10 +6,11 @@ XLA's own buffer assignment, and the planner's answers meet each other.
 """
 
 import json
+import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run_in_one_process
+from conftest import assert_one_line_error, run, run_in_one_process
 
 
 # float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.planning.compiled_step).
@@ -142,11 +143,34 @@ def test_the_fused_attention_kernel_keeps_no_scores(plans):
     # A jax run on the TPU routes keras-hub's Llama through splash attention
     # (models.splash_attention), which keeps no scores; the plan traces that kernel. On the
     # tf engine, XLA's attention keeps each layer's float32 softmax, and the plan counts it.
+    # The kernel keeps a few small tensors of its own (a row's statistics), hence the 1%.
     jax_plan, tf_plan = (json.loads(plans[name].stdout) for name in ("llama_512_jax", "llama_512_tf"))
     layers, heads, length, rows = 2, 4, 512, jax_plan["per_replica_batch"]
     scores = layers * rows * heads * length * length * 4
     saved = tf_plan["per_device"]["activations"] - jax_plan["per_device"]["activations"]
-    assert scores <= saved <= 1.1 * scores, (saved, scores)
+    assert 0.99 * scores <= saved <= 1.1 * scores, (saved, scores)
+
+
+SHARED_PROGRAM = """
+from tpu_keras.cluster import engine
+engine.select("jax")
+import jax, jax.numpy as jnp
+from tpu_keras.planning import memory
+layer = jax.jit(lambda x: jnp.sin(x) * x)  # one traced program, whichever call runs it
+def residuals(f):
+    return memory.residual_bytes(jax.make_jaxpr(lambda x: jax.vjp(f, x)[1])(jnp.ones((256, 256))), None)
+print(residuals(lambda x: layer(x).sum()), residuals(lambda x: layer(layer(x)).sum()))
+"""
+
+
+def test_each_call_of_a_shared_program_keeps_its_own_residuals():
+    # JAX traces a jitted function once per shape and shares that program among its calls
+    # (every layer's activation). Each call's residuals are its own tensors: one call keeps
+    # sin(x) and cos(x); two keep those, and the first call's output, from which the second
+    # call's sine and cosine are cheap to remake.
+    one, two = map(int, run([sys.executable, "-c", SHARED_PROGRAM], merge_stderr=False).stdout.split())
+    tensor = 256 * 256 * 4
+    assert (one, two) == (2 * tensor, 3 * tensor)
 
 
 def test_nothing_fits_exits_1(plans):

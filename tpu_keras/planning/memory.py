@@ -27,7 +27,7 @@ import math
 import jax
 
 from tpu_keras.planning import model_split as model_split_lib
-from tpu_keras.planning.jaxpr_walk import Producers, is_literal, nbytes
+from tpu_keras.planning.jaxpr_walk import Producers, aval, is_literal, nbytes
 
 
 def abstract_inputs(model, batch: int):
@@ -82,7 +82,7 @@ def residual_bytes(traced, model, model_split: dict | None = None, model_size: i
     for v in traced.jaxpr.outvars:
         if is_literal(v):
             continue
-        value = producers.resolve(v)
+        value = producers.value(v)
         if value not in producers.inputs and not producers.is_constant(value):
             kept.setdefault(value, v)
     total = 0.0
@@ -114,14 +114,14 @@ def _made_from_another(value, kept, producers) -> bool:
             return False
         name, operands = made
         operands = [v for v in operands if not producers.is_constant(v)]
-        size = math.prod(current.aval.shape)
+        shape = aval(current).shape
         if name in _MOVES:
             full = operands[:1]
         elif name in _NOT_ELEMENTWISE:
             return False
         else:
-            full = [v for v in operands if producers.unbroadcast_size(v) == size]
-            if any(v.aval.shape != current.aval.shape for v in full):
+            full = [v for v in operands if producers.unbroadcast_size(v) == math.prod(shape)]
+            if any(aval(v).shape != shape for v in full):
                 return False
         if len(full) != 1:
             return False
