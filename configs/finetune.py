@@ -10,9 +10,11 @@ a network. The data are read with the checkpoint's own tokenizer
 (`data.tokenizer='preset'`). At the end DIR/export/ holds a keras-hub preset,
 a transformers folder and, for LoRA, lora.weights.h5 and a PEFT adapter (docs/fine_tuning.md).
 
-Variants: '' (LoRA rank 16, tensor parallel over 8 chips: an 8B Llama 3 on a
-v5e-8 at 512 tokens and a batch of 2; `plan` allows up to 7) and 'full' (every
-weight trains, split over fsdp as well: a larger slice for 8B).
+Variants: '' (LoRA as PEFT defines it, rank 16 and alpha 32 on q_proj and
+v_proj, tensor parallel over 8 chips: an 8B Llama 3 on a v5e-8 at 512 tokens
+and a batch of 2; `plan` allows up to 7; `--config.model.lora_targets=all-linear`
+adapts every projection) and 'full' (every weight trains, split over fsdp as
+well: a larger slice for 8B).
 """
 
 from tpu_keras.config import defaults
@@ -21,8 +23,8 @@ from tpu_keras.config import defaults
 def get_config(arg=None):
     config = defaults()
     config.engine = "jax"
-    config.model = dict(name="keras_hub:Llama3CausalLM", preset="", lora_rank=16,
-                        context_length=512)
+    config.model = dict(name="keras_hub:Llama3CausalLM", preset="", lora_rank=16, lora_alpha=32,
+                        lora_targets="q_proj,v_proj", context_length=512)
     config.data.update(text_files="", text_field="text", tokenizer="preset")
     config.mesh = dict(data=1, fsdp=1, model=8)
     config.train.update(batch_size=2, steps=1000, learning_rate=2e-4, warmup_steps=50,

@@ -183,6 +183,18 @@ CASES = [
                            "--config.model.vocab_size=200", DATA],
                  ["has 256 tokens but the model's embedding has 200", "vocab_size) to 256"],
                  id="vocabulary-does-not-match-the-model"),
+    # LoRA.
+    pytest.param(LLAMA_TINY, ["--config.model.lora_rank=4", "--config.model.lora_targets=q_proj,qkv_proj"],
+                 ["model.lora_targets has 'qkv_proj', which is not a projection of the llama family",
+                  "choose from q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or 'all-linear'"],
+                 id="lora-target-unknown-to-the-family"),
+    pytest.param(LLAMA_TINY, ["--config.model.lora_rank=4", "--config.model.lora_alpha=0"],
+                 ["model.lora_alpha=0 must be a number above 0", "PEFT's default is 8"],
+                 id="lora-alpha-not-positive"),
+    pytest.param(LM_TINY, ["--config.model.lora_rank=4", "--config.model.lora_targets=gate_proj"],
+                 ["model.lora_targets has 'gate_proj', which is not a projection of the gpt family",
+                  "choose from q_proj, k_proj, v_proj, o_proj, up_proj, down_proj"],
+                 id="lora-target-the-gpt-lacks"),
     # Presets.
     pytest.param(LLAMA_TINY, ["--config.model.preset={inputs}/no-such-preset"],
                  ["model.preset=", "no-such-preset' does not exist", "save_pretrained wrote"],

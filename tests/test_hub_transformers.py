@@ -5,6 +5,7 @@ checkpoint, for an adapter), and the exported config.json is the checkpoint's; a
 one-line errors of presets keras-hub cannot read."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ import hf_checkpoints
 TOLERANCE = 1e-5  # keras-hub against keras-hub, the same operations
 TRANSFORMERS = 1e-4  # the toolkit against transformers' own PyTorch model, float32
 CHECKPOINTS = tuple(hf_checkpoints.CHECKPOINTS)  # llama, llama31, ..., gemma, mistral
-TRAINED_TF = ("llama:full", "qwen2:lora")
+TRAINED_TF = ("llama:full", "qwen2:lora_all")
 # On the mesh, the LoRA run whose PEFT adapter transformers reads (the full fine-tune's export
 # and Qwen's LoRA are the tf runs'; Qwen's full fine-tune ran here too, at 14 s of the suite).
 TRAINED_JAX = ("llama:lora",)
@@ -39,17 +40,20 @@ def probe(engine, out, data_dir, mesh, runs, checkpoints=CHECKPOINTS, env=None):
 @pytest.fixture(scope="module")
 def tf_runs(tmp_path_factory, data_dir):
     """Every checkpoint on the tf engine: the first step's logits, an export of each, a full
-    fine-tune of Llama and a LoRA one of Qwen with their exports reloaded (the jax test
-    below adds Llama's LoRA, on a mesh). transformers and PyTorch are the `test` extra's."""
+    fine-tune of Llama and a LoRA one of Qwen on every projection with their exports
+    reloaded (the jax test below adds Llama's LoRA on the query and value, on a mesh).
+    transformers, PyTorch and PEFT are the `test` extra's."""
     return probe("tf", tmp_path_factory.mktemp("hf_tf"), data_dir, "1,1,1",
                  TRAINED_TF + tuple(f"{name}:export" for name in EXPORTED_TF) + (f"{THETA}:theta",))
 
 
-# LoRA rank 4 on the 4 query heads of the checkpoints: Keras's A factor is per head (module docs
-# of tpu_keras/models/peft_format.py), so PEFT's r is 16, and alpha 16 keeps Keras's scaling 1.
-PEFT_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 16, "lora_alpha": 16,
-               "target_modules": ["q_proj", "v_proj"], "bias": "none", "lora_dropout": 0.0,
-               "fan_in_fan_out": False, "inference_mode": True}
+# LoRA rank 4 (alpha: PEFT's default, 8) on the query and value ('lora') or on every
+# projection with rsLoRA's scaling ('lora_all'): the adapter is PEFT's of the same r, alpha,
+# scaling and targets.
+PEFT_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+               "use_rslora": False, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+               "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True}
+EVERY_PROJECTION = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
 def assert_reloads(checks, variant):
@@ -58,9 +62,21 @@ def assert_reloads(checks, variant):
         assert checks[reload] <= TOLERANCE, (variant, reload, checks)  # ... and they came back
     assert checks["torch"] <= TRANSFORMERS, checks  # transformers itself reads them
     assert checks["config"] == {}, checks  # the checkpoint's config.json, key for key
-    if variant == "lora":  # PEFT's PeftModel: the adapter on the checkpoint the run started from
-        assert checks["peft_base_is_the_checkpoint"] and checks["peft_config"] == PEFT_CONFIG, checks
+    if variant.startswith("lora"):  # PEFT's PeftModel: the adapter on the run's checkpoint
+        targets = PEFT_CONFIG["target_modules"] if variant == "lora" else EVERY_PROJECTION
+        assert checks["peft_base_is_the_checkpoint"], checks
+        assert checks["peft_config"] == {**PEFT_CONFIG, "target_modules": targets,
+                                         "use_rslora": variant == "lora_all"}, checks
         assert checks["peft"] <= TRANSFORMERS, checks
+        # The trainable count is PEFT's get_peft_model's, for either choice of targets.
+        for which, (toolkit, peft) in checks["trainable"].items():
+            assert toolkit == peft, (which, checks["trainable"])
+        # keras-hub's LoRA file: written where its loader adapts what trained, else one line.
+        if variant == "lora":
+            assert checks["lora_refused"] == [], checks
+        else:
+            assert len(checks["lora_refused"]) == 1 and "adapts the query and value projections alone" in \
+                checks["lora_refused"][0] and "k_proj" in checks["lora_refused"][0], checks
         # From a keras-hub preset: the base is written beside the adapter, and is LoRA's base.
         assert checks["peft_problems"] == [] and checks["peft_written_base"] == "peft_base", checks
         assert checks["peft_on_written_base"] <= TRANSFORMERS, checks
@@ -70,6 +86,8 @@ def assert_reloads(checks, variant):
 def test_every_family_starts_from_transformers_logits_on_tf(tf_runs):
     for name in CHECKPOINTS:  # Llama 3's rms_norm_eps 1e-5, Llama 3.1's rope scaling, Mistral's head_dim
         assert tf_runs[name]["first_step"] <= TRANSFORMERS, (name, tf_runs[name])
+    # generate --preset=FOLDER builds it as a run does (rms_norm_eps 1e-5 kept: 3e-3 off without)
+    assert tf_runs["llama"]["generate_preset"] <= TRANSFORMERS, tf_runs["llama"]
 
 
 def test_every_export_reloads_on_tf(tf_runs):
@@ -81,7 +99,7 @@ def test_every_export_reloads_on_tf(tf_runs):
                 "transformers/config.json", "transformers/model.safetensors"} <= files, files
         assert ("lora.weights.h5" in files) == (variant == "lora"), files
         adapter = {"peft/adapter_config.json", "peft/adapter_model.safetensors"}
-        assert (adapter <= files) == (variant == "lora"), files
+        assert (adapter <= files) == variant.startswith("lora"), files
         assert "transformers/tokenizer.json" in files or "transformers/vocab.json" in files, files
 
 
@@ -101,14 +119,37 @@ def test_transformers_itself_reads_every_transformers_export_with_the_checkpoint
     assert theta["torch"] <= TRANSFORMERS and theta["toolkit"] <= TOLERANCE, theta
 
 
+FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
 def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,2,2", TRAINED_JAX, JAX_CHECKPOINTS,
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    result = probe("jax", tmp_path, data_dir, "1,2,2", TRAINED_JAX, JAX_CHECKPOINTS, env=FOUR_DEVICES)
     for name in JAX_CHECKPOINTS:  # Llama: fsdp 2 x model 2; Qwen, Gemma: fsdp 4
         assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
         assert result[name]["first_step"] <= TRANSFORMERS, (name, result[name])
     for name, variant in (entry.split(":") for entry in TRAINED_JAX):
         assert_reloads(result[name][variant], variant)
+    # The commands that read the run, on a host that shows them the run's 4 devices (a TPU
+    # VM host has 4 to 8): export and generate rebuild it on one of them, evaluate on its mesh.
+    workdir = tmp_path / "llama" / "lora"
+    (workdir / "export" / "peft" / "adapter_config.json").unlink()
+    exported = run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--formats=peft"],
+                   env=FOUR_DEVICES).stdout
+    assert "exported step 4 of keras_hub:Llama3CausalLM" in exported, exported[-2000:]
+    assert (workdir / "export" / "peft" / "adapter_config.json").exists()
+    generated = run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}", "--prompt=def ",
+                     "--max_length=12", "--temperature=0"], env=FOUR_DEVICES, merge_stderr=False).stdout
+    assert generated.startswith("def "), generated
+    evaluated = run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}"],
+                    env=FOUR_DEVICES).stdout
+    assert "does not fit these" not in evaluated  # the run's own mesh: no refitting
+    # On 2 devices the run's mesh of 4 is fitted to them (model 2 kept), to the same figures.
+    refitted = run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}"],
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}).stdout
+    assert "does not fit these 2 devices: using data=1 x model=2" in refitted, refitted[-2000:]
+    figures = [float(re.search(r"step 4 \|.* val_loss (\S+)", out).group(1))
+               for out in (evaluated, refitted)]
+    assert figures[0] == pytest.approx(figures[1], abs=1e-5), figures
 
 
 def assert_refused(result, *fragments):

@@ -52,18 +52,18 @@ def test_dpo_raises_reward_accuracy_resumes_exactly_after_a_kill_and_evaluates(d
             "--config.engine=jax", "--config.export.formats=('keras_hub',)")  # the cheapest export
     reference = train(DPO_TINY, tmp_path / "reference", *args).stdout
     assert "wrote a freshly initialised LlamaBackbone" in reference
-    # LoRA rank 8 on the query and value kernels of one block: the only trainable weights.
-    assert "77,152 parameters, 1,280 of them trainable (1.7%)" in reference, reference[-3000:]
+    # LoRA rank 8 on the query and value of one block, 8 x (32 + 32) each: all that trains.
+    assert "76,896 parameters, 1,024 of them trainable (1.3%)" in reference, reference[-3000:]
     accuracy = [float(a) for a in re.findall(r"\| val_reward_accuracy (\S+)", reference)]
     assert len(accuracy) == 2 and accuracy[-1] >= 0.8, reference[-3000:]
     for name in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
         assert re.search(rf"step 20/20 \|.* {name} -?\d", reference), name
 
-    # The optimizer holds two moments for the 1,280 LoRA values, and nothing for the base.
+    # The optimizer holds two moments for the 1,024 LoRA values, and nothing for the base.
     saved = weights(tmp_path / "reference", step=20)
     sizes = lambda group: sum(v.size for k, v in saved.items() if k.startswith(group) and v.ndim)
-    assert sizes("optimizer_by_path/") == 2 * 1280, sorted(saved)
-    assert sizes("model_by_path/") == 77_152, sorted(saved)  # the weights once: no reference copy
+    assert sizes("optimizer_by_path/") == 2 * 1024, sorted(saved)
+    assert sizes("model_by_path/") == 76_896, sorted(saved)  # the weights once: no reference copy
 
     command = [sys.executable, "-m", "tpu_keras.train", f"--config={DPO_TINY}",
                f"--workdir={tmp_path / 'killed'}", *args]

@@ -5,7 +5,10 @@ run's eval split, prints the metrics and writes them to
 `DIR/tensorboard/eval/` at that step; `--watch` follows a run that is
 still training, evaluating each new checkpoint once until its last step.
 The run's `config.json` says what to build; `--config.KEY=VALUE` changes
-it for this job, e.g. another cluster or mesh (`--config.mesh.model=2`).
+it for this job, e.g. another cluster or mesh (`--config.mesh.model=2`). On
+the jax engine a run's mesh that this job's devices do not fit is fitted to
+them (its model and fsdp axes as far as they divide, the rest on data), unless
+the command line sets the mesh.
 `tpu_keras.training.evaluation` does the work.
 """
 
@@ -40,14 +43,16 @@ def main(argv):
     cli.own_info_only()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     config = config_lib.read_run_config(_WORKDIR.value)
-    for key in _given_keys(sys.argv[1:]):
+    given = _given_keys(sys.argv[1:])
+    for key in given:
         *sections, name = key.split(".")
         source, target = _OVERRIDES.value, config
         for section in sections:
             source, target = source[section], target[section]
         target[name] = source[name]
     evaluation.evaluate(config, _WORKDIR.value, step=_STEP.value, watch=_WATCH.value,
-                        poll_seconds=_POLL.value)
+                        poll_seconds=_POLL.value,
+                        refit_mesh=not any(key.startswith("mesh.") for key in given))
     cli.exit_at_once(0)
 
 

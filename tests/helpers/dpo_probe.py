@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tpu_keras.data import preferences  # noqa: E402
-from tpu_keras.models import preference  # noqa: E402
+from tpu_keras.models import lora, preference  # noqa: E402
 
 model, resolved = run.model, run.config
 beta = resolved.train.dpo_beta
@@ -84,10 +84,10 @@ flat_tokens = tokens.reshape(-1, length)
 inputs, targets = flat_tokens[:, :-1], flat_tokens[:, 1:]
 untrained = model.evaluate(x, y, batch_size=8, return_dict=True, verbose=0)
 starting_logits = model.policy.predict(inputs, batch_size=16, verbose=0)
-adapters = preference.lora_layers(model.policy)
+adapters = lora.adapted_layers(model.policy)
 rng = np.random.default_rng(0)
 for layer in adapters:
-    for variable in (layer.lora_kernel_a, layer.lora_kernel_b):
+    for variable in (layer.lora_a, layer.lora_b):
         variable.assign(rng.normal(0, 1.0, variable.shape).astype("float32"))
 if full:
     for variable in model.policy.trainable_variables:
@@ -109,7 +109,7 @@ def summed_log_probs(logits):
 
 policy = summed_log_probs(model.policy.predict(inputs, batch_size=16, verbose=0))
 for layer in adapters:
-    layer.lora_kernel_b.assign(np.zeros(layer.lora_kernel_b.shape, "float32"))
+    layer.lora_b.assign(np.zeros(layer.lora_b.shape, "float32"))
 reference = summed_log_probs(starting_logits if full else
                              model.policy.predict(inputs, batch_size=16, verbose=0))
 chosen = beta * (policy[:, 0] - reference[:, 0])

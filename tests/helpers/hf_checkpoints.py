@@ -1,6 +1,7 @@
-"""Small transformers-format checkpoints, written as Hugging Face lays them out on disk.
+"""Small transformers-format checkpoints, written as Hugging Face lays them out on disk, and read back.
 
     write(folder, name)  # name: a key of CHECKPOINTS ('llama', 'llama31', 'qwen2', ...)
+    transformers_logits(folder, tokens, adapter=None)  # transformers' own model, PEFT's adapter on it
 
 config.json with `model_type`, model.safetensors (random float32 weights
 under transformers' own names, [out, in] projection matrices) and a
@@ -58,6 +59,19 @@ FAMILY = {
 }
 TEXT = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n",
         "for i in range(10):\n    print(i * i)\n", "class A:\n    pass\n"] * 4
+
+
+def transformers_logits(folder, tokens, adapter=None):
+    """The float32 logits of transformers' own model of `folder` for `tokens`, with the PEFT
+    adapter in the folder `adapter` read onto it (PEFT's `PeftModel`) where given."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if adapter:
+        import peft
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
 def write(folder, name: str, seed: int = 0) -> dict:

@@ -8,17 +8,24 @@ writes it, builds the toolkit's model from it (`model.preset`) on the mesh
 and compares its logits before any step with transformers' own
 `AutoModelForCausalLM`'s (float32).
 
+For `llama`, the model `python -m tpu_keras.generate --preset=FOLDER` samples
+from (`sampling.from_preset`) is compared with transformers' too.
+
 The runs: `NAME:export` exports that model (`transformers` format alone),
 compares the exported config.json with the checkpoint's, and reads the
 export with transformers and with the toolkit; `NAME:theta` does the same
 with `model.rope_max_wavelength` set over the checkpoint's; `NAME:lora`
-and `NAME:full` train through `tpu_keras.training.run.train` and reload
-each of DIR/export/'s formats (keras-hub from the preset, transformers and
-the toolkit from the transformers folder, the base checkpoint plus
-lora.weights.h5, PEFT's `PeftModel` of the base checkpoint plus
-DIR/export/peft; and the adapter as a run from a keras-hub preset writes
-it, on the base it then writes, DIR/export/peft_base). Reloads are read in
-host memory, with no distribution.
+(LoRA rank 4 on q_proj and v_proj), `NAME:lora_all` (on 'all-linear', with
+rsLoRA's scaling) and
+`NAME:full` train through `tpu_keras.training.run.train` and reload each of
+DIR/export/'s formats (keras-hub from the preset, transformers and the
+toolkit from the transformers folder, the base checkpoint plus
+lora.weights.h5 where keras-hub's loader can read it, PEFT's `PeftModel` of
+the base checkpoint plus DIR/export/peft; and the adapter as a run from a
+keras-hub preset writes it, on the base it then writes, DIR/export/peft_base).
+A LoRA run also counts its trainable parameters against PEFT's
+`get_peft_model` on the checkpoint, for q_proj,v_proj and for 'all-linear'.
+Reloads are read in host memory, with no distribution.
 Families without layout rules of the toolkit's (Qwen, Gemma) fold `model`
 into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
 differences and the config keys that differ, by checkpoint and check.
@@ -46,7 +53,8 @@ import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
-from tpu_keras.models import export, hub_layouts, hub_presets  # noqa: E402
+from tpu_keras.models import export, families, hub_presets  # noqa: E402
+from tpu_keras.tools import sampling  # noqa: E402
 from tpu_keras.training import run, setup  # noqa: E402
 
 import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
@@ -55,8 +63,8 @@ TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCaus
          "mistral": "MistralCausalLM"}
 # Keys of a config.json that describe its files rather than the model.
 FILE_KEYS = ("torch_dtype", "dtype", "transformers_version")
-PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "target_modules", "bias", "lora_dropout",
-             "fan_in_fan_out", "inference_mode")
+PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
+             "lora_dropout", "fan_in_fan_out", "inference_mode")
 tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
@@ -70,15 +78,7 @@ def gap(a, b):
 
 
 def transformers_logits(folder, adapter=None):
-    """transformers' own model of `folder`, with the PEFT adapter in the folder `adapter`."""
-    import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if adapter:
-        import peft
-        model = peft.PeftModel.from_pretrained(model, adapter)
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    return hf_checkpoints.transformers_logits(folder, tokens, adapter)
 
 
 def config_differences(folder, checkpoint):
@@ -92,21 +92,27 @@ def config_differences(folder, checkpoint):
             if key not in FILE_KEYS and exported.get(key) != value}
 
 
-def config_for(name, checkpoint, lora_rank=0, **backbone):
+# The LoRA runs' targets, in PEFT's names.
+LORA_TARGETS = {"lora": "q_proj,v_proj", "lora_all": "all-linear"}
+
+
+def config_for(name, checkpoint, lora_rank=0, lora_targets="", **backbone):
     family = hf_checkpoints.CHECKPOINTS[name][0]
     config = defaults()
     config.engine = engine_name
     config.data.update(name="stdlib_bytes/ctx64", preprocess="next_token", data_dir=data_dir)
     config.model = dict(name=f"keras_hub:{TASKS[family]}", preset=checkpoint, context_length=64,
                         **backbone)
-    if lora_rank:
-        config.model.lora_rank = lora_rank
+    if lora_rank:  # every projection with rsLoRA's scaling, lora_alpha / sqrt(r)
+        config.model.update(lora_rank=lora_rank, lora_targets=lora_targets,
+                            lora_rslora=lora_targets == LORA_TARGETS["lora_all"])
     data, fsdp, model = (int(n) for n in mesh.split(","))
-    if not hub_layouts._has_llama_paths(getattr(keras_hub.models, TASKS[family]).backbone_cls):
+    if families.of_backbone(getattr(keras_hub.models, TASKS[family]).backbone_cls).layout is None:
         fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model)
     config.layout.replicate_below = 256
-    config.export.formats = ("keras_hub", "transformers") + (("lora", "peft") if lora_rank else ())
+    keras_hub_file = ("lora",) if lora_targets == LORA_TARGETS["lora"] else ()  # its loader's q, v
+    config.export.formats = ("keras_hub", "transformers") + (("peft",) + keras_hub_file if lora_rank else ())
     config.train.update(batch_size=8, steps=4, warmup_steps=1, learning_rate=1e-2, eval_every=100,
                         eval_steps=1, steps_per_execution=2)
     config.checkpoint.every_steps = 4
@@ -133,6 +139,22 @@ def read_back(name, folder, lora=None):
         return task
 
 
+def peft_trainable(checkpoint, targets):
+    """PEFT's own count of trainable parameters: LoRA rank 4 on the checkpoint."""
+    import peft
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    targets = targets if targets == "all-linear" else targets.split(",")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    return lora.get_nb_trainable_parameters()[0]
+
+
+def toolkit_trainable(name, checkpoint, targets):
+    model = build(config_for(name, checkpoint, 4, targets))
+    return sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+
+
 def exported(model, config, folder, checkpoint, expected, name):
     """Exports `model` in the transformers format alone, and reads it back with transformers
     and with the toolkit."""
@@ -157,6 +179,9 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
              if engine_name == "jax" and not w.value.sharding.is_fully_replicated]
     result[name] = {"first_step": gap(first, transformers_logits(checkpoint)), "split_weights": len(split),
                     "whole": whole}
+    if name == "llama" and engine_name == "tf":  # generate --preset=FOLDER reads it as a run does
+        result[name]["generate_preset"] = gap(transformers_logits(checkpoint),
+                                              logits(sampling.from_preset(checkpoint).model))
     if f"{name}:export" in runs:
         result[name]["export"] = exported(toolkit, config, os.path.join(out, name, "export"), checkpoint,
                                           first, name)
@@ -167,11 +192,12 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
         expected = keras.ops.convert_to_numpy(changed(tokens))
         result[name]["theta"] = {"moved": gap(expected, first), **exported(
             changed, config, os.path.join(out, name, "theta"), checkpoint, expected, name)}
-    for variant, rank in (("lora", 4), ("full", 0)):
+    for variant, rank in (("lora", 4), ("lora_all", 4), ("full", 0)):
         if f"{name}:{variant}" not in runs:
             continue
         workdir = os.path.join(out, name, variant)
-        trained = run.train(config_for(name, checkpoint, rank), workdir).model
+        targets = LORA_TARGETS.get(variant, "")
+        trained = run.train(config_for(name, checkpoint, rank, targets), workdir).model
         expected = keras.ops.convert_to_numpy(trained(tokens))
         folder = os.path.join(workdir, "export")
         checks = {"moved": gap(expected, first),
@@ -183,8 +209,14 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
                   + [f"transformers/{n}" for n in sorted(os.listdir(f"{folder}/transformers"))]}
         checks["transformers"] = gap(expected, logits(read_back(name, f"{folder}/transformers")))
         if rank:
-            base = read_back(name, checkpoint, lora=f"{folder}/lora.weights.h5")
-            checks["base_plus_lora"] = gap(expected, logits(base))
+            checks["trainable"] = {which: [toolkit_trainable(name, checkpoint, other),
+                                           peft_trainable(checkpoint, other)]
+                                   for which, other in LORA_TARGETS.items()}
+            if variant == "lora":  # keras-hub's loader adapts the query and value alone
+                base = read_back(name, checkpoint, lora=f"{folder}/lora.weights.h5")
+                checks["base_plus_lora"] = gap(expected, logits(base))
+            checks["lora_refused"] = export.write(trained, config_for(name, checkpoint, rank, targets),
+                                                  os.path.join(workdir, "lora_file"), ("lora",))
             checks["files"] += [f"peft/{n}" for n in sorted(os.listdir(f"{folder}/peft"))]
             with open(f"{folder}/peft/adapter_config.json") as file:
                 adapter = json.load(file)
@@ -194,7 +226,7 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
             checks["peft_config"] = {key: adapter[key] for key in PEFT_KEYS}
             # From a keras-hub preset (the run's own export stands in for one), the base has no
             # transformers checkpoint: the export writes it, un-merged, and names it.
-            keras_hub_start = config_for(name, checkpoint, rank)
+            keras_hub_start = config_for(name, checkpoint, rank, targets)
             keras_hub_start.model.preset = f"{folder}/keras_hub"
             elsewhere = os.path.join(workdir, "from_keras_hub")
             checks["peft_problems"] = export.write(trained, keras_hub_start, elsewhere, ("peft",))

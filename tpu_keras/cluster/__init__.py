@@ -23,11 +23,13 @@ from tpu_keras.errors import UserError, closest
 __all__ = ["KINDS", "STRATEGIES", "Cluster", "connect"]
 
 
-def connect(config, *, engine: Optional[str] = None, mesh=None) -> Cluster:
+def connect(config, *, engine: Optional[str] = None, mesh=None, refit_mesh: int = 0) -> Cluster:
     """Connects to the hardware described by a `cluster` config section.
 
     `engine` ('tf' or 'jax') defaults to the backend Keras runs on; `mesh`
     is the `config.mesh` section (default: every device on the data axis).
+    `refit_mesh`: on jax, a global batch size: a mesh of fixed sizes these devices do not
+    fit is fitted to them and to that batch (a job that reads a run made elsewhere).
     """
     strategy = config.get("strategy", "auto")
     if strategy not in STRATEGIES:
@@ -37,7 +39,7 @@ def connect(config, *, engine: Optional[str] = None, mesh=None) -> Cluster:
     engine_lib.select(engine)  # a one-line error if Keras already runs another backend
     if engine == "jax":
         from tpu_keras.cluster import jax_engine
-        cluster = jax_engine.connect(config, mesh)
+        cluster = jax_engine.connect(config, mesh, refit_mesh)
     else:
         from tpu_keras.cluster import tf_engine
         cluster = tf_engine.connect(config, mesh)

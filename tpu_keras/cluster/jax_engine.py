@@ -8,8 +8,16 @@ mesh (slices, if more than one, on the outer part of `data`:
 trains data parallel).
 A run then replaces that with the distribution its model's layout rules
 give (`parallelism.distribution`).
+
+`cluster.strategy='one_device'` takes this process's first device alone,
+joining no other process: a command that restores a run on one host
+(`export`, `generate`) works on a host of any number of devices. Given
+`refit_mesh` (a global batch size), a mesh of fixed sizes that these devices
+do not fit is fitted to them and to that batch (`parallelism.mesh.refit`): an
+evaluation job on another host.
 """
 
+import math
 import os
 
 from absl import logging
@@ -28,16 +36,26 @@ COORDINATOR_ENV = "TPU_KERAS_COORDINATOR"
 NUM_HOSTS_ENV, HOST_INDEX_ENV = "TPU_KERAS_NUM_HOSTS", "TPU_KERAS_HOST_INDEX"
 
 
-def connect(config, mesh_config) -> Cluster:
+def connect(config, mesh_config, refit_mesh: int = 0) -> Cluster:
     """The jax cluster: this process's place among the run's, and every device on the mesh."""
-    _initialize_processes(config)
+    one_device = config.get("strategy", "auto") == "one_device"
+    if not one_device:
+        _initialize_processes(config)
     wanted = config.get("virtual_devices", 0) or int(os.environ.get(VIRTUAL_DEVICES_ENV, 0) or 0)
     if wanted > 1 and jax.local_device_count() != wanted and jax.default_backend() == "cpu":
         raise UserError(f"cluster.virtual_devices={wanted} on the jax engine must be set before JAX "
                         f"starts: call tpu_keras.cluster.engine.select('jax', {wanted}) before importing "
                         f"keras, or set XLA_FLAGS=--xla_force_host_platform_device_count={wanted}")
-    devices = jax.devices()
-    mesh = mesh_lib.resolve(mesh_config, len(devices), "jax")
+    devices = jax.local_devices()[:1] if one_device else jax.devices()
+    try:
+        mesh = mesh_lib.resolve(mesh_config, len(devices), "jax")
+    except UserError:
+        if not refit_mesh:
+            raise
+        mesh = mesh_lib.refit(mesh_config, len(devices), refit_mesh)
+        logging.warning("the mesh %s does not fit these %d devices: using %s", dict(mesh_config),
+                        len(devices), mesh_lib.describe(mesh))
+        devices = devices[:math.prod(mesh.values())]
     simulated = libtpu.simulated()  # `launch --tpu`: lay the mesh out as on that slice
     chips = libtpu.devices(simulated) if simulated and devices[0].platform != "tpu" else None
     grid = mesh_lib.device_grid(devices, mesh[mesh_lib.SLICES], *(mesh[a] for a in mesh_lib.AXES),

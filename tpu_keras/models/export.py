@@ -9,8 +9,9 @@
   for the families it knows: Llama 3, Gemma, Mistral, Qwen, GPT-2), tokenizer
   included;
 - `lora`: a LoRA run's factors alone, in keras-hub's `save_lora_weights`
-  format (DIR/export/lora.weights.h5); the two folders above hold the
-  factors merged into the weights (keras's own merge when a LoRA layer saves);
+  format (DIR/export/lora.weights.h5; `models/lora_file.py`), for a run that
+  adapted the query and value alone (what keras-hub's loader adapts); the two
+  folders above hold the factors merged into the weights;
 - `peft`: a LoRA run's factors as a PEFT adapter of the transformers model
   (DIR/export/peft/: `adapter_config.json`, `adapter_model.safetensors`;
   `models/peft_format.py`), for the families with a transformers exporter.
@@ -22,9 +23,12 @@
 
 The keras-hub formats are written from a host copy of the task: a fresh
 task of the same config built in host memory (no distribution, the CPU
-device), into which the run's weights are copied one variable at a time,
-each to the weight of the same path (`weight_paths`; a weight missing or
-shaped differently in the copy is a one-line error).
+device), without LoRA, into which the run's weights are copied one variable
+at a time, each to the weight of the same path (`weight_paths`; a weight
+missing or shaped differently in the copy is a one-line error), an adapted
+kernel with its LoRA update merged in (or left out, for PEFT's base).
+The transformers folder is keras-hub's exporter, as the backbone's family
+says (`models.families`: its exporter, its fix of keras-hub's).
 A sharded weight goes from its devices to host memory shard by shard
 (`numpy.asarray` of a jax array assembles the shards on the host), so no
 device holds more than it did in training. keras-hub's savers write local
@@ -50,12 +54,11 @@ import numpy as np
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line
-from tpu_keras.models import hub, hub_presets, peft_format, weight_paths
+from tpu_keras.models import families, hub, hub_presets, lora, lora_file, peft_format, weight_paths
 from tpu_keras.models.hub import KERAS_HUB
 from tpu_keras.models.hub_presets import complete_get_config
-from tpu_keras.models.peft_format import lora_layers
 
-LORA_FILE = "lora.weights.h5"
+LORA_FILE = lora_file.FILE
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -67,11 +70,14 @@ def formats(config, task=None) -> tuple[str, ...]:
     if not config.model.name.startswith(KERAS_HUB):
         return ("saved_model",)
     applies = ["saved_model", "keras_hub"]
-    if task is None or _has_transformers_exporter(task):
+    exporter = task is None or _has_transformers_exporter(task)
+    if exporter:
         applies.append("transformers")
-    if config.model.get("lora_rank"):
-        applies.append("lora")
-        if task is None or _has_transformers_exporter(task):
+    settings = _lora_settings(config, task)
+    if settings is not None:
+        if lora_file.refusal(settings) is None:
+            applies.append("lora")
+        if exporter:
             applies.append("peft")
     return tuple(applies)
 
@@ -92,12 +98,15 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
     if task is None:
         return [f"export.formats {hub_formats} are keras-hub formats, and {config.model.name!r} "
                 "is not a keras-hub task; export it as 'saved_model'"]
-    lora = bool(getattr(task.backbone, "_lora_enabled_layers", None))
+    adapted = lora.adapted_layers(task.backbone)
     for name in ("lora", "peft"):
-        if name in hub_formats and not lora:
+        if name in hub_formats and not adapted:
             problems.append(f"export format {name!r} needs a LoRA run (model.lora_rank), and "
                             f"{config.model.name!r} trained every weight; drop {name!r} from export.formats")
             hub_formats.remove(name)
+    if "lora" in hub_formats and (refusal := lora_file.refusal(adapted[0]._tpu_keras_lora.settings)):
+        problems.append(refusal)
+        hub_formats.remove("lora")
     exporter_less = [name for name in ("transformers", "peft") if name in hub_formats]
     if exporter_less and not _has_transformers_exporter(task):
         problems.append(f"keras-hub has no transformers exporter for {type(task.backbone).__name__} "
@@ -106,20 +115,17 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
         hub_formats = [name for name in hub_formats if name not in exporter_less]
     if not hub_formats:
         return problems
-    host = host_copy(task, config.model.get("preset", ""))
+    preset = config.model.get("preset", "")
+    host = host_copy(task, preset) if set(hub_formats) & {"keras_hub", "transformers"} else None
     with tempfile.TemporaryDirectory() as local:
         if "keras_hub" in hub_formats:
             host.save_to_preset(os.path.join(local, "keras_hub"))
         if "transformers" in hub_formats:
-            with _every_gemma_head():
-                host.export_to_transformers(os.path.join(local, "transformers"))
-            _complete_config(os.path.join(local, "transformers"), config.model.get("preset", ""),
-                             host.backbone, _backbone_overrides(config))
+            _write_transformers(host, os.path.join(local, "transformers"), preset, config)
         if "lora" in hub_formats:
-            host.backbone.save_lora_weights(os.path.join(local, "adapter.lora.h5"))
-            os.rename(os.path.join(local, "adapter.lora.h5"), os.path.join(local, LORA_FILE))
-        if "peft" in hub_formats:  # last: the base it writes zeroes the copy's LoRA deltas
-            problem = _write_peft(host, config, local, export_dir)
+            lora_file.write(task.backbone, os.path.join(local, LORA_FILE))
+        if "peft" in hub_formats:
+            problem = _write_peft(task, config, local, export_dir)
             if problem and "peft" in config.export.formats:
                 problems.append(problem)
             elif problem:  # the default's: a family whose layers have no PEFT modules
@@ -130,67 +136,46 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
     return problems
 
 
-@contextlib.contextmanager
-def _every_gemma_head():
-    """keras-hub 0.32's Gemma exporter writes the first key/value head alone
-    (`key_dense.weights[0][0]`: right for Gemma 2B's one, wrong for Gemma 7B's 16) and the
-    query and value kernels without their LoRA factors (`weights[0]`, where Llama's exporter
-    reads `.kernel`, which adds them). While the toolkit exports, k_proj, v_proj and q_proj
-    hold every head of `.kernel`."""
-    from keras_hub.src.utils.transformers.export import hf_exporter
-    original = hf_exporter.MODEL_EXPORTERS["GemmaBackbone"]
-
-    def weights_map(backbone, include_lm_head=False):
-        weights = original(backbone, include_lm_head=include_lm_head)
-        for i in range(backbone.num_layers):
-            attention = backbone.get_layer(f"decoder_block_{i}").attention
-            for name, dense in (("q_proj", attention.query_dense), ("k_proj", attention.key_dense),
-                                ("v_proj", attention.value_dense)):
-                kernel = ops.convert_to_numpy(dense.kernel)  # (heads, hidden, head_dim)
-                weights[f"model.layers.{i}.self_attn.{name}.weight"] = np.ascontiguousarray(
-                    np.transpose(kernel, (0, 2, 1)).reshape(-1, kernel.shape[1]))
-        return weights
-
-    hf_exporter.MODEL_EXPORTERS["GemmaBackbone"] = weights_map
-    try:
-        yield
-    finally:
-        hf_exporter.MODEL_EXPORTERS["GemmaBackbone"] = original
+def _lora_settings(config, task):
+    """The run's LoRA settings (None without LoRA): the task's, or read from the config."""
+    if task is not None:
+        adapted = lora.adapted_layers(task.backbone)
+        return adapted[0]._tpu_keras_lora.settings if adapted else None
+    if not config.model.get("lora_rank"):
+        return None
+    keras_hub = hub.import_keras_hub()
+    task_cls = hub._task_class(keras_hub, config.model.name[len(KERAS_HUB):])
+    return hub.lora_settings(task_cls.backbone_cls, dict(config.model))
 
 
-def _write_peft(host, config, local: str, export_dir: str):
-    """The PEFT adapter of the host copy's LoRA factors into `local`/peft (and, where the
-    run started from no transformers checkpoint, the base into `local`/peft_base); a line
+def _write_transformers(host, folder: str, preset: str, config) -> None:
+    """keras-hub's exporter of `host`'s family, the checkpoint's config.json kept."""
+    with families.transformers_exporter(type(host.backbone)):
+        host.export_to_transformers(folder)
+    _complete_config(folder, preset, host.backbone, _backbone_overrides(config))
+
+
+def _write_peft(task, config, local: str, export_dir: str):
+    """The PEFT adapter of the run's LoRA factors into `local`/peft (and, where the run
+    started from no transformers checkpoint, the base into `local`/peft_base); a line
     saying why not where its LoRA layers have no PEFT modules, else None."""
-    backbone = host.backbone
-    with _on_host():
-        try:
-            found = peft_format.modules(backbone, _weights_map)
-        except peft_format.Unsupported as reason:
-            return (f"export format 'peft': {reason} ({type(backbone).__name__}); "
-                    "the other formats were written")
-        preset = config.model.get("preset", "")
-        base = _peft_base(preset, backbone, _backbone_overrides(config))
-        write_base = base is None
-        if write_base:
-            base = os.path.join(export_dir, peft_format.BASE_FOLDER)
-            base = base if workdir.is_remote(base) else os.path.abspath(base)
-        peft_format.write(os.path.join(local, peft_format.FOLDER), found, base)
-        if write_base:  # un-merged: every LoRA B factor zero, so the merged kernels are the base's
-            peft_format.zero_deltas(backbone)
-            folder = os.path.join(local, peft_format.BASE_FOLDER)
-            with _every_gemma_head():
-                host.export_to_transformers(folder)
-            _complete_config(folder, preset, backbone, _backbone_overrides(config))
+    backbone = task.backbone
+    try:
+        found = peft_format.modules(backbone)
+    except peft_format.Unsupported as reason:
+        return (f"export format 'peft': {reason} ({type(backbone).__name__}); "
+                "the other formats were written")
+    preset = config.model.get("preset", "")
+    base = _peft_base(preset, backbone, _backbone_overrides(config))
+    write_base = base is None
+    if write_base:
+        base = os.path.join(export_dir, peft_format.BASE_FOLDER)
+        base = base if workdir.is_remote(base) else os.path.abspath(base)
+    peft_format.write(os.path.join(local, peft_format.FOLDER), found, base)
+    if write_base:  # un-merged: the base weights alone
+        _write_transformers(host_copy(task, preset, merged=False),
+                            os.path.join(local, peft_format.BASE_FOLDER), preset, config)
     return None
-
-
-def _weights_map(backbone):
-    """keras-hub's exporter's {transformers name: tensor} of `backbone`, as the transformers
-    export writes them (Gemma's every head)."""
-    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
-    with _every_gemma_head():
-        return MODEL_EXPORTERS[type(backbone).__name__](backbone)
 
 
 def _peft_base(preset: str, backbone, overrides: dict):
@@ -266,7 +251,6 @@ def _changed_keys(backbone, preset: str, overrides: dict) -> set:
     """The config keys that keras-hub's exporter writes otherwise for `backbone` than for the
     same backbone with the arguments in `overrides` set back to the checkpoint's: the keys the
     run changed. Every exporter reads the backbone's attributes, named as its arguments."""
-    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_CONFIGS
     _, arguments = hub_presets.describe(preset)
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(type(backbone).__init__).parameters.items()}
@@ -276,7 +260,7 @@ def _changed_keys(backbone, preset: str, overrides: dict) -> set:
         def __getattr__(self, name):
             return original[name] if name in original else getattr(backbone, name)
 
-    exporter_config = MODEL_CONFIGS[type(backbone).__name__]
+    exporter_config, _ = families.exporter(type(backbone))
     run, checkpoint = (json.loads(json.dumps(exporter_config(view), default=str))
                        for view in (backbone, AsCheckpoint()))
     return {key for key in run if run[key] != checkpoint.get(key)}
@@ -293,23 +277,22 @@ def find_task(model):
                  if isinstance(layer, keras_hub.models.Task)), None)
 
 
-def host_copy(task, preset: str = ""):
-    """The same task in host memory with `task`'s weights (LoRA factors kept, not merged),
-    and the preset's preprocessor when it has a tokenizer."""
+def host_copy(task, preset: str = "", merged: bool = True):
+    """The same task in host memory with `task`'s weights, and the preset's preprocessor when
+    it has a tokenizer. LoRA's factors are not in the copy: each adapted kernel holds its
+    update merged in (`merged`), or its base alone (PEFT's base model)."""
     backbone = task.backbone
     # Made without running initialisers (jax would compile a random initialiser for each
     # shape, most of an export's time): each variable is assigned the run's value.
     with _on_host(), keras.StatelessScope(initialize_variables=False):
         host_backbone = complete_get_config(type(backbone).from_config(
             complete_get_config(backbone).get_config()))
-        rank = getattr(backbone, "_lora_rank", 0)
-        if getattr(backbone, "_lora_enabled_layers", None):
-            host_backbone.enable_lora(rank)
-            _same_lora_alpha(backbone, host_backbone)
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)
-    sources, targets = weight_paths.weights(task), weight_paths.weights(host)
+    sources = {path: weight for path, weight in weight_paths.weights(task).items()
+               if not lora.is_factor(path)}
+    targets = weight_paths.weights(host)
     detail = weight_paths.mismatch({k: w.shape for k, w in sources.items()},
                                    {k: w.shape for k, w in targets.items()},
                                    there="the trained task", here="the copy")
@@ -317,10 +300,13 @@ def host_copy(task, preset: str = ""):
         raise UserError(f"the keras-hub formats are written from a copy of {type(task).__name__} "
                         f"that keras-hub rebuilds from its config, and it differs: {detail}; "
                         "export the SavedModel alone (export.formats=['saved_model'])")
+    updates = {id(layer._kernel): layer for layer in lora.adapted_layers(backbone)} if merged else {}
     with _on_host():
         for key, target in targets.items():  # by name: same-shaped weights cannot swap
             source = sources[key]
             value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
+            if id(source) in updates:
+                value = (value.astype("float32") + lora.delta(updates[id(source)])).astype(value.dtype)
             if target._value is None:  # made without its initialiser: the run's value is its first
                 target._initialize_with_initializer(lambda shape, dtype, value=value: value)
                 target._initializer = None
@@ -329,14 +315,6 @@ def host_copy(task, preset: str = ""):
         _initialize_the_rest()
     host.preprocessor = _preprocessor(type(task), preset)
     return host
-
-
-def _same_lora_alpha(backbone, copy):
-    """The copy's LoRA layers scale as the run's: keras-hub 0.32's `enable_lora(rank)` takes
-    no `lora_alpha` and leaves Keras's default (alpha = rank), which a layer enabled with
-    its own `enable_lora(rank, lora_alpha=...)` does not have."""
-    for source, target in zip(lora_layers(backbone), lora_layers(copy), strict=True):
-        target.lora_alpha = source.lora_alpha
 
 
 def _preprocessor(task_cls, preset: str):
@@ -381,10 +359,9 @@ def _on_host():
 
 
 def _has_transformers_exporter(task) -> bool:
-    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
     import keras_hub
     return (isinstance(task, keras_hub.models.CausalLM)
-            and type(task.backbone).__name__ in MODEL_EXPORTERS)
+            and families.exporter(type(task.backbone)) is not None)
 
 
 def copy(local: str, destination: str) -> None:

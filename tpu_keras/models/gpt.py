@@ -1,15 +1,29 @@
 """`gpt`: a decoder-only transformer language model (pre-norm, learned positions).
 
 Layers are named per block (`block0_attention`, `block0_mlp_up`, ...) so that
-weight paths are stable and readable for layout rules and checkpoints.
+weight paths are stable and readable for layout rules and checkpoints. Its
+projections take LoRA under PEFT's names (`LORA_TARGETS`, `models.lora`).
 """
 
 import keras
 from keras import layers
 
 from tpu_keras.parallelism import Rule, replicated
+from tpu_keras.models import lora
 from tpu_keras.models.metrics import bits_per_byte, token_mean_loss
 from tpu_keras.models.registry import register
+
+# PEFT's names for the gpt's projections (it has no gate): query, key and value kernels
+# (W, H, K) read W, the attention output (H, K, W) reads H x K, the MLP's are Dense.
+LORA_TARGETS = (
+    lora.Target("q_proj", "block{i}_attention/query"),
+    lora.Target("k_proj", "block{i}_attention/key"),
+    lora.Target("v_proj", "block{i}_attention/value"),
+    lora.Target("o_proj", "block{i}_attention/attention_output", inputs=(0, 1)),
+    lora.Target("up_proj", "block{i}_mlp_up"),
+    lora.Target("down_proj", "block{i}_mlp_down"),
+)
+LORA_DEFAULT = ("q_proj", "v_proj")  # PEFT's for GPT-style models too
 
 
 class PositionEmbedding(layers.Layer):
@@ -29,9 +43,11 @@ class PositionEmbedding(layers.Layer):
           metrics=lambda: [bits_per_byte()],
           headline="bits_per_byte",
           tokens_per_example=lambda kwargs: kwargs.get("context_length", 128),
-          layout=lambda kwargs: gpt_layout_rules())
+          layout=lambda kwargs: gpt_layout_rules() + lora.factor_rules(
+              gpt_layout_rules(), _adapted_targets(kwargs)))
 def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
-        mlp_ratio=4, dropout=0.0):
+        mlp_ratio=4, dropout=0.0, lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
+        lora_rslora=False):
     """A decoder-only transformer LM; returns logits (batch, context_length, vocab_size).
 
     Pre-norm blocks of causal multi-head attention and a GELU MLP, with
@@ -47,6 +63,8 @@ def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
         mlp_ratio: int, default 4. MLP hidden units per unit of width.
         dropout: float, default 0.0. Dropout rate on attention weights and on
             each block's residual branches.
+        lora_rank, lora_alpha, lora_targets, lora_rslora: LoRA as PEFT defines
+            it (`models.lora`) on `LORA_TARGETS`; rank 0: every weight trains.
     """
     tokens = keras.Input((context_length,), dtype="int32", name="tokens")
     x = layers.Embedding(vocab_size, width, name="token_embedding",
@@ -63,7 +81,21 @@ def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
         x = x + layers.Dropout(dropout)(h)
     x = layers.LayerNormalization(epsilon=1e-5, name="final_norm")(x)
     logits = layers.Dense(vocab_size, name="lm_head", dtype="float32")(x)
-    return keras.Model(tokens, logits, name="gpt")
+    model = keras.Model(tokens, logits, name="gpt")
+    settings = _lora_settings(dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                   lora_targets=lora_targets, lora_rslora=lora_rslora))
+    if settings is not None:
+        lora.attach(model, LORA_TARGETS, settings)
+    return model
+
+
+def _lora_settings(kwargs):
+    return lora.settings(kwargs, LORA_TARGETS, LORA_DEFAULT, "gpt")
+
+
+def _adapted_targets(kwargs) -> list:
+    settings = _lora_settings(kwargs)
+    return [t for t in LORA_TARGETS if settings and t.module in settings.modules]
 
 
 def gpt_layout_rules() -> list[Rule]:

@@ -18,15 +18,17 @@ The backbone is built in `train.precision`'s dtype policy, passed
 explicitly: `from_preset` replaces a preset's dtype with its `dtype`
 argument even when that is None.
 
-Layout: the toolkit's rules for the families it knows (`hub_layouts`),
-checked like any builder's; with `model.layout_map='keras_hub'`, the
-backbone's own `get_layout_map` instead, checked the same way (which is how
-its gaps show). `layout.extra_rules` adds to either.
+Layout: the rules of the backbone's family (`models.families`), checked
+like any builder's; for a family without rules of its own, or with
+`model.layout_map='keras_hub'`, the backbone's own `get_layout_map`, checked
+the same way (which is how its gaps show). `layout.extra_rules` adds to
+either.
 
-LoRA: `model.lora_rank=r` calls the backbone's `enable_lora(r)` once its
-weights are loaded, under the run's distribution: every other weight is
-frozen (the LoRA layers' biases too, which Keras would train), and the
-optimizer holds state for the LoRA factors alone.
+LoRA (`model.lora_rank`, `lora_alpha`, `lora_targets`, `lora_rslora`): PEFT's
+LoRA (`models.lora`) on the projections the family names, attached once the
+weights are loaded, under the run's distribution; every other weight is
+frozen, and the optimizer holds state for the factors alone. The factors are
+laid out along their kernels' axes.
 """
 
 # Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
@@ -43,15 +45,15 @@ import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import hub_layouts, hub_presets
+from tpu_keras.models import families, hub_presets, lora
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
 _TOOLKIT_KEYS = {
-    "causal_lm": ("preset", "lora_rank", "layout_map", "context_length"),
-    "image_classifier": ("preset", "lora_rank", "layout_map", "num_classes"),
+    "causal_lm": ("preset",) + lora.KEYS + ("layout_map", "context_length"),
+    "image_classifier": ("preset",) + lora.KEYS + ("layout_map", "num_classes"),
 }
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
 LAYOUT_MAPS = ("toolkit", "keras_hub")
@@ -67,6 +69,7 @@ def builder(task_name: str, kwargs: dict) -> Builder:
     backbone_cls = task_cls.backbone_cls
     own = set(inspect.signature(backbone_cls.__init__).parameters) - {"self", "kwargs", "dtype"}
     arguments = _TOOLKIT_KEYS[kind] + tuple(sorted(own))
+    lora_settings(backbone_cls, kwargs)  # a one-line error before anything is built
     if kind == "causal_lm":
         vocabulary = backbone_config(backbone_cls, kwargs).get("vocabulary_size")
         metric, headline = ((bits_per_byte, "bits_per_byte") if vocabulary == 256
@@ -80,7 +83,7 @@ def builder(task_name: str, kwargs: dict) -> Builder:
         loss=token_mean_loss,
         metrics=lambda: [metric()], headline=headline, tokens_per_example=tokens_per_example,
         layout=functools.partial(_layout, backbone_cls),
-        ties=lambda kw: hub_layouts.ties(backbone_cls), arguments=arguments)
+        ties=functools.partial(_ties, backbone_cls), arguments=arguments)
 
 
 def import_keras_hub():
@@ -114,13 +117,23 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
 
 
 def _backbone_kwargs(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k not in _ANY_TOOLKIT_KEY and k != "name"}
+    return {k: v for k, v in kwargs.items() if k not in _ANY_TOOLKIT_KEY and k not in ("name", "imports")}
+
+
+def lora_settings(backbone_cls, kwargs: dict):
+    """The run's `lora.Settings` for a backbone of this class (None without LoRA), checked
+    against its family's projections."""
+    family = families.of_backbone(backbone_cls)
+    return lora.settings(kwargs, family.lora_targets if family else (),
+                         family.lora_default if family else (),
+                         family.name if family else backbone_cls.__name__)
 
 
 def _task_class(keras_hub, task_name):
     tasks = {name: value for name, value in vars(keras_hub.models).items()
              if isinstance(value, type) and issubclass(value, keras_hub.models.Task)
              and getattr(value, "backbone_cls", None) is not None}
+    tasks.update(families.tasks())
     if task_name not in tasks:
         raise UserError(f"model.name='{KERAS_HUB}{task_name}' is not a keras-hub task"
                         f"{closest(task_name, tasks)}; use a class of keras_hub.models such as "
@@ -138,8 +151,9 @@ def _kind(keras_hub, task_cls) -> str:
                     "build other tasks in your own code and give them tpu_keras.distributed_steps")
 
 
-def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_length=128,
-          num_classes=10, **backbone_kwargs):
+def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
+          lora_rslora=False, layout_map="toolkit", context_length=128, num_classes=10,
+          **backbone_kwargs):
     """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits."""
     del layout_map  # the rules' business
     dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
@@ -163,9 +177,10 @@ def _make(task_cls, kind, preset="", lora_rank=0, layout_map="toolkit", context_
     else:
         _check_architecture_given(task_cls, backbone_cls, backbone_kwargs)
         backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
-    if lora_rank:
-        backbone.enable_lora(lora_rank)
-        _freeze_lora_biases(backbone)
+    adapted = lora_settings(backbone_cls, dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                               lora_targets=lora_targets, lora_rslora=lora_rslora))
+    if adapted:
+        lora.attach(backbone, families.of_backbone(backbone_cls).lora_targets, adapted)
     name = task_cls.__name__.lower()
     if kind == "causal_lm":
         task = task_cls(backbone=backbone, preprocessor=None, compile=False)
@@ -193,15 +208,6 @@ def _check_architecture_given(task_cls, backbone_cls, backbone_kwargs):
                         "model.preset to a checkpoint folder or handle, or give those")
 
 
-def _freeze_lora_biases(backbone):
-    """Keras leaves a LoRA layer's bias trainable (Qwen's query and value have one), and
-    keras-hub's LoRA file holds the factors alone: frozen, as PEFT's default leaves them,
-    the base weights plus that file are the whole fine-tuned model."""
-    for layer in backbone._flatten_layers(include_self=False):
-        if getattr(layer, "lora_enabled", False) and getattr(layer, "bias", None) is not None:
-            layer.bias.trainable = False
-
-
 def _check_runs(task, backbone_kwargs):
     """Traces the task on two tokens: keras-hub builds backbones from arguments that do not
     fit together (3 query heads over 2 key/value heads) and fails only when called with a
@@ -227,25 +233,39 @@ def _plain(line: str) -> str:
 
 
 def _layout(backbone_cls, kwargs):
+    """The family's rules (or keras-hub's map), and the rules of the LoRA factors it adapts."""
     config = backbone_config(backbone_cls, kwargs)
     choice = kwargs.get("layout_map", "toolkit")
     if choice not in LAYOUT_MAPS:
         raise UserError(f"model.layout_map={choice!r} is not one of {LAYOUT_MAPS}"
                         f"{closest(choice, LAYOUT_MAPS)}")
-    lora = bool(kwargs.get("lora_rank"))
-    if choice == "toolkit":
-        rules = hub_layouts.rules(backbone_cls, config, lora)
-        if rules is not None:
-            return rules
-    if "get_layout_map" not in dir(backbone_cls):
-        if choice == "keras_hub":
-            raise UserError(f"{backbone_cls.__name__} has no get_layout_map; drop "
-                            "model.layout_map='keras_hub', or give layout.rules")
+    family = families.of_backbone(backbone_cls)
+    if choice == "toolkit" and family is not None and family.layout is not None:
+        rules = family.layout(config)
+    elif "get_layout_map" in dir(backbone_cls):
+        # Keras only needs axis names from this mesh: one stand-in device builds on any backend.
+        mesh = keras.distribution.DeviceMesh((1, 1), ["data", "model"], np.array([["cpu:0"]]))
+        rules = rules_from_layout_map(backbone_cls.get_layout_map(
+            mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
+    elif choice == "keras_hub":
+        raise UserError(f"{backbone_cls.__name__} has no get_layout_map; drop "
+                        "model.layout_map='keras_hub', or give layout.rules")
+    else:
         return []  # replicated; on a mesh that splits weights, the Placer names what to cover
-    # Keras only needs axis names from this mesh: one stand-in device builds on any backend.
-    mesh = keras.distribution.DeviceMesh((1, 1), ["data", "model"], np.array([["cpu:0"]]))
-    return rules_from_layout_map(backbone_cls.get_layout_map(
-        mesh, model_parallel_dim_name="model", data_parallel_dim_name="data"))
+    return rules + lora.factor_rules(rules, _adapted_targets(backbone_cls, kwargs))
+
+
+def _ties(backbone_cls, kwargs) -> list:
+    family = families.of_backbone(backbone_cls)
+    ties = list(family.ties) if family is not None else []
+    return lora.factor_ties(ties, _adapted_targets(backbone_cls, kwargs))
+
+
+def _adapted_targets(backbone_cls, kwargs) -> list:
+    settings = lora_settings(backbone_cls, kwargs)
+    if settings is None:
+        return []
+    return [t for t in families.of_backbone(backbone_cls).lora_targets if t.module in settings.modules]
 
 
 def expand_preset(preset: str, workdir: str) -> str:

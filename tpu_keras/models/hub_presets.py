@@ -8,8 +8,9 @@ keras-hub's own preset loader tells the two apart, and its own converter
 the backbone's arguments: the layout rules, the metrics and `plan` see the
 same arguments the model is built with (`load_backbone`), and no second mapping
 exists. Where keras-hub 0.32's converter leaves out a key of the config that
-changes the model, the key is passed through here (`_DROPPED`), in the one
-place both the arguments and the built model come from.
+changes the model, the key is passed through here, as the checkpoint's
+family says (`models.families`), in the one place both the arguments and the
+built model come from.
 """
 
 # Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
@@ -23,6 +24,7 @@ import numpy as np
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line
+from tpu_keras.models import families
 
 # The weights of a transformers folder: one file, or an index of shards.
 _TRANSFORMERS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -59,57 +61,28 @@ def _converted(loader, backbone_cls) -> dict:
                         f"config.json ({what}); check the checkpoint's config.json") from None
 
 
-# keras-hub 0.32's converters (keras_hub.src.utils.transformers.convert_*) leave out these
-# keys of a transformers config.json, and the backbone then takes its own default: Llama 3's
-# rms_norm_eps of 1e-5 (every Llama 3 checkpoint's) became 1e-6, 3e-3 off transformers'
-# logits, and the transformers export then said 1e-06. {model_type: {key: backbone argument}}.
-_DROPPED = {
-    "llama": {"rms_norm_eps": "layer_norm_epsilon"},
-    "gemma": {"rms_norm_eps": "layer_norm_epsilon"},
-    "gemma2": {"rms_norm_eps": "layer_norm_epsilon"},
-}
-# Llama 3.1's rope scaling, as Llama3Backbone takes it. keras-hub 0.32 reads `rope_scaling`;
-# transformers 5's save_pretrained writes it as `rope_parameters` (rope_theta inside).
-_LLAMA3_ROPE = {"factor": "rope_frequency_adjustment_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor",
-                "original_max_position_embeddings": "rope_pretraining_sequence_length"}
-# Families whose keras-hub 0.32 converter reads no rope scaling at all.
-_NO_ROPE_SCALING = ("mistral", "qwen2", "qwen3", "gemma", "gemma2")
-
-
 @functools.lru_cache(maxsize=None)
 def passed_through(preset: str) -> dict:
     """The backbone arguments that a transformers folder's config sets and keras-hub's
-    converter leaves out ({} for a keras-hub preset); a one-line error for a config that
-    the backbone cannot express (a rope scaling or head size keras-hub's layers lack)."""
+    converter leaves out, as the checkpoint's family says (`models.families`: its
+    `converter_keys` and `read_config`; {} for a keras-hub preset); a one-line error for a
+    config that the backbone cannot express (a rope scaling or head size keras-hub's layers
+    lack)."""
     loader = _loader(preset)
     if getattr(loader, "converter", None) is None:
         return {}
-    source, model_type = loader.config, loader.config.get("model_type")
+    source = loader.config
+    family = families.of_model_type(source.get("model_type"))
+    if family is None:
+        return {}
     converted = _converted(loader, loader.check_backbone_class())
-    arguments = {argument: source[key] for key, argument in _DROPPED.get(model_type, {}).items()
+    arguments = {argument: source[key] for key, argument in family.converter_keys.items()
                  if key in source}
-    rope = source.get("rope_scaling") or source.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-
-    def refuse(what):
-        raise UserError(f"model.preset={preset!r}: {what}; keras-hub 0.32's "
-                        f"{loader.check_backbone_class().__name__} cannot build that model")
-
-    if model_type == "llama":
-        if rope_type == "llama3":
-            arguments.update({argument: rope[key] for key, argument in _LLAMA3_ROPE.items()})
-        elif rope_type != "default":
-            refuse(f"rope_type {rope_type!r} (Llama3Backbone has 'llama3', Llama 3.1's, alone)")
-        head_dim = source.get("head_dim")
-        if head_dim and head_dim != source["hidden_size"] // source["num_attention_heads"]:
-            refuse(f"head_dim {head_dim} is not hidden_size / num_attention_heads")
-    elif model_type in _NO_ROPE_SCALING and rope_type != "default":
-        refuse(f"rope_type {rope_type!r}, which its converter does not read")
-    if model_type in ("gemma", "gemma2"):  # Gemma's attention has rope_theta 10000, fixed
-        theta = source.get("rope_theta", (source.get("rope_parameters") or {}).get("rope_theta", 10000))
-        if theta != 10000:
-            refuse(f"rope_theta {theta:g} (Gemma's attention has 10000 and no argument to change it)")
+    try:
+        arguments.update(family.read_config(source) if family.read_config else {})
+    except families.Unreadable as reason:
+        raise UserError(f"model.preset={preset!r}: {reason}; keras-hub 0.32's "
+                        f"{loader.check_backbone_class().__name__} cannot build that model") from None
     return {argument: value for argument, value in arguments.items() if argument not in converted}
 
 

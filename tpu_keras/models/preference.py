@@ -32,12 +32,12 @@ whose chosen reward is the higher, a tie counting half (so the untrained
 policy, whose rewards are both 0, scores 0.5; TRL counts a tie as a miss).
 """
 
-import contextlib
 import dataclasses
 
 import keras
 
 from tpu_keras.errors import UserError
+from tpu_keras.models import lora
 
 HEADLINE = "reward_accuracy"
 COLUMNS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
@@ -51,7 +51,7 @@ class PairsModel(keras.Model):
     def __init__(self, policy, reference=None, **kwargs):
         super().__init__(name=kwargs.pop("name", f"{policy.name}_pairs"), **kwargs)
         self.policy = policy
-        self.adapters = lora_layers(policy)
+        self.adapters = lora.adapted_layers(policy)
         if not self.adapters and reference is None:
             raise ValueError("a policy without LoRA layers needs a reference copy")
         self.reference = None if self.adapters else reference
@@ -71,7 +71,7 @@ class PairsModel(keras.Model):
         if self.reference is not None:
             reference = self._scores(self.reference, inputs_, targets, weights, False)
         else:
-            with adapters_off(self.adapters):
+            with lora.switched_off(self.adapters):
                 reference = self._scores(self.policy, inputs_, targets, weights, False)
         reference = keras.ops.stop_gradient(reference)
         both = keras.ops.stack([policy, reference], axis=-1)  # [2 * batch, 2]
@@ -97,24 +97,6 @@ class PairsModel(keras.Model):
 
     def compute_output_spec(self, inputs, training=None):
         return keras.KerasTensor((inputs["tokens"].shape[0], 4), "float32")
-
-
-@contextlib.contextmanager
-def adapters_off(layers):
-    """Within the block, the LoRA layers compute with their base weights alone: Keras reads
-    `lora_enabled` when a layer's kernel is read, so a traced call sees the base."""
-    for layer in layers:
-        layer.lora_enabled = False
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.lora_enabled = True
-
-
-def lora_layers(model) -> list:
-    return [layer for layer in model._flatten_layers(include_self=False)
-            if getattr(layer, "lora_enabled", False)]
 
 
 def policy_of(model):

@@ -6,10 +6,20 @@ checked against. Each builder also has layout rules (`tpu_keras.parallelism`):
 which weights split over the mesh's `model` axis. A family of builders can
 also be registered by a name prefix (`keras_hub:LlamaCausalLM`, see
 `tpu_keras.models.hub`), each made when a config names it.
+
+`model.imports` names Python modules or `.py` files of your own that
+register builders (`register`) or model families (`models.families`); they
+are imported before the builder is looked up, by every command that reads
+the config (the run's `config.json` keeps them for `evaluate`, `export`,
+`generate`).
 """
 
 import dataclasses
+import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from typing import Callable
 
 import keras
@@ -57,6 +67,7 @@ def get(model_config) -> tuple[Builder, dict]:
     """Looks up a builder and checks the config's keys against its arguments."""
     kwargs = dict(model_config)
     name = kwargs.pop("name", "")
+    import_all(kwargs.pop("imports", ()))
     family = next((prefix for prefix in FAMILIES if name.startswith(prefix)), None)
     if family is not None:
         builder = FAMILIES[family][0](name[len(family):], kwargs)
@@ -73,6 +84,38 @@ def get(model_config) -> tuple[Builder, dict]:
             raise UserError(f"unknown config key 'model.{key}' for builder {name!r}"
                             f"{closest(key, accepted)}")
     return builder, kwargs
+
+
+def import_all(names) -> None:
+    """Imports each of `names` once: a module ('my_models.otter') or a .py file's path."""
+    for name in [names] if isinstance(names, str) else names:
+        if name.endswith(".py"):
+            path = os.path.abspath(name)
+            module = f"tpu_keras_imports.{os.path.splitext(os.path.basename(path))[0]}"
+            if module in sys.modules:
+                continue
+            if not os.path.exists(path):
+                raise UserError(f"model.imports has {name!r}, which does not exist (relative paths "
+                                f"start at {os.getcwd()}); give the file's path or a module name")
+            spec = importlib.util.spec_from_file_location(module, path)
+            sys.modules[module] = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(sys.modules[module])
+            except Exception:
+                del sys.modules[module]
+                raise
+            continue
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            raise UserError(f"model.imports has {name!r}, which cannot be imported ({error}); put "
+                            "its folder on PYTHONPATH, or give the .py file's path") from None
+
+
+def absolute_imports(names) -> tuple[str, ...]:
+    """`model.imports` with each .py file's path absolute, modules as they are."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    return tuple(os.path.abspath(name) if name.endswith(".py") else name for name in names)
 
 
 def placer(model_config, layout_config, mesh: dict) -> parallelism.Placer:

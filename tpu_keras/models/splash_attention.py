@@ -1,4 +1,4 @@
-"""Splash attention, the TPU's fused attention kernel, for keras-hub's Llama on the jax engine.
+"""Splash attention, the TPU's fused attention kernel, for keras-hub models on the jax engine.
 
 Why the toolkit routes it itself: Keras 3.15's `ops.dot_product_attention`
 takes its TPU kernel only for a call with neither mask nor `is_causal`. Inside
@@ -29,11 +29,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
 from jax.sharding import PartitionSpec
 
+from tpu_keras.models import families
 from tpu_keras.parallelism.mesh import BATCH_AXES
 
-# keras-hub attention classes whose `_compute_attention(query, key, value, attention_mask)`
-# gets a (batch, length, heads, head_dim) query and keras-hub's causal-and-padding mask.
-FAMILIES = ("LlamaAttention",)
 LANES = 128  # the kernel's blocks along the sequence are multiples of this
 # Below this length the kernel cost HBM instead of saving it: compiled for a v5litepod-8, a
 # 128-token Llama with heads of 32 peaked at 14.5 MiB per device with it and 7.5 without;
@@ -61,9 +59,13 @@ def install(model, interpret: bool = False, shortest: int = SHORTEST,
     check its numbers on a CPU). `one_device`: the kernel on the whole batch, with no
     distribution, as one device runs it on its rows; the memory plan traces that (the
     trace is never compiled) to count what the kernel keeps for the backward pass."""
+    # The attention classes the families name (`Family.fused_attention`): each one's
+    # `_compute_attention(query, key, value, attention_mask)` gets a (batch, length, heads,
+    # head_dim) query and keras-hub's causal-and-padding mask.
+    served = {name for family in families.known() for name in family.fused_attention}
     routed = 0
     for layer in model._flatten_layers(include_self=False):
-        if type(layer).__name__ in FAMILIES and "_compute_attention" not in vars(layer):
+        if type(layer).__name__ in served and "_compute_attention" not in vars(layer):
             # An instance attribute: keras-hub's method stays the fallback.
             object.__setattr__(layer, "_compute_attention", functools.partial(
                 _attention, layer._compute_attention, interpret=interpret, shortest=shortest,

@@ -102,6 +102,19 @@ def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int
     return mesh
 
 
+def refit(mesh_config, num_devices: int, batch: int) -> dict[str, int]:
+    """A run's mesh fitted to `num_devices` it was not made for (an evaluation job on one host
+    of a pod, or on a larger one): one slice; `model` and `fsdp` as large as both the run's
+    and these devices allow, so that every layout rule still divides the weights it splits;
+    then as much `data` as the devices left and the global `batch` allow. It may use fewer
+    devices than there are (the first ones)."""
+    mesh = check(mesh_config, "jax")
+    model = math.gcd(max(mesh["model"], 1), num_devices)
+    fsdp = math.gcd(max(mesh["fsdp"], 1), num_devices // model, batch)
+    data = math.gcd(num_devices // (model * fsdp), batch // fsdp)
+    return {SLICES: 1, "data": data, "fsdp": fsdp, "model": model}
+
+
 def describe(mesh: dict[str, int]) -> str:
     """'data=4 x model=2', with slices and fsdp named only when they split something."""
     named = [SLICES] * (mesh.get(SLICES, 1) > 1) + [a for a in AXES if a != "fsdp" or mesh[a] > 1]

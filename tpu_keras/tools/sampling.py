@@ -5,7 +5,9 @@ machine's first device, restores the newest checkpoint into it (the
 checkpoint's own engine: TensorFlow's or Orbax's format) and pairs it
 with the run's tokenizer (`data.tokenizer`: bytes, a keras-hub tokenizer
 or the preset's); `from_preset(path)` reads any keras-hub preset folder
-with its tokenizer. Either gives a `Generator`: prompts in, texts out,
+with its tokenizer, a transformers checkpoint folder too (read as a run reads
+`model.preset`: `models.hub_presets`, the family's keys that keras-hub's
+converter drops passed through). Either gives a `Generator`: prompts in, texts out,
 each stopping at the tokenizer's end token.
 
 keras-hub causal LMs generate through keras-hub itself: with the family's
@@ -39,6 +41,7 @@ class Generator:
     encode: Callable[[str], list]              # the token ids the model is given for a prompt
     generate: Callable[[list, int, object], list]  # (prompts, max_length, sampler) -> texts
     step: int = -1                             # the checkpoint's step (-1: a preset)
+    model: object = None                       # what it samples from (a keras-hub task, or the run's model)
 
     def count(self, prompt: str) -> int:
         """The tokens a prompt takes, a start token included."""
@@ -86,25 +89,33 @@ def from_run(workdir: str, config) -> Generator:
             generator = _task_generator(task, context)
         else:
             generator = _ids_generator(tokenizer, start, context, _task_on_ids(task))
-    generator.step = step
+    generator.step, generator.model = step, model
     return generator
 
 
 def from_preset(path: str) -> Generator:
-    """A keras-hub causal LM preset folder (what `save_to_preset` writes) with its tokenizer."""
+    """A keras-hub causal LM of a preset folder (`save_to_preset`'s, or a transformers
+    checkpoint's) with its tokenizer, built as a run builds `model.preset`."""
     import keras_hub
+    from keras_hub.src.utils.preset_utils import find_subclass
+    from tpu_keras.models import hub_presets
     try:
-        task = keras_hub.models.CausalLM.from_preset(path)
+        backbone_cls, _ = hub_presets.describe(path)
+        task_cls = find_subclass(path, keras_hub.models.CausalLM, backbone_cls)
+        backbone = hub_presets.load_backbone(backbone_cls, path)
+        preprocessor = task_cls.preprocessor_cls.from_preset(path)
+    except UserError as error:
+        raise UserError(str(error).replace("model.preset=", "--preset=")) from None
     except (ValueError, FileNotFoundError, OSError) as error:
-        raise UserError(f"--preset={path!r} is not a keras-hub causal LM preset "
-                        f"({first_line(error, 160)}); "
-                        "give a folder that CausalLM.save_to_preset wrote") from None
-    if task.preprocessor is None:
-        raise UserError(f"--preset={path!r} has no tokenizer; save the task with its "
-                        "preprocessor, or its tokenizer with tokenizer.save_to_preset")
+        raise UserError(f"--preset={path!r} is not a causal LM preset with a tokenizer "
+                        f"({first_line(error, 160)}); give a folder that CausalLM.save_to_preset "
+                        "or transformers' save_pretrained wrote") from None
+    task = task_cls(backbone=backbone, preprocessor=preprocessor)
     context = task.preprocessor.sequence_length
     limit = getattr(task.backbone, "max_sequence_length", None)
-    return _task_generator(task, min(context, limit) if limit else context)
+    generator = _task_generator(task, min(context, limit) if limit else context)
+    generator.model = task
+    return generator
 
 
 def make_sampler(temperature: float, top_k: int, seed: int):
@@ -146,8 +157,9 @@ def _ids_generator(tokenizer, start: list, context: int, extend) -> Generator:
         return start + [int(i) for i in tokenizer.tokenize(tf.constant([prompt]))[0].numpy()]
 
     def decode(ids):
-        if tokenizer.layer is None:
-            return bytes(ids).decode("utf-8", errors="replace")
+        if tokenizer.layer is None:  # bytes; an id past them (a model's larger vocabulary): U+FFFD
+            return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode(
+                "utf-8", errors="replace")
         return _string(tokenizer.layer.detokenize(tf.constant(ids, tf.int32)))
 
     def generate(prompts, max_length, sampler):

@@ -29,11 +29,12 @@ from tpu_keras.training import setup
 
 
 def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
-             poll_seconds: float = 30.0) -> dict:
+             poll_seconds: float = 30.0, refit_mesh: bool = True) -> dict:
     """Evaluates checkpoint `step` (the newest when None; every one from now on with
     `watch`); returns {step: {metric: value}}. TensorFlow loads once `setup` has
-    selected the engine."""
-    run = setup.set_up(config, workdir, single_tf_process="evaluate")
+    selected the engine. `refit_mesh`: on jax, the run's mesh is fitted to this job's
+    devices where it does not fit them (a mesh the user set for the job is not)."""
+    run = setup.set_up(config, workdir, single_tf_process="evaluate", refit_mesh=refit_mesh)
     import tensorflow as tf
     from tpu_keras import data
     from tpu_keras.training import checkpoint

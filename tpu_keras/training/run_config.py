@@ -17,14 +17,15 @@ Each piece is a pure function of the config that returns values:
 - `models.hub.expand_preset` and `models.kept.use`: `model.preset`, `{workdir}`
   expanded, or the model the run kept once it has a checkpoint;
 - `data.text.resolve`: `data.token_counts`, `data.context_length` and
-  `data.vocabulary` of packed text (after the preset: the tokenizer may be its).
+  `data.vocabulary` of packed text (after the preset: the tokenizer may be its);
+- `models.registry.absolute_imports`: `model.imports`' files, found from any folder.
 """
 
 import ml_collections
 
 from tpu_keras import config as config_lib
 from tpu_keras.data import text
-from tpu_keras.models import hub, kept
+from tpu_keras.models import hub, kept, registry
 from tpu_keras.training import defaults
 
 
@@ -40,6 +41,8 @@ def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections
         resolved.model.preset = kept.use(hub.expand_preset(resolved.model.preset, workdir),
                                          workdir, checkpointed)
     resolved.data.update(text.resolve(resolved, workdir))
+    if resolved.model.get("imports"):  # files of the user's, found from any folder later
+        resolved.model.imports = registry.absolute_imports(resolved.model.imports)
     return ml_collections.FrozenConfigDict(resolved)
 
 

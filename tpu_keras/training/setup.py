@@ -46,7 +46,7 @@ class RunSetup:
 
 
 def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = False,
-           single_tf_process: str = "", timings=None) -> RunSetup:
+           refit_mesh: bool = False, single_tf_process: str = "", timings=None) -> RunSetup:
     """The run of `config` in `workdir`, set up on this process's cluster.
 
     `trains`: the training run itself. Its workdir is made, SIGTERM saves a checkpoint
@@ -57,8 +57,11 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
 
     `one_device`: the model on this host's first device, only for a checkpoint to be
     restored into (export, generate): whatever mesh and hosts the run trained on
-    (Orbax and TensorFlow both reshard on restore); no compile cache, and no text
-    source (its metrics are not used).
+    (Orbax and TensorFlow both reshard on restore), however many devices this host
+    has; no compile cache, and no text source (its metrics are not used).
+
+    `refit_mesh`: on jax, a mesh of fixed sizes that this job's devices do not fit is
+    fitted to them (`parallelism.mesh.refit`; an evaluation job on another host).
 
     `single_tf_process`: the name of a command that runs in one TensorFlow process
     (evaluate); on several, it stops with a one-line error once the cluster is known.
@@ -84,7 +87,8 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         if threading.current_thread() is threading.main_thread():
             preemption.watch()  # from here on, SIGTERM means "save and exit 42"
     with phase("cluster"):
-        cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
+        cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh,
+                                      refit_mesh=config.train.batch_size if refit_mesh else 0)
     if single_tf_process and cluster.num_processes > 1 and cluster.engine != "jax":
         raise UserError(f"{single_tf_process} runs in one TensorFlow process; start it on one "
                         "host (cluster.strategy one_device or mirrored), or use the jax engine")
@@ -101,6 +105,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         if resolved.deterministic and resolved.engine == "tf":
             tf.config.experimental.enable_op_determinism()
 
+    models.registry.import_all(resolved.model.get("imports", ()))  # the user's builders, families
     models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
     builder, model_kwargs = models.registry.get(resolved.model)
     text_source = None
@@ -134,8 +139,7 @@ def _on_one_device(config):
     """A copy of `config` whose mesh and cluster are this host's first device."""
     config = config_lib.thawed(config)
     config.mesh.update(slices=1, data=1, fsdp=1, model=1)
-    config.cluster.update(strategy="one_device" if config.engine == "tf" else "auto",
-                          virtual_devices=0)
+    config.cluster.update(strategy="one_device", virtual_devices=0)
     return config
 
 
@@ -177,9 +181,9 @@ def build_model(config, cluster, builder=None, pairs: bool = False):
             logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
     placer.check(model.weights)
     if pairs:
-        from tpu_keras.models import preference
+        from tpu_keras.models import lora, preference
         reference = None
-        if not preference.lora_layers(model):  # a full fine-tune: a frozen copy to score against
+        if not lora.adapted_layers(model):  # a full fine-tune: a frozen copy to score against
             with cluster.scope():
                 reference = models.build(config.model, remat=config.train.remat)
                 for copy, weight in zip(reference.weights, model.weights):

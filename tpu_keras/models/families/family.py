@@ -1,0 +1,127 @@
+"""The interface every model family file fills in (`Family`), the registry, and the lookups.
+
+The package's `__init__` imports the families the toolkit ships; this module
+imports none of them, so a family file imports it without a cycle.
+"""
+
+# Imported inside functions: keras-hub (optional: absent on a plain install).
+import contextlib
+import dataclasses
+from typing import Callable, Optional
+
+from tpu_keras.models.lora import Target
+from tpu_keras.parallelism import Rule, Tie
+
+class Unreadable(Exception):
+    """A checkpoint's config.json asks for what the family's backbone cannot build: the reason."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Family:
+    name: str                                         # 'llama'
+    backbones: tuple[str, ...]                        # keras-hub backbone class names (their subclasses too)
+    model_types: tuple[str, ...] = ()                 # transformers' config.json model_type
+    # {config.json key: backbone argument}: what keras-hub's converter leaves out, passed through.
+    converter_keys: dict = dataclasses.field(default_factory=dict)
+    # config.json -> more backbone arguments; raises Unreadable for what the backbone cannot build.
+    read_config: Optional[Callable[[dict], dict]] = None
+    # The backbone's constructor arguments -> layout rules of its weights (None: keras-hub's
+    # get_layout_map where the backbone has one, else every weight whole).
+    layout: Optional[Callable[[dict], list[Rule]]] = None
+    ties: tuple[Tie, ...] = ()                        # dimensions split alike (attention heads, MLP units)
+    lora_targets: tuple[Target, ...] = ()             # the projections LoRA may adapt, PEFT's names
+    lora_default: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT's default target_modules for it
+    fused_attention: tuple[str, ...] = ()             # attention classes the splash kernel serves
+    exporter: str = ""                                # keras-hub's transformers exporter, by backbone class ('': its own)
+    # backbone -> {transformers name: tensor}, in place of the exporter's weights map.
+    transformers_weights: Optional[Callable] = None
+    tasks: tuple[type, ...] = ()                      # task classes keras_hub.models does not hold
+
+
+_FAMILIES: list[Family] = []
+
+
+def register(family: Family) -> Family:
+    """Makes `family` known; a family registered later wins for the backbones it names."""
+    _FAMILIES.append(family)
+    return family
+
+
+def known() -> list[Family]:
+    """Every family, the latest registration of a name only."""
+    latest = {family.name: family for family in _FAMILIES}
+    return list(latest.values())
+
+
+def of_backbone(backbone_cls) -> Optional[Family]:
+    """The family of a backbone class (by its class or the nearest base class a family names)."""
+    for cls in backbone_cls.__mro__:
+        for family in reversed(_FAMILIES):
+            if cls.__name__ in family.backbones:
+                return family
+    return None
+
+
+def of_model_type(model_type: str) -> Optional[Family]:
+    """The family that reads transformers checkpoints of `model_type`."""
+    return next((f for f in reversed(_FAMILIES) if model_type in f.model_types), None)
+
+
+def tasks() -> dict:
+    """{name: task class} that families add to keras_hub.models."""
+    return {task.__name__: task for family in _FAMILIES for task in family.tasks}
+
+
+def no_rope_scaling(config: dict) -> dict:
+    """`read_config` of a family whose keras-hub converter reads no rope scaling at all."""
+    kind = rope_type(config)
+    if kind != "default":
+        raise Unreadable(f"rope_type {kind!r}, which its converter does not read")
+    return {}
+
+
+def rope_type(config: dict) -> str:
+    """The checkpoint's rope scaling type: transformers 5 writes `rope_parameters`, older
+    checkpoints `rope_scaling`."""
+    rope = rope_parameters(config)
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def rope_parameters(config: dict) -> dict:
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}
+
+
+def exporter(backbone_cls):
+    """(config function, weights function) that write `backbone_cls` in the transformers
+    format: keras-hub's exporter for `Family.exporter` (default: the class's own), its
+    weights map replaced by the family's `transformers_weights`; None where there is none."""
+    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_CONFIGS, MODEL_EXPORTERS
+    family = of_backbone(backbone_cls)
+    source = family.exporter if family is not None and family.exporter else backbone_cls.__name__
+    if source not in MODEL_EXPORTERS:
+        return None
+    weights = (family.transformers_weights if family is not None and family.transformers_weights
+               else MODEL_EXPORTERS[source])
+    return MODEL_CONFIGS[source], weights
+
+
+@contextlib.contextmanager
+def transformers_exporter(backbone_cls):
+    """While open, keras-hub's `export_to_transformers`, which looks its tables up by the
+    backbone's class name, writes `backbone_cls` with `exporter(backbone_cls)`."""
+    from keras_hub.src.utils.transformers.export import hf_exporter
+    name, functions = backbone_cls.__name__, exporter(backbone_cls)
+    tables = (hf_exporter.MODEL_CONFIGS, hf_exporter.MODEL_EXPORTERS)
+    saved = [table.get(name) for table in tables]
+    if functions is not None:
+        for table, function in zip(tables, functions):
+            table[name] = function
+    try:
+        yield
+    finally:
+        for table, value in zip(tables, saved):
+            if value is None:
+                table.pop(name, None)
+            else:
+                table[name] = value
+
