@@ -1,12 +1,16 @@
 """Gradient accumulation: k micro-batches make one update equal to one update on their union,
-and a run with accumulation resumes exactly after a kill.
+one token mean over every replica and micro-batch, and a run with accumulation resumes
+exactly after a kill.
 
 The tf engine is checked here under Mirrored (two replicas: the summed micro-batch
 gradients also cross replicas); the jax engine's accumulation, on an fsdp mesh, is
 test_user_code.py's (the same step functions, reached from the user's own model)."""
 
 import json
+import re
 import sys
+
+import pytest
 
 from conftest import run
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step, train_args
@@ -17,6 +21,22 @@ def test_four_micro_batches_make_the_update_of_their_union_under_mirrored(data_d
     result = json.loads(next(l for l in out.splitlines() if l.startswith("ACCUM "))[6:])
     assert result["moved"] > 1e-3, result  # the update is real
     assert result["between"] <= 1e-5, result
+
+
+@pytest.mark.parametrize("engine", ["tf", "jax"])
+def test_a_step_split_over_replicas_and_micro_batches_takes_one_token_mean(engine):
+    """tests/helpers/token_mean_probe.py: rows of 1 to 16 weighted targets, split over 2 tf
+    replicas (jax: a data 2 x model 2 mesh) and 2 micro-batches, against numpy and against
+    the same step on one device and one batch."""
+    out = run([sys.executable, "tests/helpers/token_mean_probe.py", engine]).stdout
+    got = json.loads(re.search(r"^TOKENS (.*)$", out, re.M).group(1))
+    assert got["devices"] == (2 if engine == "tf" else 4), got
+    assert abs(got["split_loss"] - got["numpy"]) < 1e-6, got  # the global mean over targets
+    assert abs(got["whole_loss"] - got["numpy"]) < 1e-6, got
+    assert got["moved"] > 0.1 and got["between_updates"] < 1e-5, got  # the same update
+    # evaluate: the mean over every weighted target of both batches, not of the batch means
+    for name in ("split_evaluate", "whole_evaluate"):
+        assert abs(got[name] - got["numpy_evaluate"]) < 1e-6, (name, got)
 
 
 def test_a_run_with_accumulation_killed_mid_run_resumes_to_the_same_weights(data_dir, tmp_path):

@@ -23,8 +23,12 @@ unscaled gradients' (Inf in a step that overflowed).
 With `grad_accum_steps` k above 1 the batch holds k micro-batches; a
 `lax.scan` runs them one after another (so only one micro-batch's
 activations and predictions are alive at a time; the metrics take each
-micro-batch in turn) and the update applies their mean gradient: one step,
-one update, whatever k is.
+micro-batch in turn) and the update applies the sum of their gradients, each
+scaled by its share of the step (`token_mean`: its weights over the batch's,
+for a mean over weights, so the step's loss is one token mean; else 1 / k):
+one step, one update, whatever k is. The loss tracker counts each batch by
+its weights for such a loss (`_update_metrics_variables`, the train and the
+test step's), so the logged loss and `val_loss` are means over every token.
 
 `install` also hands the jitted steps committed arrays. Under a
 `keras.distribution` on a one-device mesh (a laptop, one TPU chip or GPU),
@@ -43,17 +47,30 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from tpu_keras.training import token_mean
 from tpu_keras.training.nonfinite import GRAD_NORM
 
 
 def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
-    """Gives `model` the guarded train step (averaging `grad_accum_steps` micro-batches
-    per update); returns it."""
+    """Gives `model` the guarded train step (`grad_accum_steps` micro-batches per update)
+    and a loss tracker that counts tokens; returns it."""
     def train_step(self, state, data):
         return guarded_train_step(self, state, data, grad_accum_steps)
     model.train_step = types.MethodType(train_step, model)
+    model._update_metrics_variables = types.MethodType(_update_metrics_variables, model)
     _hand_steps_committed_state(model)
     return model
+
+
+def _update_metrics_variables(self, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight):
+    """Keras's JAX trainer's own (its train and test steps call it), the loss tracker
+    counting the batch as `token_mean.tracker_weight` says, not by its rows."""
+    with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_variables))) as scope:
+        self._loss_tracker.update_state(
+            unscaled_loss, sample_weight=token_mean.tracker_weight(self, x, sample_weight))
+        logs = self.compute_metrics(x, y, y_pred, sample_weight)
+    updated = [scope.get_current_value(v) for v in self.metrics_variables]
+    return logs, [v.value if new is None else new for v, new in zip(self.metrics_variables, updated)]
 
 
 def _hand_steps_committed_state(model: keras.Model) -> None:
@@ -83,24 +100,29 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
             metrics, unscaled_loss, x, y, y_pred, sample_weight)
     else:
         micro_batches = tuple(split_micro_batches(t, grad_accum_steps) for t in (x, y, sample_weight))
+        step_weight = (token_mean.weight_sum(sample_weight)
+                       if token_mean.applies(self, sample_weight) else None)
 
         def micro_step(carry, batch):
             gradient_sum, loss_sum, non_trainable, metrics = carry
+            share = token_mean.share(self, batch[2], step_weight, grad_accum_steps)
+
+            def shared_loss(*args, **kwargs):  # this micro-batch's term of the step's loss
+                loss, aux = self.compute_loss_and_updates(*args, **kwargs)
+                return loss * share, aux
             (_, (loss, y_pred, non_trainable, _)), gradients = jax.value_and_grad(
-                self.compute_loss_and_updates, has_aux=True)(
+                shared_loss, has_aux=True)(
                 trainable, non_trainable, metrics, *batch, training=True,
                 optimizer_variables=optimizer_state)
             # Metrics see every micro-batch in turn, so no micro-batch's predictions outlive
             # it (a language model's logits, stacked, were k times the largest activation).
             _, metrics = self._update_metrics_variables(metrics, loss, *batch[:2], y_pred, batch[2])
-            return (jax.tree.map(jnp.add, gradient_sum, gradients), loss_sum + loss,
+            return (jax.tree.map(jnp.add, gradient_sum, gradients), loss_sum + loss * share,
                     non_trainable, metrics), None
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
         (gradients, unscaled_loss, non_trainable, metrics), _ = jax.lax.scan(
             micro_step, (zeros, jnp.zeros((), "float32"), non_trainable, metrics), micro_batches)
-        gradients = jax.tree.map(lambda g: g / grad_accum_steps, gradients)
-        unscaled_loss = unscaled_loss / grad_accum_steps
         logs = _results(self, metrics)
     grad_norm = global_norm(gradients)
     scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)

@@ -21,7 +21,9 @@ with `strategy.reduce(..., axis=None)`. With `jit_compile`, XLA compiles
 each replica's forward and backward pass (on one replica, the whole step),
 so every strategy gets both XLA and many steps per call. The same step
 (`guarded_train_step`) logs the global gradient norm and applies no update
-whose gradient or loss is not finite.
+whose gradient or loss is not finite. A loss that is a mean over weights is
+one token mean over every replica and micro-batch (`token_mean`), in the
+step and in the evaluation's `test_step`.
 """
 
 import types
@@ -29,11 +31,12 @@ import types
 import keras
 import tensorflow as tf
 
+from tpu_keras.training import token_mean
 from tpu_keras.training.nonfinite import GRAD_NORM
 
 # The Keras trainer hooks replaced: no public API lets a model bring its own
 # host loop to `fit` (docs/design.md).
-_HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build")
+_HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build", "test_step")
 
 
 def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
@@ -94,6 +97,18 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             break
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+def test_step(self, data):
+    """Keras's test step, its loss tracker counting each batch as `token_mean` says (by its
+    weights' sum, for a weighted mean), so `val_loss` is the mean over every token."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync  # compute_loss divided by them
+    self._loss_tracker.update_state(loss * replicas,
+                                    sample_weight=token_mean.tracker_weight(self, x, sample_weight))
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonfinite=False):
@@ -157,7 +172,9 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
 
     With `grad_accum_steps` k above 1, each replica's batch holds k
     micro-batches (rows i, i + k, ...: the split the jax engine makes); their
-    gradients are averaged before the one update.
+    gradients are summed, each scaled by its share of the step (`token_mean`:
+    its weights over every replica's, for a mean over weights; else 1 / k),
+    before the one update.
     """
     def loss_and_gradients(trainable, non_trainable, metrics, x, y, sample_weight):
         with tf.GradientTape() as tape:
@@ -189,17 +206,26 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
         k = grad_accum_steps
         batch = (x, y, sample_weight)
         parts = [batch] if k == 1 else [_micro_batch(batch, i, k) for i in range(k)]
+        replica = tf.distribute.get_replica_context()
+        replicas = replica.num_replicas_in_sync
+        # A token mean divides by the step's weights, every replica's (one scalar all-reduce).
+        step_weight = (replica.all_reduce("SUM", token_mean.weight_sum(sample_weight))
+                       if token_mean.applies(model, sample_weight) else None)
         losses, gradients, y_preds = [], None, []
         for part in parts:  # traced one after another
             loss, part_gradients, y_pred, non_trainable, metrics = loss_and_gradients(
                 trainable, non_trainable, metrics, *part)
+            share = token_mean.share(model, part[2], step_weight, k, replicas)
+            if step_weight is not None or k > 1:
+                loss = loss * share
+                part_gradients = [None if g is None else g * tf.cast(share, g.dtype)
+                                  for g in part_gradients]
             losses.append(loss)
             y_preds.append(y_pred)
             gradients = part_gradients if gradients is None else [
                 None if a is None else a + b for a, b in zip(gradients, part_gradients)]
         if k > 1:
-            loss = tf.add_n(losses) / k
-            gradients = [None if g is None else g / k for g in gradients]
+            loss = tf.add_n(losses)
             # Metrics see the whole batch, micro-batch after micro-batch.
             x, y, sample_weight, y_pred = (_concat(pieces) for pieces in
                                            zip(*[part + (pred,) for part, pred in zip(parts, y_preds)]))
@@ -207,14 +233,18 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
                                    non_trainable + metrics):
             variable.assign(value)
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables) if g is not None]
-        # compute_loss divided the loss by the replicas, so the sums are global means.
-        replica = tf.distribute.get_replica_context()
+        # Each replica's loss is its term of the global mean (compute_loss divided it by the
+        # replicas; a token mean, by the step's weights), so the sums are global means.
         global_loss, gradients = replica.all_reduce("SUM", (loss, [g for g, _ in pairs]))
         grad_norm = tf.cast(tf.linalg.global_norm(gradients), tf.float32)
         finite = tf.math.is_finite(grad_norm) & tf.math.is_finite(global_loss)
         _apply_if_finite(model.optimizer, gradients, [v for _, v in pairs], finite)
-        model._loss_tracker.update_state(
-            loss * replica.num_replicas_in_sync, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        if step_weight is None:
+            model._loss_tracker.update_state(loss * replicas, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        else:  # this replica's own token mean, counted by its weights
+            own = token_mean.weight_sum(sample_weight)
+            model._loss_tracker.update_state(tf.math.divide_no_nan(loss * step_weight, own),
+                                             sample_weight=own)
         return {**model.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
                 GRAD_NORM: grad_norm}
 
