@@ -225,12 +225,17 @@ def write_text(directory):
                 text = f"é{file}{line} " * (3 + 7 * line + file)
                 lines.write(json.dumps({"text": text, "id": line}) + "\n")
                 jsonl[file * 2 ** 32 + line] = len(text.encode()) + 1
+    (directory / "apart").mkdir()  # the same documents, packed apart: each long one in pieces
+    for file in range(4):
+        (directory / "apart" / f"part-{file}.jsonl").write_text(
+            (directory / "jsonl" / f"part-{file}.jsonl").read_text())
+    apart = {doc + 0: count for doc, count in jsonl.items()}
     (directory / "instructions").mkdir()
     instructions = {}  # 4 files of 6 prompts and responses: bytes, no start token, an end token
-    for file in range(4):
+    for file in range(4):  # 9 to 16 tokens each: several to a row of 16, none longer
         with open(directory / "instructions" / f"part-{file}.jsonl", "w") as lines:
             for line in range(6):
-                pair = {"prompt": f"Q{file}.{line}: " + "ü" * (line // 2), "response": "ok " * (file + 1)}
+                pair = {"prompt": f"Q{file}.{line}: " + "ü" * (line // 2), "response": "ok" + "!" * file}
                 lines.write(json.dumps(pair) + "\n")
                 instructions[file * 2 ** 32 + line] = len("".join(pair.values()).encode()) + 1
     (directory / "bad").mkdir()  # file 1, host 1's on two hosts, has a line without a response
@@ -238,7 +243,8 @@ def write_text(directory):
         (directory / "bad" / f"part-{file}.jsonl").write_text(
             '{"prompt": "a", "response": "b"}\n' + ('{"prompt": "c"}\n' if file else ""))
     return {str(directory / "txt" / "*.txt"): txt, str(directory / "jsonl" / "*.jsonl"): jsonl,
-            str(directory / "instructions" / "*.jsonl"): instructions}
+            str(directory / "instructions" / "*.jsonl"): instructions,
+            str(directory / "apart" / "*.jsonl"): apart}
 
 
 def logged_tokens(folder):
@@ -255,8 +261,9 @@ def logged_tokens(folder):
 
 @pytest.mark.parametrize("hosts, devices", [(2, 2)])  # hosts and replicas at once
 def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices):
-    """Text, .jsonl text and instructions: every token once per epoch, a resumed run on
-    its batch; each host tokenizes only its own files at start-up, none on a restart."""
+    """Text, .jsonl text, the same packed apart and instructions (packed apart): every token
+    once per epoch, each pair (each piece of a row of a document) whole in one row, a resumed
+    run on its batch; each host tokenizes only its own files at start-up, none on a restart."""
     global_batch = 8
     documents = write_text(tmp_path)
     bad = str(tmp_path / "bad" / "*.jsonl")
@@ -265,7 +272,7 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
                   sys.executable, str(REPO / "tests" / "helpers" / "text_probe.py"), str(tmp_path / "logs"),
                   ",".join([*documents, bad]), str(global_batch), str(TEXT_CONTEXT)], timeout=300)
     reports = [json.loads(line) for line in re.findall(r"PROBE (.*)", result.stdout)]
-    assert len(reports) == 3 * hosts
+    assert len(reports) == 4 * hosts
     # A bad line in one host's file stops every host, on the same line.
     errors = re.findall(r"PROBE_ERROR (\d) (.*)", result.stdout)
     assert sorted(int(host) for host, _ in errors) == list(range(hosts))
@@ -283,15 +290,25 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
             own = sum(1 for doc in lengths if (doc // 2 ** 32) % hosts == report["host"])
             assert report["tokenized"] == [own * per_document, 0], (pattern, report)
         logged = logged_tokens(tmp_path / "logs" / str(index) / "epoch")
-        epoch = [token for (host, position), tokens in logged.items() if position < steps
+        every = [token for (host, position), tokens in logged.items() if position < steps
                  for token in tokens]
+        assert len(every) == steps * global_batch * (TEXT_CONTEXT + 1)  # full rows
         expected = {(doc, position) for doc, count in lengths.items() for position in range(count)}
-        assert len(epoch) == steps * global_batch * (TEXT_CONTEXT + 1)  # no padding, full rows
+        epoch = [token for token in every if token[0] >= 0]  # padding's ids are -1
         assert len(set(epoch)) == len(epoch), f"{pattern}: a token was seen twice"
-        assert set(epoch) <= expected  # ids of real tokens only: never padding (-1)
-        if index == 0:  # 8 x 128 tokens divide into whole global batches: nothing left out
-            assert set(epoch) == expected
-        else:
+        assert set(epoch) <= expected
+        if "instructions" in pattern:  # packed apart: each pair whole in one row, so each seen
+            seen = {doc for doc, _ in epoch}  # is seen with all its tokens; a few rows left out
+            assert {token for token in expected if token[0] in seen} == set(epoch)
+            assert len(lengths) - len(seen) < hosts * (global_batch // hosts + 1) * 2
+        elif "apart" in pattern:  # documents in pieces of a row: each piece seen whole or not
+            row = TEXT_CONTEXT + 1
+            seen = {(doc, position // row) for doc, position in epoch}
+            assert {(doc, p) for doc, p in expected if (doc, p // row) in seen} == set(epoch)
+        elif index == 0:  # 8 x 128 tokens divide into whole global batches: nothing left out
+            assert len(epoch) == len(every) and set(epoch) == expected
+        else:  # one stream: no padding
+            assert len(epoch) == len(every)
             assert len(expected) - len(epoch) < hosts * (global_batch // hosts + 1) * (TEXT_CONTEXT + 1)
         # Resumed at the middle step, each host starts on the very batch it fed there.
         resumed = logged_tokens(tmp_path / "logs" / str(index) / "resumed")
@@ -314,9 +331,10 @@ def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, 
     assert eos and int(eos.group(1)) in (6, 7), result.stdout[-2000:]  # 7 documents, the tail cut
     assert eos.group(1) == eos.group(2)  # exactly the documents that end before the cut
     assert "PRESET preset " in result.stdout and re.search(r"PRESET .* True", result.stdout)
-    # Instructions: the packed tokens and weights are numpy's (start, prompt at 0, response
-    # and end at 1); the loss is numpy's mean over response targets alone, whatever the prompt
-    # targets are; bits per token over the response tokens, per byte over the response bytes.
+    # Instructions, packed apart: every pair is whole in one row, exactly once, with numpy's
+    # tokens and weights (start, prompt at 0, response and end at 1), padding at 0; the loss is
+    # numpy's mean over response targets alone, whatever the prompt targets are; bits per token
+    # over the response tokens, per byte over the response bytes.
     same, loss, reference, prompt_free, over_every_position, bits, bits_ref, per_byte, per_byte_ref, \
         tokens_per_byte, tokens_per_byte_ref = re.search(r"INSTRUCT (.*)", result.stdout).group(1).split()
     assert same == "True" and prompt_free == "True"

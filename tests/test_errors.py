@@ -45,6 +45,8 @@ def inputs(tmp_path_factory):
                                                 '{"prompt": "a", "chosen": "b"}\n')
     (folder / "prefs_same.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "b"}\n')
     (folder / "long.jsonl").write_text('{"prompt": "%s", "response": "b"}\n' % ("x" * 100))
+    (folder / "long_response.jsonl").write_text('{"prompt": "a", "response": "b"}\n'
+                                                '{"prompt": "a", "response": "%s"}\n' % ("y" * 100))
     return folder
 
 
@@ -158,6 +160,12 @@ CASES = [
                  ["long.jsonl:1 has a prompt of 100 tokens, longer than data.context_length=64",
                   "raise data.context_length", "to at least 100, or shorten that prompt"],
                  id="instruction-prompt-longer-than-the-context"),
+    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/long_response.jsonl",
+                           "--config.data.eval_text_files={inputs}/long_response.jsonl",
+                           "--config.data.instructions=true", DATA],
+                 ["long_response.jsonl:2 is an example of 102 tokens, longer than a row of "
+                  "data.context_length + 1 = 65 tokens", "set data.truncate=True"],
+                 id="instruction-example-longer-than-a-row"),
     # Preference pairs (DPO).
     pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_missing").split(), DATA],
                  ["prefs_missing.jsonl:2 has no text under data.rejected_field='rejected'",

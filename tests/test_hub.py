@@ -179,12 +179,16 @@ def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device_and_noth
 
 
 def test_splash_attention_gives_keras_hubs_llama_outputs_and_gradients_at_every_real_token():
-    """The TPU's fused kernel, in Pallas's interpreter, under data x fsdp x model (splash_probe.py)."""
+    """The TPU's fused kernel, in Pallas's interpreter, under data x fsdp x model (splash_probe.py),
+    on rows with padding and on rows of examples packed apart."""
     out = run([sys.executable, "tests/helpers/splash_probe.py"], timeout=500).stdout
     got = json.loads(next(line for line in out.splitlines()
                           if line.startswith("SPLASH "))[len("SPLASH "):])
     assert got["routed"] == 2, got  # both decoder layers
     assert got["real_tokens"] < 1e-5 * got["scale"] and got["gradients"] < 1e-4, got
+    # Rows of examples packed apart: the kernel's segments are the examples, so each example's
+    # outputs are keras-hub's for it alone.
+    assert got["packed_examples"] < 1e-5 * got["scale"], got
     # The check can fail: a padding query attends other keys under the kernel.
     assert got["padding"] > 1e-2, got
     assert got["routed_on_cpu"] == 0, got  # the kernel is the TPU's: CPU devices keep Keras's

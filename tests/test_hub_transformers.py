@@ -44,7 +44,8 @@ def tf_runs(tmp_path_factory, data_dir):
     reloaded (the jax test below adds Llama's LoRA on the query and value, on a mesh).
     transformers, PyTorch and PEFT are the `test` extra's."""
     return probe("tf", tmp_path_factory.mktemp("hf_tf"), data_dir, "1,1,1",
-                 TRAINED_TF + tuple(f"{name}:export" for name in EXPORTED_TF) + (f"{THETA}:theta",))
+                 TRAINED_TF + tuple(f"{name}:export" for name in EXPORTED_TF) + (f"{THETA}:theta",
+                                                                                  "llama:instruct"))
 
 
 # LoRA rank 4 (alpha: PEFT's default, 8) on the query and value ('lora') or on every
@@ -88,6 +89,15 @@ def test_every_family_starts_from_transformers_logits_on_tf(tf_runs):
         assert tf_runs[name]["first_step"] <= TRANSFORMERS, (name, tf_runs[name])
     # generate --preset=FOLDER builds it as a run does (rms_norm_eps 1e-5 kept: 3e-3 off without)
     assert tf_runs["llama"]["generate_preset"] <= TRANSFORMERS, tf_runs["llama"]
+
+
+def test_evaluate_on_pairs_packed_apart_is_transformers_mean_over_each_pair_alone(tf_runs):
+    """40 instruction pairs of 20 to 59 bytes, packed apart (several to a row of 65), a few
+    steps of full fine-tuning: evaluate's loss is the mean over every response token that
+    transformers computes on the transformers export, each pair run alone."""
+    got = tf_runs["llama"]["instruct"]
+    assert got["rows"] < got["pairs"], got  # several pairs share a row
+    assert abs(got["evaluate"] - got["transformers"]) < 1e-4, got
 
 
 def test_every_export_reloads_on_tf(tf_runs):

@@ -101,6 +101,12 @@ def defaults() -> ml_collections.ConfigDict:
         vocabulary="",
         merges="",
         context_length=0,     # packed sequences hold context_length + 1 tokens; 0: model's
+        # Documents packed apart (tpu_keras.data.packing): whole, by best fit, each attending
+        # to itself alone (instruction data always is). Plain text is one stream otherwise.
+        document_masks=False,
+        # An instruction example longer than a row: cut to the row (its end token lost);
+        # False: a one-line error naming its file and line.
+        truncate=False,
         # Instruction data: each .jsonl line a prompt and a response; the loss and the
         # metrics count the response's tokens alone (tpu_keras.data.documents).
         instructions=False,
@@ -295,6 +301,10 @@ def _check_preferences(config) -> None:
         raise UserError("data.preferences and data.instructions are both set; preference pairs "
                         "(prompt, chosen, rejected) train with DPO, instructions (prompt, response) "
                         "with cross-entropy: set one")
+    if config.data.document_masks and not (config.data.text_files or config.data.text_field):
+        raise UserError("data.document_masks packs text documents apart, and the data are not text "
+                        "(data.text_files and data.text_field are empty); set one of them, or drop "
+                        "data.document_masks")
 
 
 def a_type(kind: type) -> str:

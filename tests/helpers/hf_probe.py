@@ -23,7 +23,11 @@ toolkit from the transformers folder, the base checkpoint plus
 lora.weights.h5 where keras-hub's loader can read it, PEFT's `PeftModel` of
 the base checkpoint plus DIR/export/peft; and the adapter as a run from a
 keras-hub preset writes it, on the base it then writes, DIR/export/peft_base).
-A LoRA run also counts its trainable parameters against PEFT's
+`NAME:instruct` fully fine-tunes on instruction pairs of very different
+lengths (packed apart, so several to a row) and compares `evaluate`'s loss
+with the mean over the same response tokens of transformers' model of the
+transformers export, each pair run alone. A LoRA run also counts its
+trainable parameters against PEFT's
 `get_peft_model` on the checkpoint, for q_proj,v_proj and for 'all-linear'.
 Reloads are read in host memory, with no distribution.
 Families without layout rules of the toolkit's (Qwen, Gemma) fold `model`
@@ -52,10 +56,12 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
+from tpu_keras import config as config_lib  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
+from tpu_keras.data import text  # noqa: E402
 from tpu_keras.models import export, families, hub_presets  # noqa: E402
 from tpu_keras.tools import sampling  # noqa: E402
-from tpu_keras.training import run, setup  # noqa: E402
+from tpu_keras.training import evaluation, run, setup  # noqa: E402
 
 import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
 
@@ -164,6 +170,46 @@ def exported(model, config, folder, checkpoint, expected, name):
             "toolkit": gap(expected, logits(read_back(name, f"{folder}/transformers")))}
 
 
+def instruct(name, checkpoint, workdir):
+    """`evaluate`'s loss on instruction pairs packed apart, after a few steps of full
+    fine-tuning, against transformers' model of the export, each pair alone."""
+    os.makedirs(workdir, exist_ok=True)
+    pairs = os.path.join(workdir, "pairs.jsonl")
+    with open(pairs, "w") as lines:  # 20 to 59 bytes: a row of 65 holds one to three
+        for i in range(40):
+            lines.write(json.dumps({"prompt": f"def f{i}(x):" + " #" * (i % 4),
+                                    "response": " return x" + " + 1" * (i * 5 % 9)}) + "\n")
+    config = config_for(name, checkpoint)
+    config.data.update(name="", preprocess="", text_files=pairs, eval_text_files=pairs,
+                       instructions=True)  # bytes: ids the checkpoint's embedding holds
+    config.export.formats = ("transformers",)
+    config.train.eval_steps = 0  # every row
+    run.train(config, workdir)
+    resolved = config_lib.read_run_config(workdir)
+    loss = evaluation.evaluate(resolved, workdir)[config.train.steps]["val_loss"]
+    source = text.open_source(resolved.data, training=False)
+    import torch
+    import transformers
+    exported = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/export/transformers",
+                                                                 dtype=torch.float32)
+    total = weight = 0.0
+    end, rows = source.tokenizer.eos_id, 0
+    for row, ids in source.read(source.files, True, with_ids=True).as_numpy_iterator():
+        rows += 1
+        real = int((ids[:, 0] >= 0).sum())  # the padding after the last pair has id -1
+        cuts = [0] + [i + 1 for i in np.flatnonzero(row["tokens"][:real] == end)]
+        for a, b in zip(cuts, cuts[1:]):  # each pair alone
+            tokens, mask = row["tokens"][a:b], row["mask"][a:b]
+            with torch.no_grad():
+                logits = exported(torch.tensor(tokens[None, :-1], dtype=torch.long)).logits[0].numpy()
+            logits = logits.astype("float64")
+            top = logits.max(-1, keepdims=True)
+            log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+            nll = -np.take_along_axis(log_probs, tokens[1:, None], -1)[:, 0]
+            total, weight = total + (nll * mask[1:]).sum(), weight + mask[1:].sum()
+    return {"evaluate": loss, "transformers": total / weight, "rows": rows, "pairs": 40}
+
+
 result = {}
 for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
     if names is not None and name not in names:
@@ -192,6 +238,8 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
         expected = keras.ops.convert_to_numpy(changed(tokens))
         result[name]["theta"] = {"moved": gap(expected, first), **exported(
             changed, config, os.path.join(out, name, "theta"), checkpoint, expected, name)}
+    if f"{name}:instruct" in runs:
+        result[name]["instruct"] = instruct(name, checkpoint, os.path.join(out, name, "instruct"))
     for variant, rank in (("lora", 4), ("lora_all", 4), ("full", 0)):
         if f"{name}:{variant}" not in runs:
             continue

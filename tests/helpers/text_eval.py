@@ -85,21 +85,22 @@ with open(f"{folder}/pairs.jsonl", "w") as lines:
 instruct = config_lib.defaults()
 instruct.data.update(text_files=f"{folder}/pairs.jsonl", eval_text_files=f"{folder}/pairs.jsonl",
                      instructions=True, prompt_field="q", response_field="a",
-                     tokenizer="LlamaTokenizer", vocabulary=spm, context_length=31)
-instruct.model = dict(name="gpt", vocab_size=1024, context_length=31, width=32, depth=1, num_heads=2)
+                     tokenizer="LlamaTokenizer", vocabulary=spm, context_length=63)
+instruct.model = dict(name="gpt", vocab_size=1024, context_length=63, width=32, depth=1, num_heads=2)
 sp = sentencepiece.SentencePieceProcessor(model_file=spm)
-stream, weights = [], []
+examples = []  # each pair as packed: its tokens and weights (start, prompt at 0; response, end at 1)
 for p, r in pairs:
     prompt, response = [sp.bos_id()] + sp.encode(p), sp.encode(r) + [sp.eos_id()]
-    stream += prompt + response
-    weights += [0] * len(prompt) + [1] * len(response)
-rows = -(-len(stream) // 32)
-padded = lambda values: np.pad(values, (0, rows * 32 - len(values))).reshape(rows, 32)
-stream, weights = padded(stream), padded(weights)
+    examples.append((prompt + response, [0] * len(prompt) + [1] * len(response)))
 source = text.open_source(instruct.data, training=False)
-packed = list(source.read(source.files, True).as_numpy_iterator())  # one file: in line order
-same = (np.array_equal(np.stack([s["tokens"] for s in packed]), stream)
-        and np.array_equal(np.stack([s["mask"] for s in packed]), weights))
+packed = list(source.read(source.files, True).as_numpy_iterator())
+stream, weights = np.stack([s["tokens"] for s in packed]), np.stack([s["mask"] for s in packed])
+found = []  # each row's examples, split after each end token, with their weights
+for row, mask in zip(stream, weights):
+    cuts = [0] + [i + 1 for i in np.flatnonzero(row == sp.eos_id())]
+    found += [(row[a:b].tolist(), mask[a:b].astype(int).tolist()) for a, b in zip(cuts, cuts[1:])]
+    assert not mask[cuts[-1]:].any()  # after the last example: padding, weight 0
+same = sorted(map(str, found)) == sorted(map(str, examples))  # each pair whole, once
 response_bytes = sum(len(r.encode()) for _, r in pairs)
 with cluster.scope():
     model = models.build(instruct.model)

@@ -8,7 +8,8 @@ launcher; the test reads the logs.
 
 Logs go to OUT/<glob index>/{epoch,resumed}/host<h>.txt; token counts are
 shared in OUT/counts. A glob under a folder named 'instructions' is read as
-prompts and responses (data.instructions). Each PROBE line says how many
+prompts and responses (data.instructions), one under 'apart' as documents
+packed apart (data.document_masks). Each PROBE line says how many
 documents this host tokenized while the pipeline was built: on the first
 build and on the restart. A glob under 'bad' holds a line without its
 response: each host prints the error it stops on (PROBE_ERROR).
@@ -63,7 +64,8 @@ def main(out, patterns, global_batch, context_length):
         config = config_lib.defaults().data
         config.update(text_files=pattern, text_field="text", context_length=context_length,
                       shuffle_buffer=16, token_counts=f"{out}/counts",
-                      instructions="/instructions/" in pattern or "/bad/" in pattern)
+                      instructions="/instructions/" in pattern or "/bad/" in pattern,
+                      document_masks="/apart/" in pattern)
         if "/bad/" in pattern:
             try:
                 data.build(config, cluster, global_batch, training=True)

@@ -47,13 +47,15 @@ class Source:
         return sum(f.take for f in files)
 
     def read(self, files, deterministic: bool, order_seed=None,
-             with_ids: bool = False) -> tf.data.Dataset:
+             with_ids: bool = False, per_file=None) -> tf.data.Dataset:
         """Decoded examples of `files`, read and decoded in parallel.
 
         `order_seed` (a shape [2] tensor) permutes the files statelessly, so an
         epoch's file order depends on nothing but the seed. `with_ids` pairs
         each example with its id: its file's index in the source times 2**32
-        plus its record's index in that file.
+        plus its record's index in that file. `per_file` maps each file's
+        decoded examples, in the file's order, before the files interleave
+        (text packed apart: a file's rows are its own examples').
         """
         files = list(files)
         columns = (tf.constant([f.path for f in files]),
@@ -64,17 +66,22 @@ class Source:
             order = tf.random.experimental.stateless_shuffle(tf.range(len(files)), order_seed)
             columns = tuple(tf.gather(column, order) for column in columns)
 
+        decode = (lambda record, id_: (self.decode(record), id_)) if with_ids else self.decode
+
         def records(path, skip, take, file_index):
             file = self.reader(path).skip(skip).take(take)
-            if not with_ids:
+            if with_ids:
+                ids = tf.data.Dataset.range(skip, skip + take).map(lambda i: file_index * 2 ** 32 + i)
+                file = tf.data.Dataset.zip(file, ids)
+            if per_file is None:
                 return file
-            ids = tf.data.Dataset.range(skip, skip + take).map(lambda i: file_index * 2 ** 32 + i)
-            return tf.data.Dataset.zip(file, ids)
+            return per_file(file.map(decode, num_parallel_calls=AUTOTUNE, deterministic=True))
 
         read = tf.data.Dataset.from_tensor_slices(columns).interleave(
             records, cycle_length=min(16, len(files)), num_parallel_calls=AUTOTUNE,
             deterministic=deterministic)
-        decode = (lambda record, id_: (self.decode(record), id_)) if with_ids else self.decode
+        if per_file is not None:
+            return read
         return read.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 

@@ -10,13 +10,21 @@ With `data.instructions`, each .jsonl line is a prompt and a response
 instead (`documents.Instructions`), whose prompt tokens weigh 0.
 
 `PackedSource` wraps one: it tokenizes blocks of documents inside tf.data
-(`documents`: a document's tokens, then the end token), and cuts the stream
-into sequences of `data.context_length + 1` tokens (inputs and shifted
-targets), so no training position is padding; a `mask` beside the tokens
-carries their weights where not all are 1. To plan exactly-once epochs it
-must know how many sequences a host's files give, so the tokens of every
-file are counted: once per corpus, shared by every host (`token_counts`).
-Evaluation keeps the last partial sequence, padded, with weight 0.
+(`documents`: a document's tokens, then the end token), and packs them into
+rows of `data.context_length + 1` tokens (inputs and shifted targets), a
+`mask` beside the tokens carrying their weights where not all are 1:
+
+- as one stream (plain text): joined and cut into rows, so no training
+  position is padding; evaluation keeps the last partial row, padded, with
+  weight 0;
+- apart (instruction data; text with `data.document_masks`): each file's
+  examples placed whole into rows by best fit within a window (`packing`),
+  the model keeping each to itself (`models.segments`), the rest of a row
+  padding with weight 0.
+
+To plan exactly-once epochs it must know how many rows a host's files give,
+so the tokens (and, packed apart, the rows) of every file are counted: once
+per corpus, shared by every host (`token_counts`).
 """
 
 import dataclasses
@@ -30,8 +38,8 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from tpu_keras.data import documents as documents_lib, sources, stdlib_instructions, stdlib_text, \
-    token_counts, tokenizers
+from tpu_keras.data import documents as documents_lib, packing as packing_lib, sources, \
+    stdlib_instructions, stdlib_text, token_counts, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -59,6 +67,12 @@ def resolve(config, workdir: str = "") -> dict:
     if config.data.tokenizer == tokenizers.PRESET:
         filled["vocabulary"] = config.model.get("preset", "")
     return filled
+
+
+def example_end_token(config) -> int:
+    """The token that ends each example of text packed apart (the data tokenizer's end
+    token), for the model to keep each example to itself (`models.segments`)."""
+    return tokenizers.make(with_data_dir(config)).eos_id
 
 
 def with_data_dir(config):
@@ -95,6 +109,9 @@ class PackedSource:
     trained_tokens: int  # the tokens that weigh 1 (all of them, but for instructions)
     trained_bytes: int   # ... and the bytes of their text
     pad_tail: bool  # evaluation: keep the last partial sequence, padded and masked
+    packing: packing_lib.Packing | None = None  # examples apart (None: one stream)
+    rows_per_file: tuple[int, ...] = ()          # ... the rows each file fills
+    tokens_in_rows: int = 0                      # ... the tokens those rows hold
 
     @property
     def name(self) -> str:
@@ -118,9 +135,24 @@ class PackedSource:
         """File -> its tokens: a plan asks for every host's files, so not files.index."""
         return dict(zip(self.files, self.tokens_per_file))
 
+    @functools.cached_property
+    def _rows_of(self) -> dict:
+        return dict(zip(self.files, self.rows_per_file))
+
     def examples_in(self, files) -> int:
+        if self.packing is not None:
+            return sum(self._rows_of[f] for f in files)
         tokens = sum(self._tokens_of[f] for f in files)
         return math.ceil(tokens / self.length) if self.pad_tail else tokens // self.length
+
+    @property
+    def padding(self) -> float:
+        """The share of padding tokens in the rows (0 for a training stream, whose rows are
+        all tokens)."""
+        if self.packing is None:
+            return 0.0 if not self.pad_tail else 1 - sum(self.tokens_per_file) / max(
+                self.num_examples * self.length, 1)
+        return 1 - self.tokens_in_rows / max(sum(self.rows_per_file) * self.length, 1)
 
     def read(self, files, deterministic: bool, order_seed=None, with_ids: bool = False):
         """Packed sequences `{"tokens"}` (`{"tokens", "mask"}` with weights) of `files`.
@@ -129,10 +161,36 @@ class PackedSource:
         (document id, position in the document), -1 for padding; a document's
         id is the source's example id (file index * 2**32 + record).
         """
+        if self.packing is not None:  # each file's examples apart, whole
+            return self.documents.read(files, deterministic, order_seed, with_ids=with_ids,
+                                       per_file=functools.partial(self._pack_apart, with_ids=with_ids))
         documents = self.documents.read(files, deterministic, order_seed, with_ids=with_ids)
         blocks = documents.batch(DOCUMENTS_PER_BLOCK).map(
             self._tokenize, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
         return _pack(blocks, self.length, self.pad_tail, with_ids)
+
+    def _pack_apart(self, documents, with_ids: bool):
+        """One file's documents -> its rows (`packing`), a window of them at a time."""
+        def pack(block, doc_ids=None):
+            tokens, weights, _ = self.recipe.tokenize(self.tokenizer, block)
+            columns = {"tokens": tokens.flat_values,
+                       "mask": (tf.ones_like(tokens) if weights is None else weights).flat_values}
+            if doc_ids is not None:
+                rows = tokens.row_lengths()
+                columns["ids"] = tf.stack([tf.repeat(doc_ids, rows),
+                                           tf.ragged.range(rows).flat_values], axis=-1)
+            names = sorted(columns)
+
+            def place(sizes, *values):
+                packed = self.packing.pack(sizes, dict(zip(names, values)), _PAD)
+                return tuple(packed[name] for name in names)
+            outputs = tf.numpy_function(place, [tokens.row_lengths()] + [columns[n] for n in names],
+                                        [columns[n].dtype for n in names], stateful=False)
+            rows = {name: tf.ensure_shape(out, [None, self.length, *columns[name].shape[1:]])
+                    for name, out in zip(names, outputs)}
+            ids = rows.pop("ids", None)
+            return (rows, ids) if doc_ids is not None else rows
+        return documents.batch(packing_lib.WINDOW).map(pack).unbatch()
 
     def _tokenize(self, block, doc_ids=None):
         """A block of documents -> their columns, flat: tokens, weights (where some are not 1,
@@ -222,9 +280,10 @@ def _open(config, training: bool, hosts) -> PackedSource:
         documents = sources.tfds_source(config.name, split, data_dir,
                                         "data.train_split" if training else "data.eval_split",
                                         text_field=config.text_field)
-    fingerprint = f"{tokenizer.fingerprint} {recipe}"
+    packing = packing_of(config)
+    fingerprint = f"{tokenizer.fingerprint} {recipe}" + (f" {packing}" if packing else "")
     records = token_counts.gather(documents.files, fingerprint,
-                                  lambda indices: _count(documents, recipe, tokenizer, indices),
+                                  lambda indices: _count(documents, recipe, tokenizer, indices, packing),
                                   os.path.expanduser(config.token_counts), *hosts,
                                   wait_seconds=config.token_counts_wait_seconds)
     documents = dataclasses.replace(documents, files=tuple(
@@ -232,14 +291,31 @@ def _open(config, training: bool, hosts) -> PackedSource:
         for f, r in zip(documents.files, records)))
     _check_prompts(documents.files, records, config.context_length,
                    tokenizer.start_id is not None)
+    if packing is not None:
+        for file, record in zip(documents.files, records):
+            tokens, line = record["longest_example"]
+            packing_lib.check_longest(file.path, line + 1, tokens, packing, "an example")
     source = PackedSource(documents, recipe, tokenizer, config.context_length + 1,
                           tuple(r["tokens"] for r in records),
                           sum(r["trained_tokens"] for r in records),
-                          sum(r["trained_bytes"] for r in records), pad_tail=not training)
-    logging.info("%s: %d documents, %s tokens, %.4f tokens per byte%s", source.name,
+                          sum(r["trained_bytes"] for r in records), pad_tail=not training,
+                          packing=packing,
+                          rows_per_file=tuple(r["rows"] for r in records) if packing else (),
+                          tokens_in_rows=sum(r["tokens_in_rows"] for r in records) if packing else 0)
+    apart = (f", packed apart into {source.num_examples:,} rows, {source.padding:.1%} of their "
+             "tokens padding" if packing else "")
+    logging.info("%s: %d documents, %s tokens, %.4f tokens per byte%s%s", source.name,
                  documents.num_examples, f"{sum(source.tokens_per_file):,}",
-                 source.tokens_per_byte, " (of the responses)" if config.instructions else "")
+                 source.tokens_per_byte, " (of the responses)" if config.instructions else "", apart)
     return source
+
+
+def packing_of(config):
+    """How the data section packs its examples apart (`packing.Packing`), or None: one stream."""
+    if not (config.instructions or config.document_masks):
+        return None
+    return packing_lib.Packing(config.context_length + 1, split_long=not config.instructions,
+                               truncate=bool(config.truncate))
 
 
 def document_recipe(config):
@@ -278,10 +354,12 @@ def _whole_file(path):
     return tf.data.Dataset.from_tensors(tf.io.read_file(path))
 
 
-def _count(documents: sources.Source, recipe, tokenizer, indices) -> dict:
+def _count(documents: sources.Source, recipe, tokenizer, indices, packing=None) -> dict:
     """{index: record} of `documents.files[indices]`: its documents, tokens (the end token
     included), bytes, the tokens and bytes trained on, and its longest prompt ([tokens,
-    record]); a file with a bad line gets {"error": its one-line message}."""
+    record]); with `packing`, the rows its examples fill apart, the tokens those rows hold
+    and its longest example ([tokens, record]). A file with a bad line gets {"error": its
+    one-line message}."""
     records, files = {}, {}
     for index in indices:
         file = documents.files[index]
@@ -297,6 +375,7 @@ def _count(documents: sources.Source, recipe, tokenizer, indices) -> dict:
     keys = ("tokens", "trained_tokens", "bytes", "trained_bytes")
     sums = np.zeros((len(files), len(keys)), np.int64)
     longest = np.zeros((len(files), 2), np.int64)  # per file: prompt tokens, its record
+    examples = [dict() for _ in files] if packing is not None else None  # record -> its counts
 
     def stats(block, ids):
         tokens, weights, prompt = recipe.tokenize(tokenizer, block)
@@ -309,14 +388,42 @@ def _count(documents: sources.Source, recipe, tokenizer, indices) -> dict:
             .as_numpy_iterator():
         file_of, record_of = ids // 2 ** 32, ids % 2 ** 32
         np.add.at(sums, file_of, counts)
-        for file, record, prompt in zip(file_of, record_of, prompts):
+        for file, record, prompt, count in zip(file_of, record_of, prompts, counts):
             if prompt > longest[file, 0]:
                 longest[file] = prompt, record
+            if examples is not None:
+                examples[int(file)][int(record)] = (*count, prompt)  # file: its row in `files`
     for row, (index, file) in enumerate(files.items()):
         records[index] = {"path": file.path, "documents": file.take,
                           **{key: int(value) for key, value in zip(keys, sums[row])},
                           "longest_prompt": [int(v) for v in longest[row]]}
+        if examples is not None:
+            records[index].update(_apart(packing, recipe, examples[row]))
     return records
+
+
+def _apart(packing, recipe, examples: dict) -> dict:
+    """What a file's examples give packed apart: its rows, the tokens they hold, the tokens
+    and bytes trained in them, and its longest example ([tokens, record])."""
+    order = sorted(examples)  # records, as the file holds them
+    sizes = np.array([examples[r][0] for r in order], np.int64)
+    if not len(sizes):
+        return {"rows": 0, "tokens_in_rows": 0, "longest_example": [0, 0]}
+    kept = np.minimum(sizes, packing.length) if packing.truncate else sizes
+    trained = np.array([examples[r][1] for r in order], np.int64)
+    trained_bytes = np.array([examples[r][3] for r in order], np.float64)
+    prompts = np.array([examples[r][4] for r in order], np.int64)
+    if isinstance(recipe, documents_lib.Text):  # each piece's first token is no target
+        pieces = -(-sizes // packing.length) if packing.split_long else np.ones_like(sizes)
+        trained_kept = trained - pieces
+    else:  # instructions: the response's tokens that fit the row (its first is never one)
+        trained_kept = np.maximum(kept - prompts, 0)
+    scale = np.divide(trained_kept, trained, out=np.zeros(len(sizes)), where=trained > 0)
+    longest = int(np.argmax(sizes))
+    return {"rows": packing.rows_of_file(sizes.tolist()), "tokens_in_rows": int(kept.sum()),
+            "trained_tokens": int(trained_kept.sum()),
+            "trained_bytes": int(round(float((trained_bytes * scale).sum()))),
+            "longest_example": [int(sizes[longest]), int(order[longest])]}
 
 
 def _check_prompts(files, records, context_length: int, start: bool) -> None:

@@ -9,7 +9,7 @@ import keras
 from keras import layers
 
 from tpu_keras.parallelism import Rule, replicated
-from tpu_keras.models import lora
+from tpu_keras.models import lora, segments
 from tpu_keras.models.metrics import bits_per_byte, token_mean_loss
 from tpu_keras.models.registry import register
 
@@ -27,15 +27,19 @@ LORA_DEFAULT = ("q_proj", "v_proj")  # PEFT's for GPT-style models too
 
 
 class PositionEmbedding(layers.Layer):
-    """Adds a learned vector per position to a (batch, length, width) input."""
+    """Adds a learned vector per position to a (batch, length, width) input; given each
+    token's position (examples packed apart: each restarts at 0), that position's."""
 
-    def build(self, input_shape):
+    def build(self, x_shape, positions_shape=None):
         self.embeddings = self.add_weight(
-            name="embeddings", shape=tuple(input_shape[1:]),
+            name="embeddings", shape=tuple(x_shape[1:]),
             initializer=keras.initializers.RandomNormal(stddev=0.02))
 
-    def call(self, x):
-        return x + keras.ops.cast(self.embeddings, x.dtype)
+    def call(self, x, positions=None):
+        embeddings = keras.ops.cast(self.embeddings, x.dtype)
+        if positions is None:
+            return x + embeddings
+        return x + keras.ops.take(embeddings, positions, axis=0)
 
 
 @register("gpt",
@@ -47,7 +51,7 @@ class PositionEmbedding(layers.Layer):
               gpt_layout_rules(), _adapted_targets(kwargs)))
 def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
         mlp_ratio=4, dropout=0.0, lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
-        lora_rslora=False):
+        lora_rslora=False, example_end_token=-1):
     """A decoder-only transformer LM; returns logits (batch, context_length, vocab_size).
 
     Pre-norm blocks of causal multi-head attention and a GELU MLP, with
@@ -65,15 +69,26 @@ def gpt(vocab_size=256, context_length=128, width=128, depth=4, num_heads=4,
             each block's residual branches.
         lora_rank, lora_alpha, lora_targets, lora_rslora: LoRA as PEFT defines
             it (`models.lora`) on `LORA_TARGETS`; rank 0: every weight trains.
+        example_end_token: int, default -1. A token id that ends each example of a
+            row packed apart (`models.segments`): attention stays inside an example
+            and positions restart at its first token. -1: a row is one stream (the run
+            sets it from the data).
     """
     tokens = keras.Input((context_length,), dtype="int32", name="tokens")
     x = layers.Embedding(vocab_size, width, name="token_embedding",
                          embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02))(tokens)
-    x = PositionEmbedding(name="position_embedding")(x)
+    mask = None
+    if example_end_token >= 0:  # examples packed apart: each its own positions and attention
+        ids = segments.example_ids(tokens, example_end_token)
+        x = PositionEmbedding(name="position_embedding")(x, positions=segments.positions(ids))
+        mask = segments.same_example(ids)
+    else:
+        x = PositionEmbedding(name="position_embedding")(x)
     for i in range(depth):
         h = layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_attention_norm")(x)
         h = layers.MultiHeadAttention(num_heads, key_dim=width // num_heads, dropout=dropout,
-                                      name=f"block{i}_attention")(h, h, use_causal_mask=True)
+                                      name=f"block{i}_attention")(h, h, attention_mask=mask,
+                                                                  use_causal_mask=True)
         x = x + layers.Dropout(dropout)(h)
         h = layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_mlp_norm")(x)
         h = layers.Dense(mlp_ratio * width, activation="gelu", name=f"block{i}_mlp_up")(h)

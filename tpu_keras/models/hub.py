@@ -45,14 +45,14 @@ import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import families, hub_presets, lora
+from tpu_keras.models import families, hub_presets, lora, segments
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
 _TOOLKIT_KEYS = {
-    "causal_lm": ("preset",) + lora.KEYS + ("layout_map", "context_length"),
+    "causal_lm": ("preset",) + lora.KEYS + ("layout_map", "context_length", "example_end_token"),
     "image_classifier": ("preset",) + lora.KEYS + ("layout_map", "num_classes"),
 }
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
@@ -152,8 +152,8 @@ def _kind(keras_hub, task_cls) -> str:
 
 
 def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
-          lora_rslora=False, layout_map="toolkit", context_length=128, num_classes=10,
-          **backbone_kwargs):
+          lora_rslora=False, layout_map="toolkit", context_length=128, example_end_token=-1,
+          num_classes=10, **backbone_kwargs):
     """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits."""
     del layout_map  # the rules' business
     dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
@@ -187,7 +187,15 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
         if backbone_kwargs:
             _check_runs(task, backbone_kwargs)
         tokens = keras.Input((context_length,), dtype="int32", name="tokens")
-        logits = task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+        if example_end_token >= 0:  # examples packed apart in a row (models.segments)
+            if not segments.install(backbone):
+                raise UserError(f"{backbone_cls.__name__}'s attention cannot be kept to one example "
+                                "of a packed row (its family names no attention class); pack "
+                                "text as one stream (data.document_masks=False), or name the "
+                                "family's attention (docs/models.md#model-families)")
+            logits = segments.ExamplesApart(task, example_end_token, name="examples_apart")(tokens)
+        else:
+            logits = task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
         return keras.Model(tokens, keras.ops.cast(logits, "float32"), name=name)
     task = task_cls(backbone=backbone, num_classes=num_classes, preprocessor=None,
                     compile=False)

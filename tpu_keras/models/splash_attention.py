@@ -10,8 +10,9 @@ attention, which keeps the scores (batch x heads x length x length) for the
 backward pass. The compiled programs that show it: docs/performance.md.
 
 Here each device runs the kernel on its own rows and heads (`jax.shard_map`
-over the batch axes and `model`). The causal mask is static, and keras-hub's
-key padding becomes the kernel's segment ids (real tokens 1, padding 0). A
+over the batch axes and `model`). The causal mask is static, and the kernel's
+segment ids are the examples of a row packed apart (`models.segments`, each
+token's example), else keras-hub's key padding (real tokens 1, padding 0). A
 query that is a real token then attends exactly the keys keras-hub's mask
 allows; a padding query attends earlier padding instead of earlier real
 tokens, which changes only outputs the loss gives no weight to. A call the
@@ -29,7 +30,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
 from jax.sharding import PartitionSpec
 
-from tpu_keras.models import families
+from tpu_keras.models import families, segments as segments_lib
 from tpu_keras.parallelism.mesh import BATCH_AXES
 
 LANES = 128  # the kernel's blocks along the sequence are multiples of this
@@ -65,11 +66,13 @@ def install(model, interpret: bool = False, shortest: int = SHORTEST,
     served = {name for family in families.known() for name in family.fused_attention}
     routed = 0
     for layer in model._flatten_layers(include_self=False):
-        if type(layer).__name__ in served and "_compute_attention" not in vars(layer):
-            # An instance attribute: keras-hub's method stays the fallback.
+        if type(layer).__name__ in served and not getattr(layer, "_tpu_keras_splash", False):
+            # An instance attribute: the layer's attention as it was (keras-hub's, or kept to
+            # one example by `segments`) stays the fallback.
             object.__setattr__(layer, "_compute_attention", functools.partial(
-                _attention, layer._compute_attention, interpret=interpret, shortest=shortest,
-                one_device=one_device))
+                _attention, layer._compute_attention, layer=layer, interpret=interpret,
+                shortest=shortest, one_device=one_device))
+            object.__setattr__(layer, "_tpu_keras_splash", True)
             routed += 1
     return routed
 
@@ -82,15 +85,18 @@ def covers(query_shape, key_shape, shortest: int = SHORTEST) -> bool:
     return key_shape[1] == length and length % LANES == 0 and length >= shortest
 
 
-def _attention(keras_hub_attention, query, key, value, attention_mask=None, *, interpret,
+def _attention(fallback, query, key, value, attention_mask=None, *, layer, interpret,
                shortest, one_device=False):
     distribution = keras.distribution.distribution()
     if (distribution is None and not one_device) or not covers(query.shape, key.shape, shortest):
-        return keras_hub_attention(query, key, value, attention_mask)
-    layer = keras_hub_attention.__self__
-    # keras-hub's mask is min(key padding, causal): its last row is the key padding.
-    segments = (jnp.ones(query.shape[:2], jnp.int32) if attention_mask is None
-                else attention_mask[:, -1, :].astype(jnp.int32))
+        return fallback(query, key, value, attention_mask)
+    examples = segments_lib.current_ids()
+    if examples is not None:  # a row of examples packed apart: one segment each
+        segments = jnp.asarray(examples, jnp.int32)
+    elif attention_mask is None:
+        segments = jnp.ones(query.shape[:2], jnp.int32)
+    else:  # keras-hub's mask is min(key padding, causal): its last row is the key padding
+        segments = attention_mask[:, -1, :].astype(jnp.int32)
     query = query * jnp.asarray(layer._inv_norm_factor, query.dtype)  # the kernel does not scale
     kernel = functools.partial(_local, interpret=interpret)
     if one_device:

@@ -62,10 +62,9 @@ def load(workdir: str, config):
 
 def from_run(workdir: str, config) -> Generator:
     """The run's model and tokenizer (`data.tokenizer`; bytes for byte-level data)."""
-    import keras_hub
     from tpu_keras.data import preferences, text, tokenizers
     run, step = load(workdir, config)
-    from tpu_keras.models import preference
+    from tpu_keras.models import export, preference
     model, config = preference.policy_of(run.model), run.config  # a DPO run's language model
     # (and data.tokenizer='preset': the resolved preset's)
     data = text.with_data_dir(config.data) if text.is_text(config.data) else types.SimpleNamespace(
@@ -76,8 +75,7 @@ def from_run(workdir: str, config) -> Generator:
               else text.document_recipe(config.data))
     start = recipe.prompt_start(tokenizer) if text.is_text(config.data) else []
     context = model.input_shape[1]
-    task = next((layer for layer in model.layers
-                 if isinstance(layer, keras_hub.models.CausalLM)), None)
+    task = export.find_task(model)  # nested where the run packed examples apart
     if task is None:
         generator = _ids_generator(tokenizer, start, context, _whole_sequence(model, context))
     else:

@@ -21,7 +21,7 @@ class IntervalLogger(keras.callbacks.Callback):
     """
 
     def __init__(self, *, total_steps: int, global_batch: int,
-                 tokens_per_example: int = 0, flops_per_example: int = 0, peak_flops: float = 0.0,
+                 tokens_per_example: float = 0, flops_per_example: float = 0, peak_flops: float = 0.0,
                  summary_dir: str | None = None):
         super().__init__()
         self._total = total_steps

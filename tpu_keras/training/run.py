@@ -82,10 +82,13 @@ def train(config, workdir: str, started: float | None = None):
     flops_per_example = flops.training_flops_per_example(policy)
     if policy is not model:  # a pair: two sequences, each also through the reference's forward
         flops_per_example = 2 * (flops_per_example + flops.forward_flops_per_example(policy))
+    # Rows packed apart hold padding: throughput and MFU count the real tokens alone.
+    real_share = 1.0 - (data.text.open_source(config.data, True, (cluster.host_index, cluster.num_processes))
+                        .padding if data.text.is_text(config.data) and not config.data.preferences else 0.0)
     logger = callbacks.IntervalLogger(
         total_steps=train_cfg.steps, global_batch=update_batch,
-        tokens_per_example=builder.tokens_per_example(run.model_kwargs),
-        flops_per_example=flops_per_example,
+        tokens_per_example=builder.tokens_per_example(run.model_kwargs) * real_share,
+        flops_per_example=flops_per_example * real_share,
         peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
     fit_timer = callbacks.FitTimer(run_timings, cache_watch)  # first: its batch end times the call alone

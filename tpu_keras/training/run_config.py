@@ -18,13 +18,18 @@ Each piece is a pure function of the config that returns values:
   expanded, or the model the run kept once it has a checkpoint;
 - `data.text.resolve`: `data.token_counts`, `data.context_length` and
   `data.vocabulary` of packed text (after the preset: the tokenizer may be its);
+- `data.text.example_end_token`: `model.example_end_token`, the data's end token,
+  where examples are packed apart (the model keeps each to itself);
 - `models.registry.absolute_imports`: `model.imports`' files, found from any folder.
 """
+
+import inspect
 
 import ml_collections
 
 from tpu_keras import config as config_lib
 from tpu_keras.data import text
+from tpu_keras.errors import UserError
 from tpu_keras.models import hub, kept, registry
 from tpu_keras.training import defaults
 
@@ -41,15 +46,32 @@ def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections
         resolved.model.preset = kept.use(hub.expand_preset(resolved.model.preset, workdir),
                                          workdir, checkpointed)
     resolved.data.update(text.resolve(resolved, workdir))
+    if text.is_text(resolved.data) and text.packing_of(resolved.data) is not None:
+        _check_keeps_examples_apart(resolved.model)
+        with resolved.unlocked():  # a key of the model's the run fills in
+            resolved.model.example_end_token = text.example_end_token(resolved.data)
     if resolved.model.get("imports"):  # files of the user's, found from any folder later
         resolved.model.imports = registry.absolute_imports(resolved.model.imports)
     return ml_collections.FrozenConfigDict(resolved)
+
+
+def _check_keeps_examples_apart(model_config) -> None:
+    """A one-line error for a model that takes no `example_end_token`."""
+    builder, _ = registry.get(model_config)
+    accepted = (builder.arguments if builder.arguments is not None
+                else inspect.signature(builder.make).parameters)
+    if "example_end_token" not in accepted:
+        raise UserError(f"the data pack examples apart (data.instructions or data.document_masks), "
+                        f"and model {model_config.get('name')!r} takes no example_end_token to keep "
+                        "them apart; use a language model of the toolkit's (gpt, a keras-hub causal "
+                        "LM), or set data.document_masks=False")
 
 
 def to_json(resolved: ml_collections.FrozenConfigDict, config) -> str:
     """`resolved` as WORKDIR/config.json holds it: indented JSON, its keys in the order of
     `config`, the config it was resolved from (a FrozenConfigDict sorts them)."""
     ordered = config_lib.thawed(config)
-    ordered.update(resolved.to_dict())
+    with ordered.unlocked():  # with the keys the run filled in (model.example_end_token)
+        ordered.update(resolved.to_dict())
     return ordered.to_json_best_effort(indent=2)
 

@@ -31,7 +31,11 @@ class Family:
     ties: tuple[Tie, ...] = ()                        # dimensions split alike (attention heads, MLP units)
     lora_targets: tuple[Target, ...] = ()             # the projections LoRA may adapt, PEFT's names
     lora_default: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT's default target_modules for it
-    fused_attention: tuple[str, ...] = ()             # attention classes the splash kernel serves
+    # Attention classes whose `_compute_attention(query, key, value, attention_mask, ...)` the
+    # toolkit may restrict to one example of a packed row (`segments`); of them, those the
+    # TPU's fused kernel serves (`splash_attention`).
+    attention: tuple[str, ...] = ()
+    fused_attention: tuple[str, ...] = ()
     exporter: str = ""                                # keras-hub's transformers exporter, by backbone class ('': its own)
     # backbone -> {transformers name: tensor}, in place of the exporter's weights map.
     transformers_weights: Optional[Callable] = None

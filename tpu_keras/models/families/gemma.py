@@ -55,6 +55,7 @@ LORA_TARGETS = (
 FAMILY = register(Family(
     name="gemma",
     backbones=("GemmaBackbone",),
+    attention=("CachedGemmaAttention",),
     model_types=("gemma", "gemma2"),
     # keras-hub 0.32's converter leaves it out (Gemma's own 1e-6 is the backbone's default).
     converter_keys={"rms_norm_eps": "layer_norm_epsilon"},

@@ -86,6 +86,7 @@ def read_config(config: dict) -> dict:
 FAMILY = register(Family(
     name="llama",
     backbones=("LlamaBackbone", "Llama3Backbone"),
+    attention=("LlamaAttention",),
     model_types=("llama",),
     # keras-hub 0.32's converter leaves it out: Llama 3's 1e-5 became the backbone's 1e-6,
     # 3e-3 off transformers' logits, and the transformers export then said 1e-06.

@@ -12,6 +12,7 @@ from tpu_keras.models.families.family import Family, no_rope_scaling, register
 FAMILY = register(Family(
     name="mistral",
     backbones=("MistralBackbone",),
+    attention=("CachedMistralAttention",),
     model_types=("mistral",),
     read_config=no_rope_scaling,
     layout=llama.layout,

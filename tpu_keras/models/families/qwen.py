@@ -11,6 +11,7 @@ from tpu_keras.models.families.family import Family, no_rope_scaling, register
 FAMILY = register(Family(
     name="qwen",
     backbones=("QwenBackbone",),
+    attention=("QwenAttention",),
     model_types=("qwen2",),
     read_config=no_rope_scaling,
     lora_targets=llama.LORA_TARGETS,

@@ -9,6 +9,7 @@ from tpu_keras.models.families.family import Family, no_rope_scaling, register
 FAMILY = register(Family(
     name="qwen3",
     backbones=("Qwen3Backbone",),
+    attention=("Qwen3Attention",),
     model_types=("qwen3",),
     read_config=no_rope_scaling,
 ))

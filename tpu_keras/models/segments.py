@@ -1,0 +1,126 @@
+"""Examples packed apart in one row: which example each token is in, read from the tokens.
+
+Every example the toolkit packs ends with the tokenizer's end token
+(`data.documents`: a document's tokens then the end token; a prompt, its
+response, then the end token), and no example holds one inside. So where a
+row's examples must not see each other (instruction data; text with
+`data.document_masks`), a model told the end token
+(`model.example_end_token`, which the run sets from the data) finds each
+token's example itself: the example of token i is the number of end tokens
+before it. Attention then stays inside an example, and a model whose
+positions are absolute (the `gpt` builder's learned ones) restarts them at
+each example's first token. A row that holds one example, as a prompt to
+continue or an example run alone, is the same function: the model's input
+stays token ids alone, and generation, the exports and the plan need
+nothing of their own. A row's padding after its last example is one more
+"example" that no real token sees (attention looks back only).
+
+keras-hub models compute attention in their attention layers'
+`_compute_attention(query, key, value, attention_mask, ...)`, with the
+causal and padding mask keras-hub builds; `install` makes those of the
+families' attention classes (`Family.attention`) also require the same
+example (`current`, the ids of the call in progress), and the TPU's fused
+kernel takes the ids as its segment ids (`splash_attention`). Rotary
+positions make attention scores depend on distances alone, so those models
+keep their positions: the logits of an example are the same wherever it
+sits in a row.
+"""
+
+import contextlib
+import functools
+
+import keras
+
+from tpu_keras.models import families
+
+_CURRENT = []  # the example ids of the call being traced, innermost last
+
+
+def example_ids(tokens, end_token: int):
+    """(batch, length) int32: each token's example, 0 for the first, counting the end tokens
+    before it."""
+    ends = keras.ops.cast(keras.ops.equal(tokens, end_token), "int32")
+    return keras.ops.cumsum(ends, axis=-1) - ends
+
+
+def positions(ids):
+    """Each token's position inside its example: 0 at the example's first token."""
+    index = keras.ops.zeros_like(ids) + keras.ops.arange(ids.shape[-1], dtype="int32")
+    starts = keras.ops.concatenate([keras.ops.ones_like(ids[:, :1]),
+                                    keras.ops.cast(ids[:, 1:] != ids[:, :-1], "int32")], axis=-1)
+    first = keras.ops.where(starts > 0, index, keras.ops.zeros_like(index))
+    return index - _cumulative_max(first)
+
+
+def same_example(ids):
+    """(batch, length, length) bool: query i and key j are in one example."""
+    return keras.ops.equal(keras.ops.expand_dims(ids, -1), keras.ops.expand_dims(ids, -2))
+
+
+def _cumulative_max(values):
+    """The running maximum along the last axis, by doubling steps (log2(length) of them)."""
+    length, shift = values.shape[-1], 1
+    while shift < length:
+        shifted = keras.ops.pad(values[:, :-shift], [[0, 0], [shift, 0]])
+        values = keras.ops.maximum(values, shifted)
+        shift *= 2
+    return values
+
+
+@contextlib.contextmanager
+def current(ids):
+    """While open, the attention `install` routed keeps to the examples `ids` say."""
+    _CURRENT.append(ids)
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
+
+
+def current_ids():
+    """The example ids of the call in progress, or None outside `current`."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
+def install(model) -> int:
+    """Makes the attention layers of `model`'s families keep to one example while `current`
+    ids are set (their mask's minimum with `same_example`); returns how many layers."""
+    classes = {name for family in families.known() for name in family.attention}
+    routed = 0
+    for layer in model._flatten_layers(include_self=False):
+        if type(layer).__name__ in classes and not getattr(layer, "_tpu_keras_segments", False):
+            object.__setattr__(layer, "_compute_attention",
+                               functools.partial(_within_examples, layer._compute_attention))
+            object.__setattr__(layer, "_tpu_keras_segments", True)
+            routed += 1
+    return routed
+
+
+class ExamplesApart(keras.layers.Layer):
+    """A keras-hub causal LM task called on token ids, its examples apart: the ids of each
+    token's example are `current` while the task runs (its attention, `install`ed, keeps to
+    them), and its padding mask is all ones."""
+
+    def __init__(self, task, end_token: int, **kwargs):
+        super().__init__(**kwargs)
+        self.task, self.end_token = task, end_token
+
+    def call(self, tokens):
+        with current(example_ids(tokens, self.end_token)):
+            return self.task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+
+    def get_config(self):
+        return {**super().get_config(), "end_token": self.end_token,
+                "task": keras.saving.serialize_keras_object(self.task)}
+
+
+def _within_examples(compute, query, key, value, attention_mask=None, *args, **kwargs):
+    ids = current_ids()
+    if ids is not None and attention_mask is not None and attention_mask.shape[-1] == ids.shape[-1] \
+            and attention_mask.shape[-2] == ids.shape[-1]:
+        same = same_example(ids)
+        if keras.backend.standardize_dtype(attention_mask.dtype) == "bool":
+            attention_mask = keras.ops.logical_and(attention_mask, same)
+        else:
+            attention_mask = keras.ops.minimum(attention_mask, keras.ops.cast(same, attention_mask.dtype))
+    return compute(query, key, value, attention_mask, *args, **kwargs)
