@@ -27,6 +27,8 @@ def test_the_factors_alone_train_and_compute_the_merged_kernels(engine):
     result = probe(engine)
     # gpt: 2 blocks of q, k, v, o (32 -> 32) and up, down (32 <-> 128), rank 2.
     assert result["gpt"]["trainable"] == 2 * 2 * (4 * (32 + 32) + 2 * (32 + 128)) == 2304, result
+    # Gemma: q and o (32 <-> 4 x 8), k and v (32 -> 2 x 8), gate, up and down (32 <-> 24), rank 2.
+    assert result["gemma"]["trainable"] == 2 * (2 * (32 + 32) + 2 * (32 + 16) + 3 * (32 + 24)), result
     for model in ("gpt", "gemma"):  # Gemma: 7 projections, its query (heads, hidden, head_dim)
         checks = result[model]
         assert checks["trainable_are_factors"] and checks["trainable"] == checks["peft_count"], checks

@@ -110,11 +110,11 @@ def _free_space(packing: Packing, sizes) -> tuple[list, list]:
     return where, free
 
 
-def check_longest(path: str, line: int, tokens: int, packing: Packing, what: str) -> None:
+def check_longest(path: str, line: int, tokens: int, packing: Packing) -> None:
     """A one-line error for an example longer than a row that may not be cut."""
     if tokens > packing.length and not (packing.split_long or packing.truncate):
         raise UserError(
-            f"{path}:{line} is {what} of {tokens} tokens, longer than a row of "
+            f"{path}:{line} is an example of {tokens} tokens, longer than a row of "
             f"data.context_length + 1 = {packing.length} tokens, and examples are packed whole; "
             f"raise data.context_length (and the model's context_length) to at least "
             f"{tokens - 1}, shorten that example, or set data.truncate=True to cut such examples "

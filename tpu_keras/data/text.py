@@ -147,11 +147,10 @@ class PackedSource:
 
     @property
     def padding(self) -> float:
-        """The share of padding tokens in the rows (0 for a training stream, whose rows are
-        all tokens)."""
+        """The share of padding tokens in the rows packed apart (0 for one stream, whose rows
+        are all tokens but an evaluation's last)."""
         if self.packing is None:
-            return 0.0 if not self.pad_tail else 1 - sum(self.tokens_per_file) / max(
-                self.num_examples * self.length, 1)
+            return 0.0
         return 1 - self.tokens_in_rows / max(sum(self.rows_per_file) * self.length, 1)
 
     def read(self, files, deterministic: bool, order_seed=None, with_ids: bool = False):
@@ -294,7 +293,7 @@ def _open(config, training: bool, hosts) -> PackedSource:
     if packing is not None:
         for file, record in zip(documents.files, records):
             tokens, line = record["longest_example"]
-            packing_lib.check_longest(file.path, line + 1, tokens, packing, "an example")
+            packing_lib.check_longest(file.path, line + 1, tokens, packing)
     source = PackedSource(documents, recipe, tokenizer, config.context_length + 1,
                           tuple(r["tokens"] for r in records),
                           sum(r["trained_tokens"] for r in records),
@@ -413,9 +412,8 @@ def _apart(packing, recipe, examples: dict) -> dict:
     trained = np.array([examples[r][1] for r in order], np.int64)
     trained_bytes = np.array([examples[r][3] for r in order], np.float64)
     prompts = np.array([examples[r][4] for r in order], np.int64)
-    if isinstance(recipe, documents_lib.Text):  # each piece's first token is no target
-        pieces = -(-sizes // packing.length) if packing.split_long else np.ones_like(sizes)
-        trained_kept = trained - pieces
+    if isinstance(recipe, documents_lib.Text):  # in pieces of a row, each one's first no target
+        trained_kept = trained - -(-sizes // packing.length)
     else:  # instructions: the response's tokens that fit the row (its first is never one)
         trained_kept = np.maximum(kept - prompts, 0)
     scale = np.divide(trained_kept, trained, out=np.zeros(len(sizes)), where=trained > 0)

@@ -73,8 +73,9 @@ def formats(config, task=None) -> tuple[str, ...]:
     exporter = task is None or _has_transformers_exporter(task)
     if exporter:
         applies.append("transformers")
-    settings = _lora_settings(config, task)
-    if settings is not None:
+    adapted = lora.adapted_layers(task.backbone) if task is not None else []
+    if adapted:
+        settings = lora.settings_of(adapted)
         if lora_file.refusal(settings) is None:
             applies.append("lora")
         if exporter:
@@ -104,7 +105,7 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
             problems.append(f"export format {name!r} needs a LoRA run (model.lora_rank), and "
                             f"{config.model.name!r} trained every weight; drop {name!r} from export.formats")
             hub_formats.remove(name)
-    if "lora" in hub_formats and (refusal := lora_file.refusal(adapted[0]._tpu_keras_lora.settings)):
+    if "lora" in hub_formats and (refusal := lora_file.refusal(lora.settings_of(adapted))):
         problems.append(refusal)
         hub_formats.remove("lora")
     exporter_less = [name for name in ("transformers", "peft") if name in hub_formats]
@@ -134,18 +135,6 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
             copy(os.path.join(local, name), os.path.join(export_dir, name))
             logging.info("exported %s to %s", name, os.path.join(export_dir, name))
     return problems
-
-
-def _lora_settings(config, task):
-    """The run's LoRA settings (None without LoRA): the task's, or read from the config."""
-    if task is not None:
-        adapted = lora.adapted_layers(task.backbone)
-        return adapted[0]._tpu_keras_lora.settings if adapted else None
-    if not config.model.get("lora_rank"):
-        return None
-    keras_hub = hub.import_keras_hub()
-    task_cls = hub._task_class(keras_hub, config.model.name[len(KERAS_HUB):])
-    return hub.lora_settings(task_cls.backbone_cls, dict(config.model))
 
 
 def _write_transformers(host, folder: str, preset: str, config) -> None:

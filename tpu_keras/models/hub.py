@@ -47,7 +47,7 @@ from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
 from tpu_keras.models import families, hub_presets, lora, segments
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
-from tpu_keras.models.registry import Builder, register_family
+from tpu_keras.models.registry import RESERVED, Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
@@ -117,7 +117,7 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
 
 
 def _backbone_kwargs(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k not in _ANY_TOOLKIT_KEY and k not in ("name", "imports")}
+    return {k: v for k, v in kwargs.items() if k not in _ANY_TOOLKIT_KEY and k not in RESERVED}
 
 
 def lora_settings(backbone_cls, kwargs: dict):

@@ -50,7 +50,7 @@ import keras
 import numpy as np
 
 from tpu_keras.errors import UserError, closest
-from tpu_keras.parallelism import Rule, Tie, replicated
+from tpu_keras.parallelism import Rule, Tie, matching_rules, replicated
 
 # PEFT's LoraConfig default. A recipe that gives r alone means alpha 8 in PEFT, so it does here.
 DEFAULT_ALPHA = 8.0
@@ -73,6 +73,19 @@ class Target:
     def pattern(self) -> str:
         """A regex of the layer's paths, the block number its group."""
         return re.escape(self.layer).replace(re.escape("{i}"), r"(\d+)")
+
+    @property
+    def kernel(self) -> str:
+        """The path of one such layer's kernel (block 0's), to look its layout rule up."""
+        return self.layer.replace("{i}", "0") + "/kernel"
+
+    def block(self, path: str):
+        """The block number in a layer's `path` ('' for a target without blocks), or None
+        where the path is not this target's."""
+        match = re.search(rf"(^|/){self.pattern}$", path)
+        if match is None:
+            return None
+        return match.group(2) if "{i}" in self.layer else ""
 
     def outputs(self, rank: int) -> tuple[int, ...]:
         return tuple(axis for axis in range(rank) if axis not in self.inputs)
@@ -132,7 +145,10 @@ class Adapter:
 
     def __init__(self, layer, target: Target, settings: Settings):
         self.target, self.settings, self.on = target, settings, True
-        shape = kernel_shape(layer)
+        if getattr(layer, "quantization_mode", None):
+            raise UserError(f"{layer.path}: LoRA over a quantized kernel "
+                            f"({layer.quantization_mode}) is not supported; adapt the float model")
+        shape = tuple(int(n) for n in layer.kernel.shape)
         self.inputs, self.outputs = _geometry(layer, len(shape))
         if self.inputs != tuple(target.inputs):
             raise UserError(f"{layer.path}: the family's LoRA target {target.module!r} says its "
@@ -141,7 +157,6 @@ class Adapter:
                             "target's inputs")
         self.in_shape = tuple(shape[axis] for axis in self.inputs)
         self.out_shape = tuple(shape[axis] for axis in self.outputs)
-        self.kernel_shape = tuple(shape)
         # A Dense layer's einsums follow its input's rank, known when it is called.
         self._einsums = _einsums(layer.equation) if isinstance(layer, keras.layers.EinsumDense) else None
 
@@ -155,14 +170,6 @@ class Adapter:
 
     def einsums(self, inputs) -> "_Einsums":
         return self._einsums or _einsums(_dense_equation(len(inputs.shape)))
-
-    def update(self, layer, inputs):
-        """`scaling * (inputs A) B`, in the inputs' dtype (autodiff's backward pass)."""
-        e = self.einsums(inputs)
-        a = keras.ops.cast(layer.lora_a, inputs.dtype)
-        b = keras.ops.cast(layer.lora_b, inputs.dtype)
-        low = keras.ops.einsum(e.down, inputs, a)
-        return keras.ops.einsum(e.up, low, b) * keras.ops.cast(self.settings.scaling, inputs.dtype)
 
     def project(self, layer, inputs):
         """`inputs W + scaling * (inputs A) B` of a float kernel, in the inputs' dtype, with
@@ -181,7 +188,7 @@ def attach(model, targets: Sequence[Target], settings: Settings) -> list:
     adapted = []
     for layer in model._flatten_layers(include_self=False):
         path = getattr(layer, "path", "") or ""
-        target = next((t for t in chosen if re.search(rf"(^|/){t.pattern}$", path)), None)
+        target = next((t for t in chosen if t.block(path) is not None), None)
         if target is not None:
             _adapt(layer, target, settings)
             adapted.append(layer)
@@ -210,23 +217,10 @@ def _adapt(layer, target: Target, settings: Settings) -> None:
     def call(inputs, *args, **kwargs):
         if not adapter.on:
             return base_call(inputs, *args, **kwargs)
-        if not getattr(layer, "quantization_mode", None):  # a float kernel: the written-out backward
-            outputs = adapter.project(layer, inputs)
-            if layer.bias is not None:
-                outputs = outputs + keras.ops.cast(layer.bias, outputs.dtype)
-            return outputs if layer.activation is None else layer.activation(outputs)
-        # A quantized kernel: its own call, the update added before the activation.
-        activation = getattr(layer, "activation", None)
-        linear = activation in (None, keras.activations.linear)
-        if not linear:
-            object.__setattr__(layer, "activation", None)
-        try:
-            outputs = base_call(inputs, *args, **kwargs)
-        finally:
-            if not linear:
-                object.__setattr__(layer, "activation", activation)
-        outputs = outputs + adapter.update(layer, keras.ops.cast(inputs, outputs.dtype))
-        return outputs if linear else activation(outputs)
+        outputs = adapter.project(layer, inputs)  # the product, before the bias and activation
+        if layer.bias is not None:
+            outputs = outputs + keras.ops.cast(layer.bias, outputs.dtype)
+        return outputs if layer.activation is None else layer.activation(outputs)
 
     object.__setattr__(layer, "call", call)  # this layer's: its class's call stays the base
 
@@ -235,6 +229,11 @@ def adapted_layers(model) -> list:
     """The layers of `model` that carry LoRA factors (`attach`)."""
     return [layer for layer in model._flatten_layers(include_self=False)
             if getattr(layer, "_tpu_keras_lora", None) is not None]
+
+
+def settings_of(layers):
+    """The `Settings` the adapted `layers` were attached with (one for a whole model)."""
+    return layers[0]._tpu_keras_lora.settings
 
 
 def is_factor(path: str) -> bool:
@@ -278,7 +277,8 @@ def factor_rules(rules: Sequence[Rule], targets: Sequence[Target]) -> list[Rule]
     along its kernel's axes (A over the input axes, B over the output axes); r stays whole."""
     made = []
     for target in targets:
-        rule = _rule_of(rules, target.layer.replace("{i}", "0") + "/kernel")
+        matching = matching_rules(rules, target.kernel)
+        rule = matching[0] if matching else None
         if rule is None:
             continue  # no rule for the kernel: its factors are placed as it is (fsdp, or whole)
         if not rule.axes:
@@ -297,7 +297,7 @@ def factor_ties(ties: Sequence[Tie], targets: Sequence[Target]) -> list[Tie]:
         members = list(tie.members)
         for pattern, dim in tie.members:
             for target in targets:
-                if not re.fullmatch(pattern, target.layer.replace("{i}", "0") + "/kernel"):
+                if not re.fullmatch(pattern, target.kernel):
                     continue
                 if dim in target.inputs:
                     members.append((f"{target.pattern}/lora_a", target.inputs.index(dim)))
@@ -306,17 +306,6 @@ def factor_ties(ties: Sequence[Tie], targets: Sequence[Target]) -> list[Tie]:
                                     1 + dim - sum(axis < dim for axis in target.inputs)))
         made.append(Tie(tie.name, tuple(members)))
     return made
-
-
-def kernel_shape(layer) -> tuple[int, ...]:
-    """The layer's kernel shape, unpacked (an int4 kernel is stored packed)."""
-    shape = getattr(layer, "original_kernel_shape", None)
-    return tuple(int(n) for n in (shape if shape is not None else layer._kernel.shape))
-
-
-def _rule_of(rules: Sequence[Rule], path: str):
-    matching = [rule for rule in rules if rule.pattern == path] or [r for r in rules if r.matches(path)]
-    return matching[0] if matching else None
 
 
 def _geometry(layer, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -61,7 +61,7 @@ def write(backbone, path: str) -> None:
 def _as_keras(layer) -> tuple[np.ndarray, np.ndarray]:
     """(A', B') in Keras's shapes whose `A' @ B'` is the layer's update (zeros for a layer
     the run did not adapt): A' (kernel[:-1] + (r',)), B' (r', kernel[-1])."""
-    shape = lora.kernel_shape(layer)
+    shape = tuple(int(n) for n in layer.kernel.shape)
     adapter = getattr(layer, "_tpu_keras_lora", None)
     if adapter is None:
         return np.zeros(shape[:-1] + (1,), "float32"), np.zeros((1, shape[-1]), "float32")

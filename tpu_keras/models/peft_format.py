@@ -20,7 +20,6 @@ PEFT checks hold together.
 # Imported inside functions: safetensors (optional: absent on a plain install).
 import json
 import os
-import re
 
 import numpy as np
 
@@ -44,9 +43,7 @@ def modules(backbone) -> dict:
         target = layer._tpu_keras_lora.target
         if not target.transformers:
             raise Unsupported(f"the family names no transformers module for its {target.module!r}")
-        match = re.search(rf"(^|/){target.pattern}$", layer.path)
-        block = match.group(match.lastindex) if "{i}" in target.layer else ""
-        found[target.transformers.replace("{i}", block)] = layer
+        found[target.transformers.replace("{i}", target.block(layer.path))] = layer
     return found
 
 
@@ -63,7 +60,7 @@ def tensors(found: dict) -> dict:
 def write(folder: str, found: dict, base: str) -> dict:
     """Writes the adapter of `found` (`modules`) into the local `folder`; returns its config."""
     from safetensors.numpy import save_file
-    settings = next(iter(found.values()))._tpu_keras_lora.settings
+    settings = lora.settings_of(list(found.values()))
     alpha = settings.alpha
     config = {
         "peft_type": "LORA",

@@ -45,6 +45,8 @@ class Builder:
     arguments: tuple[str, ...] | None = None
 
 
+# model.* keys of the registry's own, never a builder's argument.
+RESERVED = ("name", "imports")
 REGISTRY: dict[str, Builder] = {}
 # Families of builders made on demand from a name: prefix -> (make_builder(rest, kwargs), example).
 FAMILIES: dict[str, tuple[Callable[[str, dict], Builder], str]] = {}

@@ -49,7 +49,7 @@ def positions(ids):
     starts = keras.ops.concatenate([keras.ops.ones_like(ids[:, :1]),
                                     keras.ops.cast(ids[:, 1:] != ids[:, :-1], "int32")], axis=-1)
     first = keras.ops.where(starts > 0, index, keras.ops.zeros_like(index))
-    return index - _cumulative_max(first)
+    return index - _running_max(first)  # its example's start
 
 
 def same_example(ids):
@@ -57,12 +57,12 @@ def same_example(ids):
     return keras.ops.equal(keras.ops.expand_dims(ids, -1), keras.ops.expand_dims(ids, -2))
 
 
-def _cumulative_max(values):
-    """The running maximum along the last axis, by doubling steps (log2(length) of them)."""
+def _running_max(values):
+    """The running maximum along the last axis, by log2(length) doubling steps: static shapes
+    on both engines (Keras's `associative_scan` loses the rank inside a tf.function)."""
     length, shift = values.shape[-1], 1
     while shift < length:
-        shifted = keras.ops.pad(values[:, :-shift], [[0, 0], [shift, 0]])
-        values = keras.ops.maximum(values, shifted)
+        values = keras.ops.maximum(values, keras.ops.pad(values[:, :-shift], [[0, 0], [shift, 0]]))
         shift *= 2
     return values
 

@@ -10,8 +10,8 @@ imports nothing from `tpu_keras.training`.
 """
 
 from tpu_keras.parallelism.rules import (REPLICATE_BELOW, Placement, Placer, Rule, Tie, as_rules,
-                                         place_all, replicated, rules_from_layout_map,
-                                         rules_from_pairs)
+                                         matching_rules, place_all, replicated,
+                                         rules_from_layout_map, rules_from_pairs)
 
-__all__ = ["REPLICATE_BELOW", "Placement", "Placer", "Rule", "Tie", "as_rules", "place_all",
-           "replicated", "rules_from_layout_map", "rules_from_pairs"]
+__all__ = ["REPLICATE_BELOW", "Placement", "Placer", "Rule", "Tie", "as_rules", "matching_rules",
+           "place_all", "replicated", "rules_from_layout_map", "rules_from_pairs"]

@@ -170,10 +170,7 @@ class Placer:
         return [self.place(v.path, v.shape, dtype_name(v.dtype)) for v in variables]
 
     def _place(self, path: str, shape: tuple[int, ...], dtype: str) -> Placement:
-        # As Keras's LayoutMap looks a path up: a rule that is the path itself wins,
-        # otherwise every rule is re.fullmatch-ed, and two matches are an error.
-        matching = ([rule for rule in self.rules if rule.pattern == path]
-                    or [rule for rule in self.rules if rule.matches(path)])
+        matching = matching_rules(self.rules, path)
         if len(matching) > 1:
             raise UserError(f"weight {path!r} matches two layout rules, '{matching[0].pattern}' "
                             f"and '{matching[1].pattern}'; make the patterns exclusive")
@@ -246,6 +243,13 @@ class Tie:
                             f"over {axis_a!r}, {path_b!r} dimension {dim_b} over {axis_b!r}, so "
                             "every step reshuffles activations between devices; split them over "
                             "one mesh axis in the layout rules")
+
+
+def matching_rules(rules: Sequence[Rule], path: str) -> list[Rule]:
+    """The rules that place a weight of `path`, as Keras's LayoutMap looks a path up: a rule
+    that is the path itself wins, otherwise every rule is re.fullmatch-ed (more than one
+    match is the caller's error)."""
+    return [rule for rule in rules if rule.pattern == path] or [r for r in rules if r.matches(path)]
 
 
 def as_rules(rules) -> list[Rule]:

@@ -83,8 +83,10 @@ def train(config, workdir: str, started: float | None = None):
     if policy is not model:  # a pair: two sequences, each also through the reference's forward
         flops_per_example = 2 * (flops_per_example + flops.forward_flops_per_example(policy))
     # Rows packed apart hold padding: throughput and MFU count the real tokens alone.
-    real_share = 1.0 - (data.text.open_source(config.data, True, (cluster.host_index, cluster.num_processes))
-                        .padding if data.text.is_text(config.data) and not config.data.preferences else 0.0)
+    real_share = 1.0
+    if data.text.is_text(config.data) and not config.data.preferences:
+        hosts = (cluster.host_index, cluster.num_processes)  # the training pipeline's own source
+        real_share -= data.text.open_source(config.data, True, hosts).padding
     logger = callbacks.IntervalLogger(
         total_steps=train_cfg.steps, global_batch=update_batch,
         tokens_per_example=builder.tokens_per_example(run.model_kwargs) * real_share,

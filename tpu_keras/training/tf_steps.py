@@ -216,10 +216,8 @@ def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
             loss, part_gradients, y_pred, non_trainable, metrics = loss_and_gradients(
                 trainable, non_trainable, metrics, *part)
             share = token_mean.share(model, part[2], step_weight, k, replicas)
-            if step_weight is not None or k > 1:
-                loss = loss * share
-                part_gradients = [None if g is None else g * tf.cast(share, g.dtype)
-                                  for g in part_gradients]
+            loss = loss * share
+            part_gradients = [None if g is None else g * tf.cast(share, g.dtype) for g in part_gradients]
             losses.append(loss)
             y_preds.append(y_pred)
             gradients = part_gradients if gradients is None else [
