@@ -8,6 +8,7 @@
     python scripts/benchmark.py --tpu_step_overhead
     python scripts/benchmark.py --planner_table
     python scripts/benchmark.py --attention_kernels
+    python scripts/benchmark.py --checkpoint
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -75,6 +76,12 @@ against the compiler's, with the term that differs most where they part
 fused kernel, as Keras runs it and as the toolkit does, on a slice of each
 TPU generation under data, fsdp and fsdp x model meshes: the kernel calls
 in each compiled program and the HBM peaks (attention_kernels.py).
+
+--checkpoint: how long a save blocks the training loop, synchronous against
+asynchronous (`checkpoint.asynchronous`), on each engine, for a model of 300
+million parameters with Adam (3.6 GB per checkpoint) saved to local disk by
+the toolkit's checkpointers, in turns, with training steps between saves
+(checkpoint_saves.py).
 """
 
 import contextlib
@@ -125,6 +132,8 @@ _PLANNER_TABLE = flags.DEFINE_bool("planner_table", False, "The plan's memory an
 _ATTENTION = flags.DEFINE_bool("attention_kernels", False, "keras-hub's Llama attention as Keras "
                                 "and as the toolkit run it, compiled for each TPU generation: "
                                 "fused kernel calls and HBM peaks (attention_kernels.py).")
+_CHECKPOINT = flags.DEFINE_bool("checkpoint", False, "Blocked seconds per save, synchronous "
+                                 "against asynchronous, on both engines.")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -433,11 +442,11 @@ def tpu_compile_benchmark() -> dict:
             "collectives": m.get("collectives", [])[:5]}
 
 
-def script_json(script: str) -> dict:
+def script_json(script: str, *args: str) -> dict:
     """The JSON a script beside this one prints, from a process of its own (it picks the jax
     engine before Keras loads), with its wall time."""
     import subprocess
-    command = [sys.executable, os.path.join(REPO, "scripts", script)]
+    command = [sys.executable, os.path.join(REPO, "scripts", script), *args]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if done.returncode:
@@ -494,12 +503,15 @@ def _benchmark(report):
     elif _ATTENTION.value:
         emit(json.dumps({"benchmark": "attention_kernels",
                          "result": script_json("attention_kernels.py")}, indent=2))
+    elif _CHECKPOINT.value:
+        emit(json.dumps({"benchmark": "checkpoint", "results": [
+            script_json("checkpoint_saves.py", engine) for engine in ("tf", "jax")]}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))
     else:
-        raise app.UsageError("choose a benchmark: --data, --fit, --run, --accelerator or "
-                             "--tpu_compile")
+        raise app.UsageError("choose a benchmark: --data, --fit, --run, --accelerator, "
+                             "--tpu_compile, --checkpoint, ...")
 
 
 if __name__ == "__main__":

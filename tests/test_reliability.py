@@ -23,27 +23,43 @@ from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finis
                     resumed_step, seen_over_the_run, start, train_args)
 
 
+_ENGINE = {"tf": (), "jax": ("--config.engine=jax",)}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir):
-    """The uninterrupted run: (workdir, {position: ids})."""
-    workdir = tmp_path_factory.mktemp("reference")
-    train(DIGITS, workdir, f"--config.data.data_dir={data_dir}", *ARGS)
-    ids = example_ids(workdir / "example_ids")
-    assert sorted(ids) == [(0, position) for position in range(STEPS)]
-    return workdir, ids
+def references(tmp_path_factory, data_dir):
+    """The uninterrupted run on an engine: engine -> (workdir, {position: ids}, output)."""
+    made = {}
+
+    def reference_on(engine):
+        if engine not in made:
+            workdir = tmp_path_factory.mktemp(f"reference_{engine}")
+            output = train(DIGITS, workdir, f"--config.data.data_dir={data_dir}", *ARGS,
+                           *_ENGINE[engine]).stdout
+            ids = example_ids(workdir / "example_ids")
+            assert sorted(ids) == [(0, position) for position in range(STEPS)]
+            made[engine] = workdir, ids, output
+        return made[engine]
+    return reference_on
 
 
-def interrupted_then_resumed(workdir, data_dir, interrupt, *, slow_commits=False):
-    """Starts a run, lets `interrupt(process)` stop it, then resumes it to the end.
+@pytest.fixture
+def reference(references):
+    return references("tf")
+
+
+def interrupted_then_resumed(workdir, data_dir, interrupt, *extra, slow_commits=False, env=None):
+    """Starts a run (with `extra` arguments), lets `interrupt(process)` stop it, then resumes
+    it to the end.
 
     With `slow_commits` the first attempt waits between writing each
-    checkpoint and committing it (`slow_commit.py`). Returns (first
-    attempt's output, second attempt's output).
+    checkpoint and committing it (`slow_commit.py`, `env` its settings).
+    Returns (first attempt's output, second attempt's output).
     """
-    args = train_args(workdir, data_dir)
+    args = train_args(workdir, data_dir, *extra)
     if slow_commits:
         args = [args[0], "tests/helpers/slow_commit.py", *args[3:]]
-    first = start(args)
+    first = start(args, **(env or {}))
     try:
         first_output = interrupt(first)
     finally:
@@ -51,7 +67,7 @@ def interrupted_then_resumed(workdir, data_dir, interrupt, *, slow_commits=False
             first.kill()
         first.wait()
     os.rename(workdir / "example_ids", workdir / "example_ids.first")
-    second = train(DIGITS, workdir, f"--config.data.data_dir={data_dir}", *ARGS)
+    second = train(DIGITS, workdir, f"--config.data.data_dir={data_dir}", *ARGS, *extra)
     return first_output, second.stdout
 
 
@@ -98,7 +114,8 @@ def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, 
     assert_resumed_exactly(tmp_path, reference, saved)
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path, data_dir):
+def test_a_kill_during_a_synchronous_save_leaves_the_previous_checkpoint_loadable(
+        reference, tmp_path, data_dir):
     def kill_mid_save(process):
         # Each save waits 3 s between writing its files and committing them (slow_commit.py).
         read_until(process, r"saved checkpoint \S+ckpt-10")
@@ -109,9 +126,54 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(reference,
         process.send_signal(signal.SIGKILL)
         return ""
 
-    _, output = interrupted_then_resumed(tmp_path, data_dir, kill_mid_save, slow_commits=True)
+    _, output = interrupted_then_resumed(tmp_path, data_dir, kill_mid_save,
+                                         "--config.checkpoint.asynchronous=False", slow_commits=True)
     assert resumed_step(output) == 10, output[-2000:]
     assert_resumed_exactly(tmp_path, reference, 10)
+
+
+def _losses(output):
+    """{step: the loss its log line printed}."""
+    return dict(re.findall(rf"step (\d+)/{STEPS} \|.*? loss ([\d.e+-]+)", output))
+
+
+@pytest.mark.parametrize("engine", ["tf", "jax"])
+def test_a_kill_9_while_a_save_writes_in_the_background_resumes_exactly(
+        engine, references, tmp_path, data_dir):
+    reference = references(engine)
+
+    def kill_while_writing(process):
+        # Step 20's save stays unwritten for two minutes (slow_commit.py): the loop goes on,
+        # and the save of step 30 waits for it; then the run is killed.
+        lines = read_until(process, r"checkpoint of step 30: waiting for step 20's, still being written")
+        process.send_signal(signal.SIGKILL)
+        return "".join(lines)
+
+    first_output, output = interrupted_then_resumed(
+        tmp_path, data_dir, kill_while_writing, *_ENGINE[engine], slow_commits=True,
+        env={"SLOW_COMMIT_STEP": "20", "SLOW_COMMIT_SECONDS": "120"})
+    assert re.search(rf"step 30/{STEPS} \|", first_output), first_output[-2000:]
+    assert not re.search(r"saved checkpoint \S*(ckpt-|/)20\b", first_output), first_output[-2000:]
+    assert resumed_step(output) == 10, output[-2000:]
+    assert_resumed_exactly(tmp_path, reference, 10)
+    resumed, uninterrupted = _losses(output), _losses(reference[2])
+    assert sorted(resumed) == ["20", "30", "40"] and resumed == {s: uninterrupted[s] for s in resumed}
+
+
+@pytest.mark.parametrize("engine", ["tf", "jax"])
+def test_a_run_exits_only_once_its_last_save_is_committed(engine, tmp_path, data_dir):
+    args = train_args(tmp_path, data_dir, *_ENGINE[engine])
+    output = run([args[0], "tests/helpers/slow_commit.py", *args[3:]],
+                 env={"SLOW_COMMIT_STEP": str(STEPS), "SLOW_COMMIT_SECONDS": "5"}).stdout
+    saved = re.search(rf"saved checkpoint \S*(ckpt-|/){STEPS}\n", output)
+    time_line = re.search(r"checkpoints [\d.]+ \(\+[\d.]+ written in the background, ([\d.]+) of "
+                          r"the blocked time waiting for a write\)", output)
+    assert saved and time_line and saved.start() < time_line.start(), output[-3000:]
+    assert float(time_line.group(1)) >= 4.0, time_line.group(0)  # the 5 s the write was held
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert timings["background"]["checkpoint_writes"] >= 5.0, timings
+    assert resumed_step(train(DIGITS, tmp_path, f"--config.data.data_dir={data_dir}", *ARGS,
+                              *_ENGINE[engine]).stdout) == STEPS
 
 
 def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference, tmp_path, data_dir):

@@ -162,6 +162,10 @@ def defaults() -> ml_collections.ConfigDict:
     config.checkpoint = dict(
         every_steps=200,
         keep=3,
+        # Write checkpoints on a background thread while training goes on: the loop blocks
+        # only to copy the state into host memory (docs/reliability.md). False: every save
+        # is written and committed before the next step.
+        asynchronous=True,
     )
 
     # What the run leaves in DIR/export/ (tpu_keras.models.export): any of EXPORT_FORMATS;

@@ -18,6 +18,11 @@ and the rest of that call's excess over the median host call is `warmup`;
 on tf, which does not report its compiles, the whole excess is `compile`.
 Only the process's own exit is missing here; `scripts/benchmark.py --run`
 times it from outside.
+
+`checkpoints` is the time the loop blocked on saves: copying the state to
+host memory and, with asynchronous saves, waiting for a write still in
+flight (at the next save, or at the end of the run). The writes themselves
+overlap training and are reported beside the phases, under `background`.
 """
 
 import collections
@@ -62,6 +67,8 @@ class RunTimings:
         self.host_calls, self.first_host_calls = [], []  # seconds; the first of each fit apart
         # What the persistent compilation cache did for the compile: `compile_cache.Watch.report()`.
         self.compile_cache = {}
+        # Seconds of work that overlapped the phases: {"checkpoint_writes": s, "checkpoint_waits": s}.
+        self.background = {}
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -94,6 +101,7 @@ class RunTimings:
         return {"wall_seconds": round(wall, 3),
                 "seconds": {name: round(value, 3) for name, value in seconds.items()},
                 "outside_steps_fraction": round(1 - seconds["steps"] / wall, 4) if wall else 0.0,
+                "background": {name: round(value, 3) for name, value in self.background.items()},
                 "compile_cache": {**self.compile_cache, "note": describe_cache(self.compile_cache)}}
 
     def finish(self, path: str | None) -> dict:
@@ -101,13 +109,24 @@ class RunTimings:
         report = self.report()
         logging.info("time: %.1f s in all, %.0f%% outside training steps | %s",
                      report["wall_seconds"], 100 * report["outside_steps_fraction"],
-                     " | ".join(f"{name} {value:.1f}" + (f" {report['compile_cache']['note']}"
-                                                                 if name == "compile" else "")
+                     " | ".join(f"{name} {value:.1f}" + _note(name, report)
                                 for name, value in report["seconds"].items()
-                                if value >= 0.05 or name == "compile"))
+                                if value >= 0.05 or name == "compile" or _note(name, report)))
         if path:
             workdir.write_whole(path, json.dumps(report, indent=2))
         return report
+
+
+def _note(phase: str, report: dict) -> str:
+    """What the time line adds after a phase's seconds: the compile cache's part, and the
+    checkpoint writes that went on in the background."""
+    if phase == "compile":
+        return f" {report['compile_cache']['note']}"
+    writes = report["background"].get("checkpoint_writes")
+    if phase == "checkpoints" and writes is not None:
+        return (f" (+{writes:.1f} written in the background, "
+                f"{report['background'].get('checkpoint_waits', 0.0):.1f} of the blocked time waiting for a write)")
+    return ""
 
 
 def describe_cache(report: dict) -> str:

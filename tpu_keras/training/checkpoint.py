@@ -28,12 +28,22 @@ made unusable by a preemption mid-save). A committed checkpoint that still
 cannot be read (a truncated file on a storage that is not atomic) is skipped
 with a warning in favour of the one before it. On the jax engine Orbax does
 the same: it writes into a temporary folder and renames it when complete.
+
+Saves are asynchronous by default (`checkpoint.asynchronous`): `save` blocks
+the training loop only while the state is copied from the devices to host
+memory; the write and the commit happen on a background thread
+(`background.Writer`) while training goes on. At most one save is in flight:
+a save that finds the previous one still writing waits for it, and that wait
+is timed. Everything that reads the saved steps (a restore, `saved_steps`)
+first waits for the save in flight, and the run waits for its last save
+before it exits (`wait`): a save is committed, or reported lost in one line.
 """
 
 # Imported inside functions: JAX and Orbax (optional: absent on a plain install; the tf
 # engine runs without JAX).
 import os
 import re
+import threading
 
 from absl import logging
 import keras
@@ -42,6 +52,7 @@ import tensorflow as tf
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, first_line
 from tpu_keras.models import weight_paths
+from tpu_keras.training import background
 
 # The groups of a checkpoint, each {key: variable} (`weight_paths`); their names also tell
 # these checkpoints from those stored by position before.
@@ -94,15 +105,28 @@ def check_fits(saved: dict, variables: dict, where: str) -> None:
                             "saved from, or use a new --workdir for a different model")
 
 
-def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3):
-    """The checkpointer for the engine Keras runs on (both have step/restore_latest/save)."""
+def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3,
+                      asynchronous: bool = False):
+    """The checkpointer for the engine Keras runs on (both have step, save, wait,
+    restore, restore_latest, saved_steps and latest_saved_step)."""
     if keras.backend.backend() == "jax":
-        return OrbaxCheckpointer(workdir, model, keep)
-    return TFCheckpointer(workdir, model, cluster, keep)
+        return OrbaxCheckpointer(workdir, model, keep, asynchronous)
+    return TFCheckpointer(workdir, model, cluster, keep, asynchronous)
 
 
 class TFCheckpointer:
-    def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3):
+    """Saves the model's and the optimizer's variables with `tf.train.Checkpoint`.
+
+    Asynchronous saves copy every variable, in the loop, into a host copy: CPU
+    variables of the same names, made once, and outside the distribution
+    strategy's scope (on a thread of their own: a strategy's scope is per
+    thread), so they are plain local values that only the chief needs to write.
+    The writer thread then writes and commits them. The copy costs host memory
+    for one more copy of the state.
+    """
+
+    def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3,
+                 asynchronous: bool = False):
         self.shared_dir = os.path.join(workdir, "checkpoints")
         self._is_chief = cluster.is_chief
         self._own_dir = (self.shared_dir if cluster.is_chief
@@ -111,13 +135,21 @@ class TFCheckpointer:
         self._variables = keyed_variables(model)
         self._checkpoint = tf.train.Checkpoint(**self._variables)
         self._checkpoint.save_counter  # created now, so every checkpoint holds it and restores match
+        self.writer = background.Writer() if asynchronous else None
+        self._host_copy = None  # the writer thread's CPU variables, made by its first save
 
     @property
     def step(self) -> int:
         return int(self._model.optimizer.iterations.numpy())
 
+    def wait(self) -> None:
+        """Returns once the save in flight (if any) is committed; raises `background.SaveLost`."""
+        if self.writer:
+            self.writer.wait()
+
     def latest_saved_step(self):
         """The step of the newest committed checkpoint, or None."""
+        self.wait()
         committed = self.committed()
         return int(committed[-1].rsplit("-", 1)[-1]) if committed else None
 
@@ -128,6 +160,7 @@ class TFCheckpointer:
 
     def saved_steps(self) -> list[int]:
         """The steps of the committed checkpoints, oldest first."""
+        self.wait()
         return [int(path.rsplit("-", 1)[-1]) for path in self.committed()]
 
     def restore(self, step: int) -> None:
@@ -157,6 +190,7 @@ class TFCheckpointer:
 
     def restore_latest(self) -> int:
         """Restores the newest readable checkpoint in the shared folder, if any; returns the step."""
+        self.wait()
         candidates = self.committed()
         for path in reversed(candidates):
             try:
@@ -172,13 +206,32 @@ class TFCheckpointer:
         return self.step
 
     def save(self) -> None:
-        """Writes the checkpoint of the current step (every host), then commits it (chief)."""
+        """Saves the current step: written and committed before it returns, or, with
+        asynchronous saves, copied to host memory and written on the writer thread."""
         step = self.step
-        path = self._checkpoint.write(os.path.join(self._own_dir, f"ckpt-{step}"))
-        if not self._is_chief:
-            if tf.io.gfile.exists(self._own_dir):
+        if not self.writer:
+            path = self._checkpoint.write(os.path.join(self._own_dir, f"ckpt-{step}"))
+            if self._is_chief:
+                self._commit(path)
+            elif tf.io.gfile.exists(self._own_dir):  # every host writes; only the chief's is kept
                 tf.io.gfile.rmtree(self._own_dir)
             return
+        self.writer.make_room(step)
+        if not self._is_chief:
+            return
+        if self._host_copy is None:  # the first save: the copy is made with its values
+            self._host_copy = _outside_any_strategy(lambda: _host_variables(self._variables))
+            self._host_checkpoint = tf.train.Checkpoint(**self._host_copy)
+            self._host_checkpoint.save_counter
+        else:
+            for group, keyed in self._variables.items():
+                for key, variable in keyed.items():
+                    self._host_copy[group][key].assign(_copied(variable))  # device to host
+        path = os.path.join(self.shared_dir, f"ckpt-{step}")
+        self.writer.start(step, lambda: self._commit(self._host_checkpoint.write(path)))
+
+    def _commit(self, path: str) -> None:
+        """Makes the written checkpoint `path` the latest, and removes the ones beyond `keep`."""
         previous = [p for p in self.committed() if p != path]
         kept = previous[max(0, len(previous) - self._keep + 1):] if self._keep > 1 else []
         # The commit: one atomic rewrite of the state file `tf.train.get_checkpoint_state`
@@ -192,6 +245,34 @@ class TFCheckpointer:
             for file in tf.io.gfile.glob(f"{old}.*"):
                 tf.io.gfile.remove(file)
         logging.info("saved checkpoint %s", path)
+
+
+def _copied(variable):
+    """The variable's value in a host buffer of its own. A read of a CPU variable shares its
+    buffer, and an XLA step then updates that buffer in place: the copy would change with
+    the next step (seen: a checkpoint written with a later step's values)."""
+    with tf.device("/cpu:0"):
+        return tf.raw_ops.DeepCopy(x=variable.value)
+
+
+def _host_variables(variables: dict) -> dict:
+    """{group: {key: a CPU tf.Variable holding a copy of the variable's value}} of
+    `keyed_variables`."""
+    with tf.device("/cpu:0"):
+        return {group: {key: tf.Variable(_copied(v), trainable=False)
+                        for key, v in keyed.items()} for group, keyed in variables.items()}
+
+
+def _outside_any_strategy(make):
+    """`make()`, run on a thread of its own: outside the distribution strategy's scope, which
+    `fit` holds in this one, so the variables it creates are not mirrored."""
+    made = []
+    thread = threading.Thread(target=lambda: made.append(make()), name="host-copy")
+    thread.start()
+    thread.join()
+    if not made:
+        raise RuntimeError("could not make the checkpoint's host copy (see the log)")
+    return made[0]
 
 
 _TF_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -214,21 +295,30 @@ def _tf_shapes(shapes: dict) -> dict:
 class OrbaxCheckpointer:
     """Saves the model's and the optimizer's variables, sharded as they are, with Orbax."""
 
-    def __init__(self, workdir: str, model: keras.Model, keep: int = 3):
+    def __init__(self, workdir: str, model: keras.Model, keep: int = 3, asynchronous: bool = False):
         import orbax.checkpoint as ocp
         self._ocp, self._model = ocp, model
         self.shared_dir = workdir_lib.absolute(os.path.join(workdir, "checkpoints"))
         # The handler named, so that a new process reads a checkpoint's metadata (its names).
+        # Asynchronous: Orbax's save returns once the arrays are in host memory, and its
+        # own thread writes and commits them; the writer thread here waits for that.
         self._manager = ocp.CheckpointManager(self.shared_dir, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False),
+            max_to_keep=keep, enable_async_checkpointing=asynchronous),
             item_handlers=ocp.StandardCheckpointHandler())
+        self.writer = background.Writer() if asynchronous else None
 
     @property
     def step(self) -> int:
         return int(keras.ops.convert_to_numpy(self._model.optimizer.iterations))
 
+    def wait(self) -> None:
+        """Returns once the save in flight (if any) is committed; raises `background.SaveLost`."""
+        if self.writer:
+            self.writer.wait()
+
     def latest_saved_step(self):
         """The step of the newest committed checkpoint, or None."""
+        self.wait()
         return self._manager.latest_step()
 
     def _variables(self):
@@ -237,6 +327,7 @@ class OrbaxCheckpointer:
     def saved_steps(self) -> list[int]:
         """The steps of the committed checkpoints, oldest first (read afresh: another
         process may be saving them)."""
+        self.wait()
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -277,6 +368,7 @@ class OrbaxCheckpointer:
                 variable.assign(value)
 
     def restore_latest(self) -> int:
+        self.wait()
         latest = self._manager.latest_step()
         if latest is not None:
             self.restore(latest)
@@ -286,9 +378,18 @@ class OrbaxCheckpointer:
     def save(self) -> None:
         state = {group: {key: v.value for key, v in keyed.items()}
                  for group, keyed in self._variables().items()}
-        self._manager.save(self.step, args=self._ocp.args.StandardSave(state), force=True)
-        self._manager.wait_until_finished()
-        logging.info("saved checkpoint %s/%d", self.shared_dir, self.step)
+        step = self.step
+        if self.writer:
+            self.writer.make_room(step)
+        self._manager.save(step, args=self._ocp.args.StandardSave(state), force=True)
+        if self.writer:
+            self.writer.start(step, lambda: self._committed(step))
+        else:
+            self._committed(step)
+
+    def _committed(self, step: int) -> None:
+        self._manager.wait_until_finished()  # raises what a background write raised
+        logging.info("saved checkpoint %s/%d", self.shared_dir, step)
 
 
 class SaveEvery(keras.callbacks.Callback):

@@ -59,8 +59,9 @@ def train(config, workdir: str, started: float | None = None):
     # Each step reads the examples of one update: grad_accum_steps micro-batches.
     update_batch = train_cfg.batch_size * train_cfg.grad_accum_steps
     @functools.partial(run_timings.timed, "data")
-    def train_data(start_step):
-        """The training batches from `start_step` on: a pure function of the step."""
+    def train_data(start_step, skipped):
+        """The training batches from `start_step` on, leaving out the batch positions in
+        `skipped`: a pure function of the step."""
         return data.build(config.data, cluster, update_batch, training=True,
                           seed=config.seed, start_step=start_step, skip=skipped,
                           example_log=os.path.join(workdir, "example_ids", "host")
@@ -100,23 +101,15 @@ def train(config, workdir: str, started: float | None = None):
     if config.log.profile_steps:
         run_callbacks.append(profiler.ProfileSteps(saver, *config.log.profile_steps,
                                                    logdir=os.path.join(workdir, "tensorboard")))
-    while True:
-        start_step = saver.restore_latest()
-        if start_step == 0 and train_cfg.on_nonfinite == "restore_and_skip":
-            saver.save()  # something good to go back to
-        try:
-            history = _fit(model, config, start_step, train_data, eval_data, eval_steps,
-                           run_callbacks, fit_timer.fit_returned)
-            break
-        except nonfinite.NonFiniteStep as diverged:
-            skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
-        except peer_errors as error:
-            if cluster.num_processes == 1 or not _lost_a_peer(error):
-                raise
-            raise UserError(f"lost contact with another host after step {saver.step} "
-                            f"({_peer_reason(error)}); the other hosts stop too; start every "
-                            "host again with the same command to resume from the last "
-                            "checkpoint") from None
+    try:
+        history = _fit_to_the_end(model, config, saver, cluster, train_data, eval_data, eval_steps,
+                                  run_callbacks, fit_timer.fit_returned, skipped, peer_errors)
+    except _LostPeer:
+        raise  # its save in flight waits on the lost host: the run ends without it
+    except BaseException:
+        _wait_for_the_last_save(saver, run_timings, failing=True)
+        raise
+    _wait_for_the_last_save(saver, run_timings)
 
     final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
     if final:
@@ -132,6 +125,51 @@ def train(config, workdir: str, started: float | None = None):
     run_timings.compile_cache = cache_watch.report()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
     return history
+
+
+class _LostPeer(UserError):
+    """Another host is gone: the collectives (and Orbax's commit) can no longer complete."""
+
+
+def _fit_to_the_end(model, config, saver, cluster, train_data, eval_data, eval_steps,
+                    run_callbacks, fit_returned, skipped, peer_errors):
+    """Resumes and fits until `train.steps`, going back to the last good checkpoint after
+    a NaN when `train.on_nonfinite` says so; returns the history."""
+    from tpu_keras.training import nonfinite
+    train_cfg = config.train
+    while True:
+        start_step = saver.restore_latest()
+        if start_step == 0 and train_cfg.on_nonfinite == "restore_and_skip":
+            saver.save()  # something good to go back to
+        try:
+            return _fit(model, config, start_step, lambda step: train_data(step, skipped),
+                        eval_data, eval_steps, run_callbacks, fit_returned)
+        except nonfinite.NonFiniteStep as diverged:
+            skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
+        except peer_errors as error:
+            if cluster.num_processes == 1 or not _lost_a_peer(error):
+                raise
+            raise _LostPeer(f"lost contact with another host after step {saver.step} "
+                            f"({_peer_reason(error)}); the other hosts stop too; start every "
+                            "host again with the same command to resume from the last "
+                            "checkpoint") from None
+
+
+def _wait_for_the_last_save(saver, run_timings, failing=False):
+    """Returns once the run's last save is committed. A lost one is the run's error, or,
+    when the run is already failing (or preempted), one line beside that error."""
+    from tpu_keras.training import background
+    try:
+        with run_timings.phase("checkpoints"):
+            saver.wait()
+    except background.SaveLost as lost:
+        if not failing:
+            raise
+        logging.error("%s", lost)
+    finally:
+        if saver.writer:
+            run_timings.background = {"checkpoint_writes": saver.writer.background_seconds,
+                                      "checkpoint_waits": saver.writer.waiting_seconds}
 
 
 def _export(model, config, workdir, cluster):

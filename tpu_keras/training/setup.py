@@ -129,8 +129,9 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     if pairs and not one_device:
         data.text.check_vocabulary(preferences.make_tokenizer(resolved.data),
                                    model.policy.output_shape[-1], resolved.data)
-    keep = {"keep": resolved.checkpoint.keep} if trains else {}
-    saver = checkpoint.open_checkpointer(workdir, model, cluster, **keep)
+    saving = ({"keep": resolved.checkpoint.keep, "asynchronous": resolved.checkpoint.asynchronous}
+              if trains else {})
+    saver = checkpoint.open_checkpointer(workdir, model, cluster, **saving)
     return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
                     model=model, text_source=text_source, saver=saver, cache_watch=cache_watch)
 
