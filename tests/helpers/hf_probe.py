@@ -102,7 +102,7 @@ def config_differences(folder, checkpoint):
 LORA_TARGETS = {"lora": "q_proj,v_proj", "lora_all": "all-linear"}
 
 
-def config_for(name, checkpoint, lora_rank=0, lora_targets="", **backbone):
+def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **backbone):
     family = hf_checkpoints.CHECKPOINTS[name][0]
     config = defaults()
     config.engine = engine_name
@@ -112,6 +112,8 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", **backbone):
     if lora_rank:  # every projection with rsLoRA's scaling, lora_alpha / sqrt(r)
         config.model.update(lora_rank=lora_rank, lora_targets=lora_targets,
                             lora_rslora=lora_targets == LORA_TARGETS["lora_all"])
+    if quantize:
+        config.model.quantize = quantize
     data, fsdp, model = (int(n) for n in mesh.split(","))
     if families.of_backbone(getattr(keras_hub.models, TASKS[family]).backbone_cls).layout is None:
         fsdp, model = fsdp * model, 1
@@ -210,6 +212,34 @@ def instruct(name, checkpoint, workdir):
     return {"evaluate": loss, "transformers": total / weight, "rows": rows, "pairs": 40}
 
 
+def quantized_run(name, checkpoint, mode, first, tokens):
+    """A LoRA run over a base quantized to `mode`: its logits before training against the float
+    model's (the quantization error), its losses, its merged export read by transformers, and
+    its PEFT adapter on the float checkpoint."""
+    config = config_for(name, checkpoint, 4, LORA_TARGETS["lora"], quantize=mode)
+    untrained = build(config)
+    config.train.update(steps=16, learning_rate=3e-2)  # long enough for the loss to fall
+    config.checkpoint.every_steps = 16
+    quantized = [w for w in untrained.weights if w.path.endswith("/kernel") and "int8" in str(w.dtype)]
+    before = keras.ops.convert_to_numpy(untrained(tokens))
+    workdir = os.path.join(out, name, f"lora_{mode}")
+    history = run.train(config, workdir)
+    trained = history.model
+    expected = keras.ops.convert_to_numpy(trained(tokens))
+    folder = os.path.join(workdir, "export")
+    with open(f"{folder}/peft/adapter_config.json") as file:
+        adapter = json.load(file)
+    return {"quantized_kernels": len(quantized),
+            "split_quantized": sum(len(set(w.value.sharding.device_set)) > 1 and
+                                   not w.value.sharding.is_fully_replicated for w in quantized),
+            "before": gap(before, first), "scale": float(np.max(np.abs(first))),
+            "losses": [float(x) for x in history.history["loss"]],
+            "moved": gap(expected, before),
+            "torch": gap(expected, transformers_logits(f"{folder}/transformers")),
+            "peft_base_is_the_checkpoint": adapter["base_model_name_or_path"] == checkpoint,
+            "peft": gap(expected, transformers_logits(checkpoint, f"{folder}/peft"))}
+
+
 result = {}
 for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
     if names is not None and name not in names:
@@ -284,6 +314,11 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
             checks["peft_on_written_base"] = gap(expected, transformers_logits(written, f"{elsewhere}/peft"))
             checks["written_base_alone"] = gap(first, transformers_logits(written))  # LoRA's base
         result[name][variant] = checks
+    for mode in ("int8", "int4"):  # LoRA on q, v over a quantized base (models.quantized)
+        if f"{name}:lora_{mode}" in runs:
+            result[name][f"lora_{mode}"] = quantized_run(name, checkpoint, mode, first, tokens)
+
+
 import torch  # noqa: E402
 import transformers  # noqa: E402
 

@@ -54,7 +54,8 @@ import numpy as np
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line
-from tpu_keras.models import families, hub, hub_presets, lora, lora_file, peft_format, weight_paths
+from tpu_keras.models import (families, hub, hub_presets, lora, lora_file, peft_format, quantized,
+                              weight_paths)
 from tpu_keras.models.hub import KERAS_HUB
 from tpu_keras.models.hub_presets import complete_get_config
 
@@ -269,20 +270,29 @@ def find_task(model):
 def host_copy(task, preset: str = "", merged: bool = True):
     """The same task in host memory with `task`'s weights, and the preset's preprocessor when
     it has a tokenizer. LoRA's factors are not in the copy: each adapted kernel holds its
-    update merged in (`merged`), or its base alone (PEFT's base model)."""
+    update merged in (`merged`), or its base alone (PEFT's base model). A quantized base
+    (`model.quantize`) is dequantized: the copy is a float model."""
     backbone = task.backbone
     # Made without running initialisers (jax would compile a random initialiser for each
     # shape, most of an export's time): each variable is assigned the run's value.
+    config = complete_get_config(backbone).get_config()
+    if any(quantized.is_quantized(layer) for layer in backbone._flatten_layers(include_self=False)):
+        policy = backbone.dtype_policy  # its config holds each quantized layer's policy
+        config["dtype"] = getattr(policy, "default_policy", policy).name
     with _on_host(), keras.StatelessScope(initialize_variables=False):
-        host_backbone = complete_get_config(type(backbone).from_config(
-            complete_get_config(backbone).get_config()))
+        host_backbone = complete_get_config(type(backbone).from_config(config))
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)
+    # A quantized base (models.quantized): each kernel dequantized, its scales folded in.
+    dequantized = {id(layer._kernel): layer for layer in backbone._flatten_layers(include_self=False)
+                   if quantized.is_quantized(layer)}
+    scales = {id(layer.kernel_scale) for layer in dequantized.values()}
     sources = {path: weight for path, weight in weight_paths.weights(task).items()
-               if not lora.is_factor(path)}
+               if not lora.is_factor(path) and id(weight) not in scales}
     targets = weight_paths.weights(host)
-    detail = weight_paths.mismatch({k: w.shape for k, w in sources.items()},
+    shape = lambda w: tuple(dequantized[id(w)].kernel.shape) if id(w) in dequantized else w.shape
+    detail = weight_paths.mismatch({k: shape(w) for k, w in sources.items()},
                                    {k: w.shape for k, w in targets.items()},
                                    there="the trained task", here="the copy")
     if detail:
@@ -293,7 +303,10 @@ def host_copy(task, preset: str = "", merged: bool = True):
     with _on_host():
         for key, target in targets.items():  # by name: same-shaped weights cannot swap
             source = sources[key]
-            value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
+            if id(source) in dequantized:
+                value = quantized.float_kernel(dequantized[id(source)]).astype(target.dtype)
+            else:
+                value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
             if id(source) in updates:
                 value = (value.astype("float32") + lora.delta(updates[id(source)])).astype(value.dtype)
             if target._value is None:  # made without its initialiser: the run's value is its first

@@ -45,14 +45,15 @@ import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import families, hub_presets, lora, segments
+from tpu_keras.models import families, hub_presets, lora, quantized, segments
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import RESERVED, Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
 _TOOLKIT_KEYS = {
-    "causal_lm": ("preset",) + lora.KEYS + ("layout_map", "context_length", "example_end_token"),
+    "causal_lm": ("preset",) + lora.KEYS + ("quantize", "layout_map", "context_length",
+                                            "example_end_token"),
     "image_classifier": ("preset",) + lora.KEYS + ("layout_map", "num_classes"),
 }
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
@@ -70,6 +71,7 @@ def builder(task_name: str, kwargs: dict) -> Builder:
     own = set(inspect.signature(backbone_cls.__init__).parameters) - {"self", "kwargs", "dtype"}
     arguments = _TOOLKIT_KEYS[kind] + tuple(sorted(own))
     lora_settings(backbone_cls, kwargs)  # a one-line error before anything is built
+    quantized.check(kwargs.get("quantize", ""), kwargs.get("lora_rank", 0))
     if kind == "causal_lm":
         vocabulary = backbone_config(backbone_cls, kwargs).get("vocabulary_size")
         metric, headline = ((bits_per_byte, "bits_per_byte") if vocabulary == 256
@@ -152,8 +154,8 @@ def _kind(keras_hub, task_cls) -> str:
 
 
 def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
-          lora_rslora=False, layout_map="toolkit", context_length=128, example_end_token=-1,
-          num_classes=10, **backbone_kwargs):
+          lora_rslora=False, quantize="", layout_map="toolkit", context_length=128,
+          example_end_token=-1, num_classes=10, **backbone_kwargs):
     """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits."""
     del layout_map  # the rules' business
     dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
@@ -179,6 +181,9 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
         backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
     adapted = lora_settings(backbone_cls, dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
                                                lora_targets=lora_targets, lora_rslora=lora_rslora))
+    if quantize:  # the frozen base, quantized once its weights are in (models.quantized)
+        with host_placement.placed_from_host():
+            quantized.quantize_base(backbone, quantize, families.of_backbone(backbone_cls).lora_targets)
     if adapted:
         lora.attach(backbone, families.of_backbone(backbone_cls).lora_targets, adapted)
     name = task_cls.__name__.lower()
@@ -260,7 +265,10 @@ def _layout(backbone_cls, kwargs):
                         "model.layout_map='keras_hub', or give layout.rules")
     else:
         return []  # replicated; on a mesh that splits weights, the Placer names what to cover
-    return rules + lora.factor_rules(rules, _adapted_targets(backbone_cls, kwargs))
+    made = rules + lora.factor_rules(rules, _adapted_targets(backbone_cls, kwargs))
+    if kwargs.get("quantize"):
+        made += quantized.rules(rules, family.lora_targets if family else (), kwargs["quantize"])
+    return made
 
 
 def _ties(backbone_cls, kwargs) -> list:

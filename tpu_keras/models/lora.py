@@ -145,10 +145,11 @@ class Adapter:
 
     def __init__(self, layer, target: Target, settings: Settings):
         self.target, self.settings, self.on = target, settings, True
-        if getattr(layer, "quantization_mode", None):
-            raise UserError(f"{layer.path}: LoRA over a quantized kernel "
-                            f"({layer.quantization_mode}) is not supported; adapt the float model")
-        shape = tuple(int(n) for n in layer.kernel.shape)
+        mode = getattr(layer, "quantization_mode", None)
+        if mode and mode not in ("int8", "int4"):
+            raise UserError(f"{layer.path}: LoRA over a {mode} kernel is not supported; quantize "
+                            "the base with model.quantize='int8' or 'int4'")
+        shape = tuple(int(n) for n in layer.kernel.shape)  # a quantized kernel: its whole values
         self.inputs, self.outputs = _geometry(layer, len(shape))
         if self.inputs != tuple(target.inputs):
             raise UserError(f"{layer.path}: the family's LoRA target {target.module!r} says its "
@@ -177,6 +178,14 @@ class Adapter:
         dtype = inputs.dtype
         kernel, a, b = (keras.ops.cast(v, dtype) for v in (layer.kernel, layer.lora_a, layer.lora_b))
         return _projection(self.einsums(inputs), self.settings.scaling)(inputs, kernel, a, b)
+
+    def update(self, layer, inputs):
+        """`scaling * (inputs A) B` alone, in the inputs' dtype: the part added to a quantized
+        base's output (its kernel's input gradient is Keras's, from the dequantized kernel)."""
+        e, dtype = self.einsums(inputs), inputs.dtype
+        low = keras.ops.einsum(e.down, inputs, keras.ops.cast(layer.lora_a, dtype))
+        return keras.ops.einsum(e.up, low, keras.ops.cast(layer.lora_b, dtype)) * keras.ops.cast(
+            self.settings.scaling, dtype)
 
 
 def attach(model, targets: Sequence[Target], settings: Settings) -> list:
@@ -223,6 +232,22 @@ def _adapt(layer, target: Target, settings: Settings) -> None:
         return outputs if layer.activation is None else layer.activation(outputs)
 
     object.__setattr__(layer, "call", call)  # this layer's: its class's call stays the base
+    if getattr(layer, "quantization_mode", None):  # Keras calls `quantized_call` instead
+        base_quantized_call = layer.quantized_call
+
+        def quantized_call(inputs, *args, **kwargs):
+            if not adapter.on:
+                return base_quantized_call(inputs, *args, **kwargs)
+            activation = layer.activation
+            object.__setattr__(layer, "activation", None)  # Keras's product and bias alone
+            try:
+                outputs = base_quantized_call(inputs, *args, **kwargs)
+            finally:
+                object.__setattr__(layer, "activation", activation)
+            outputs = outputs + keras.ops.cast(adapter.update(layer, inputs), outputs.dtype)
+            return outputs if activation is None else activation(outputs)
+
+        object.__setattr__(layer, "quantized_call", quantized_call)
 
 
 def adapted_layers(model) -> list:

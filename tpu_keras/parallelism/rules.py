@@ -171,6 +171,8 @@ class Placer:
 
     def _place(self, path: str, shape: tuple[int, ...], dtype: str) -> Placement:
         matching = matching_rules(self.rules, path)
+        if len(matching) > 1:  # rules for one path in several shapes: the one of this rank
+            matching = [rule for rule in matching if len(rule.axes) in (0, len(shape))] or matching
         if len(matching) > 1:
             raise UserError(f"weight {path!r} matches two layout rules, '{matching[0].pattern}' "
                             f"and '{matching[1].pattern}'; make the patterns exclusive")
@@ -205,9 +207,10 @@ class Placer:
         return placements
 
     def check_all_rules_used(self) -> None:
+        paths = [path for path, _ in self._placed]
         for rule in self.rules:
-            if rule.pattern not in self._used:
-                paths = [path for path, _ in self._placed]
+            # Used, or matching a weight that a rule for its other rank placed (a quantized kernel).
+            if rule.pattern not in self._used and not any(re.fullmatch(rule.pattern, p) for p in paths):
                 example = paths[-1] if paths else "dense/kernel"
                 raise UserError(f"layout rule '{rule.pattern}' matches no weight"
                                 f"{closest(rule.pattern, paths)}; rules are re.fullmatch-ed "
