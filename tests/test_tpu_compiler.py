@@ -191,3 +191,12 @@ def test_where_the_bytes_sent_part_the_output_names_the_collective_and_why(compi
         assert ("differs_most" in by_kind) == parted
         assert ("    differs most: all" in compiled[text_name].stdout
                 or "    differs most: collective" in compiled[text_name].stdout) == parted
+
+
+def test_nothing_sent_on_either_side_names_no_differing_collective():
+    """One device: the plan and the compiler both send 0 bytes, and agree."""
+    nothing = {"total": 0}
+    assert "differs_most" not in tpu_compiler.sent_terms({"sent_per_step": nothing},
+                                                         {"sent_per_step": nothing})
+    assert "differs_most" in tpu_compiler.sent_terms({"sent_per_step": {"total": 8, "model_all_reduce": 8}},
+                                                     {"sent_per_step": {"total": 0}})

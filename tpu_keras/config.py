@@ -53,7 +53,8 @@ def defaults() -> ml_collections.ConfigDict:
     # data parallelism); model splits weights by the builder's layout rules. fsdp
     # and model need the jax engine. -1: the devices the other axes leave.
     # slices: TPU slices joined by the data-center network (multislice, jax engine): data
-    # parallel across them, data x fsdp x model inside each (README "Multislice").
+    # parallel across them, data x fsdp x model inside each (docs/running_on_a_tpu_pod.md,
+    # "Several slices").
     config.mesh = dict(slices=1, data=-1, fsdp=1, model=1)
 
     # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).

@@ -358,7 +358,8 @@ def sent_terms(p: dict, m: dict) -> dict:
                      "compiler": compiled.get(kind, 0) + compiled.get(f"{kind}_across_slices", 0),
                      "why": WHY_SENT[kind]}
               for kind, names in _PLANNED_AS.items()}
-    if abs(planned["total"] / max(1, compiled["total"]) - 1) > SENT_BOUND:
+    apart = abs(planned["total"] / max(1, compiled["total"]) - 1)
+    if planned["total"] != compiled["total"] and apart > SENT_BOUND:  # both 0: nothing sent
         result["differs_most"] = max(
             _PLANNED_AS, key=lambda kind: abs(result[kind]["plan"] - result[kind]["compiler"]))
     return result

@@ -1,6 +1,6 @@
 """Per-platform training defaults: precision and steps per host call.
 
-The choices `auto` makes, and why (figures: README "Performance"):
+The choices `auto` makes, and why (figures: docs/performance.md):
 
 - TPU: `mixed_bfloat16`, since the MXU multiplies bf16 natively and the
   published peak is a bf16 peak; and one host call per log interval, since a

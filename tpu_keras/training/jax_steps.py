@@ -16,8 +16,8 @@ scaled loss, and an overflow among them is the optimizer's signal to halve
 its scale and skip the update, as in plain Keras. So the guard keeps its
 weights and its inner optimizer's state on a non-finite step as always, but
 takes the loss-scaling optimizer's own variables (the scale and its growth
-count) from the step: dropping them too kept the scale where it was, so
-every step overflowed again and none made an update. The norm logged is the
+count) from the step: were they kept too, the scale would never fall, and
+every step would overflow again and make no update. The norm logged is the
 unscaled gradients' (Inf in a step that overflowed).
 
 With `grad_accum_steps` k above 1 the batch holds k micro-batches; a
@@ -35,10 +35,10 @@ test step's), so the logged loss and `val_loss` are means over every token.
 Keras leaves the weights it creates, and the metrics it resets each epoch,
 uncommitted (the put that would commit them moves nothing, so it is
 skipped), while the step's outputs come back committed; `jax.jit` keys on
-that, so the train step traced and compiled again on its second call and
-after every validation, and the test step twice (three compiles of the
-train step in a run with validation; plain Keras with no distribution
-compiles once). Meshes of two or more devices were never affected.
+that, so without it the train step traces and compiles again on its second
+call and after every validation, and the test step twice (plain Keras with
+no distribution compiles once). Meshes of two or more devices commit every
+array already.
 """
 
 import types
