@@ -17,20 +17,31 @@ DPO_TINY = "configs/preference_stdlib.py:tiny"
 
 # LoRA's reference (the adapters off) on tf, a full fine-tune's (a frozen copy) on a jax mesh
 # that splits the weights; the tiny run below trains LoRA on jax.
-@pytest.mark.parametrize("engine, mesh, full", [("tf", "", False), ("jax", "fsdp2_model2", True)],
-                         ids=["tf-lora", "jax-fsdp2-model2-full"])
-def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, full, data_dir, tmp_path):
+@pytest.mark.parametrize("engine, mesh, full, base", [("tf", "", False, ""),
+                                                      ("jax", "fsdp2_model2", True, ""),
+                                                      ("jax", "fsdp2_model2", False, "int8")],
+                         ids=["tf-lora", "jax-fsdp2-model2-full", "jax-fsdp2-model2-lora-int8-base"])
+def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, full, base, data_dir, tmp_path):
     """tests/helpers/dpo_probe.py: eight real pairs, the policy moved (adapters set at random;
     full: noise on every weight), the engine's own evaluation against numpy's log-softmax
-    of the policy's and the starting model's logits."""
+    of the policy's and the starting model's logits (over an int8 base: that base's)."""
     out = run([sys.executable, "tests/helpers/dpo_probe.py", engine, data_dir, str(tmp_path / "run"),
-               *([mesh] if mesh else []), *(["full"] if full else [])], timeout=300).stdout
+               *([mesh] if mesh else []), *(["full"] if full else []), *([base] if base else [])],
+              timeout=300).stdout
     got = json.loads(re.search(r"^DPO (.*)$", out, re.M).group(1))
     assert got["devices"] == (4 if mesh else 1) and got["full"] == full, got
+    assert (got["int8_kernels"] > 0) == (base == "int8"), got  # the reference is the int8 base
     assert (got["split_weights"] > 0) == bool(mesh), got  # the mesh splits weights
     # Adapters start at zero: the policy is its reference, every reward 0, every pair a tie.
-    assert got["untrained"] == {"loss": pytest.approx(np.log(2), abs=1e-6), "reward_accuracy": 0.5,
-                                "reward_chosen": 0.0, "reward_margin": 0.0, "reward_rejected": 0.0}
+    # Over an int8 base the two paths part by rounding (rewards of about 5e-8 here): a tie
+    # is then broken either way.
+    untrained = got["untrained"]
+    if base:
+        assert untrained["loss"] == pytest.approx(np.log(2), abs=1e-6), got
+        assert max(abs(untrained[k]) for k in ("reward_chosen", "reward_margin", "reward_rejected")) < 1e-6
+    else:
+        assert untrained == {"loss": pytest.approx(np.log(2), abs=1e-6), "reward_accuracy": 0.5,
+                             "reward_chosen": 0.0, "reward_margin": 0.0, "reward_rejected": 0.0}
     moved = got["evaluated"]
     assert max(abs(moved["reward_chosen"]), abs(moved["reward_rejected"])) > 1e-3, got  # adapters on
     assert got["largest_difference"] < 1e-5, got

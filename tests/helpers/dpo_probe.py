@@ -1,12 +1,13 @@
 """DPO's scores, loss and rewards on one engine against numpy.
 
-    python tests/helpers/dpo_probe.py ENGINE DATA_DIR WORKDIR [MESH] [full]
+    python tests/helpers/dpo_probe.py ENGINE DATA_DIR WORKDIR [MESH] [full] [int8]
 
 configs/preference_stdlib.py:tiny, set up as a run sets it up (`training.setup`:
 its LoRA Llama wrapped in `models.preference.PairsModel`, compiled with the
 DPO loss), on ENGINE; MESH 'fsdp2_model2' is a jax mesh of 4 fake devices
 that splits the weights; 'full' trains every weight instead of LoRA (the
-reference is then a frozen copy). Eight real pairs go through the
+reference is then a frozen copy); 'int8' puts the LoRA over an int8 base
+(`model.quantize`), which is then the reference. Eight real pairs go through the
 pipeline's own preprocessor. The probe:
 
 - evaluates them untrained (the policy is its reference: rewards 0, accuracy 0.5);
@@ -35,11 +36,13 @@ sys.path.insert(0, "configs")
 import preference_stdlib  # noqa: E402
 
 engine_name, data_dir, workdir = sys.argv[1:4]
-mesh = next((arg for arg in sys.argv[4:] if arg != "full"), "")
+mesh = next((arg for arg in sys.argv[4:] if arg not in ("full", "int8")), "")
 full = "full" in sys.argv[4:]
 config = preference_stdlib.get_config("tiny")
 if full:
     config.model.lora_rank = 0
+if "int8" in sys.argv[4:]:  # LoRA over an int8 base: the reference is that base
+    config.model.quantize = "int8"
 config.engine = engine_name
 config.data.data_dir = data_dir
 if mesh == "fsdp2_model2":
@@ -127,6 +130,7 @@ print("DPO " + json.dumps({
                                               / np.abs(expected_scores))),
     "masks_exact": masks_exact, "prompt_tokens": int((mask[:, :, :] == 0).sum()),
     "full": full, "weights": len(model.weights), "policy_weights": len(model.policy.weights),
+    "int8_kernels": sum(w.path.endswith("/kernel") and "int8" in str(w.dtype) for w in model.weights),
     "trainable": len(model.trainable_weights),
     "policy_trainable": len(model.policy.trainable_weights),
     "split_weights": sum(not getattr(getattr(w.value, "sharding", None), "is_fully_replicated", True)
