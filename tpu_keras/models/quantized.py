@@ -113,9 +113,9 @@ def _keep_the_kernel_packed(layer) -> None:
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            # Unpacked again here, and only once the gradient has arrived: without the barrier
-            # XLA merges this unpacking with the forward pass's and keeps its result (as JAX's
-            # own rematerialisation does it).
+            # Unpacked again here, once the gradient has arrived. Without the barrier XLA merges
+            # this unpacking with the forward pass's and keeps its result; JAX's own
+            # rematerialisation keeps its recomputations apart the same way.
             again, scale_again, upstream = jax.lax.optimization_barrier((packed, scale, upstream))
             kernel = dequantized(again, scale_again, upstream.dtype)
             return input_gradient(upstream, kernel), None, None
@@ -128,7 +128,6 @@ def _keep_the_kernel_packed(layer) -> None:
         return outputs if layer.activation is None else layer.activation(outputs)
 
     object.__setattr__(layer, "quantized_call", quantized_call)  # this layer's own
-
 
 
 def rules(kernel_rules: Sequence[Rule], targets: Sequence, mode: str) -> list[Rule]:
