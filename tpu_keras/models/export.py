@@ -275,8 +275,11 @@ def host_copy(task, preset: str = "", merged: bool = True):
     backbone = task.backbone
     # Made without running initialisers (jax would compile a random initialiser for each
     # shape, most of an export's time): each variable is assigned the run's value.
+    # A quantized base (models.quantized): each kernel dequantized, its scales folded in.
+    dequantized = {id(layer._kernel): layer for layer in backbone._flatten_layers(include_self=False)
+                   if quantized.is_quantized(layer)}
     config = complete_get_config(backbone).get_config()
-    if any(quantized.is_quantized(layer) for layer in backbone._flatten_layers(include_self=False)):
+    if dequantized:
         policy = backbone.dtype_policy  # its config holds each quantized layer's policy
         config["dtype"] = getattr(policy, "default_policy", policy).name
     with _on_host(), keras.StatelessScope(initialize_variables=False):
@@ -284,9 +287,6 @@ def host_copy(task, preset: str = "", merged: bool = True):
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)
-    # A quantized base (models.quantized): each kernel dequantized, its scales folded in.
-    dequantized = {id(layer._kernel): layer for layer in backbone._flatten_layers(include_self=False)
-                   if quantized.is_quantized(layer)}
     scales = {id(layer.kernel_scale) for layer in dequantized.values()}
     sources = {path: weight for path, weight in weight_paths.weights(task).items()
                if not lora.is_factor(path) and id(weight) not in scales}
