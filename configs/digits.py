@@ -12,9 +12,9 @@ from tpu_keras.config import defaults
 
 def get_config(arg=None):
     config = defaults()
-    config.data.name = "digits"
+    config.data.tfds.name = "digits"
     config.data.preprocess = "digits_image"
-    config.data.eval_split = "test"
+    config.data.tfds.eval_split = "test"
     config.data.shuffle_buffer = 2000   # the whole split: a full shuffle every epoch
     config.data.cache = True            # 1437 small images: decode once
     config.model = dict(name=arg if arg in ("mlp", "cnn") else "mlp", image_shape=(8, 8, 1),

@@ -26,7 +26,7 @@ from tpu_keras.config import defaults
 
 def get_config(arg=None):
     config = defaults()
-    config.data.name = "stdlib_bytes/ctx128"
+    config.data.tfds.name = "stdlib_bytes/ctx128"
     config.data.preprocess = "next_token"
     config.model = dict(name="keras_hub:LlamaCausalLM", context_length=128,
                         vocabulary_size=256, hidden_dim=128, num_layers=2, num_query_heads=4,
@@ -45,7 +45,7 @@ def get_config(arg=None):
     config.log.every_steps = 100
 
     if arg in ("tiny", "lora", "spm_tiny"):  # spm_tiny: the spm branch below replaces data
-        config.data.name = "stdlib_bytes/ctx64"
+        config.data.tfds.name = "stdlib_bytes/ctx64"
         config.model.update(context_length=64, hidden_dim=32, num_layers=1, num_query_heads=2,
                             num_key_value_heads=2, intermediate_dim=64)
         config.train.update(batch_size=16, steps=20, warmup_steps=5, eval_every=10,
@@ -54,9 +54,9 @@ def get_config(arg=None):
         config.log.every_steps = 10
     if arg in ("spm", "spm_tiny"):
         text = "{data_dir}/stdlib_text"  # '{data_dir}': data.data_dir
-        config.data.update(name="", text_files=f"{text}/train/*.txt",
-                           eval_text_files=f"{text}/validation/*.txt",
-                           tokenizer="LlamaTokenizer", vocabulary=f"{text}/spm1024.model")
+        config.data.tfds.name = ""
+        config.data.text.update(files=f"{text}/train/*.txt", eval_files=f"{text}/validation/*.txt")
+        config.data.tokens.update(tokenizer="LlamaTokenizer", vocabulary=f"{text}/spm1024.model")
         config.model.vocabulary_size = 1024
     if arg == "lora":
         config.model.update(preset="{workdir}/base_preset", lora_rank=4)

@@ -17,7 +17,7 @@ from tpu_keras.config import defaults
 
 def get_config(arg=None):
     config = defaults()
-    config.data.name = "stdlib_bytes/ctx128"
+    config.data.tfds.name = "stdlib_bytes/ctx128"
     config.data.preprocess = "next_token"
     config.model = dict(name="gpt", vocab_size=256, context_length=128,
                         width=128, depth=2, num_heads=4, mlp_ratio=4)
@@ -33,7 +33,7 @@ def get_config(arg=None):
     config.log.every_steps = 100
 
     if arg == "tiny":
-        config.data.name = "stdlib_bytes/ctx64"
+        config.data.tfds.name = "stdlib_bytes/ctx64"
         config.model.update(context_length=64, width=32, depth=1, num_heads=2)
         config.train.update(batch_size=16, steps=20, warmup_steps=5, eval_every=10,
                             eval_steps=2, steps_per_execution=5, jit_compile=False)
@@ -45,7 +45,7 @@ def get_config(arg=None):
         # About a billion parameters (1.01e9: 20 blocks of 12 x 2048^2), for planning a pod
         # run (python -m tpu_keras.plan --auto); never trained here. 512 sequences of
         # 2,048 bytes per update, about a million tokens.
-        config.data.name = "stdlib_bytes/ctx2048"
+        config.data.tfds.name = "stdlib_bytes/ctx2048"
         config.model.update(context_length=2048, width=2048, depth=20, num_heads=16)
         config.engine = "jax"
         config.train.update(batch_size=512, learning_rate=3e-4, warmup_steps=200, steps=10_000)

@@ -17,10 +17,10 @@ adapters off. The log line and evaluation give TRL's reward metrics;
 val_reward_accuracy starts at 0.5. '' is llama_stdlib's default model size,
 'tiny' its tiny one (for tests).
 
-For your own data, point data.text_files and data.eval_text_files at .jsonl
+For your own data, point data.preferences.files and .eval_files at .jsonl
 files of {"prompt": ..., "chosen": ..., "rejected": ...} lines (other keys:
-data.prompt_field, data.chosen_field, data.rejected_field), and model.preset
-at a checkpoint.
+data.preferences.prompt_field, .chosen_field, .rejected_field), and
+model.preset at a checkpoint.
 """
 
 import os
@@ -35,8 +35,10 @@ def get_config(arg=None):
         raise ValueError(f"unknown variant {arg!r} of preference_stdlib; use '' or 'tiny'")
     config = llama_stdlib.get_config("spm_tiny" if arg == "tiny" else "spm")
     pairs = "{data_dir}/stdlib_preferences"  # '{data_dir}': data.data_dir
-    config.data.update(preferences=True, preprocess="", text_files=f"{pairs}/train/*.jsonl",
-                       eval_text_files=f"{pairs}/validation/*.jsonl")
+    config.data.text.update(files="", eval_files="")  # llama_stdlib's text: pairs instead
+    config.data.preprocess = ""  # pairs are read by DPO's own preprocessor
+    config.data.preferences.update(files=f"{pairs}/train/*.jsonl",
+                                   eval_files=f"{pairs}/validation/*.jsonl")
     config.model.update(context_length=128, preset="{workdir}/base_preset", lora_rank=8)
     config.train.update(dpo_beta=0.1, learning_rate=1e-2)
     if arg == "tiny":

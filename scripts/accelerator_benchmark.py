@@ -36,7 +36,7 @@ def accelerator_platform(allow_cpu: bool = False) -> str | None:
     return platform if platform in ("gpu", "tpu") or allow_cpu else None
 
 
-def run(configs, seconds: float, rounds: int, allow_cpu=False):
+def measure(configs, seconds: float, rounds: int, allow_cpu=False):
     """The JSON-ready result, or None when there is no accelerator."""
     from tpu_keras.cluster import engine
     engine.select("jax")  # before Keras is imported

@@ -18,7 +18,7 @@ not spent in training steps: start-up, compiling, validation, checkpoints,
 export, exit and anything else the toolkit does around the work. With
 --repeat=2 it runs twice, on fresh workdirs sharing one fresh compile cache,
 and shows both compile figures and their ratio, and the same for each first
-host call's whole excess (compile plus warmup: its first batch and first
+execution's whole excess (compile plus warmup: its first batch and first
 executions), which is what a restart waits for before its first step.
 
 --fit: the toolkit's `fit` next to plain Keras `fit` on the same model, the
@@ -157,7 +157,7 @@ def data_benchmark(name, seconds):
     from tpu_keras.training.setup import build_model
 
     config = timing.config_by_name(name)
-    config.data.update(data.text.resolve(config))  # packed text: the model's context, its tokenizer
+    config.data.tokens.update(data.text.resolve(config))  # packed text: the model's context, its tokenizer
     cluster = tpu_keras.connect({"strategy": "one_device"})
     batch = config.train.batch_size
     host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
@@ -278,7 +278,7 @@ def _one_batch(config, cluster):
     import tensorflow as tf
     from tpu_keras import data
 
-    config.data.update(data.text.resolve(config))  # packed text: the model's context, its tokenizer
+    config.data.tokens.update(data.text.resolve(config))  # packed text: the model's context, its tokenizer
     batch = config.train.batch_size
     host_pipeline, _ = data.pipeline.dataset_fn(config.data, cluster, batch, training=True)
     # The host pipeline yields one replica's share at a time: regroup a global batch.
@@ -346,8 +346,8 @@ def run_benchmark(name, extra_args=()):
     config = timing.config_by_name(name)
     module, _, variant = name.partition(":")
     config_arg = f"configs/{module}.py" + (f":{variant}" if variant else "")
-    if config.data.name:  # prepared first: the benchmark times training, not data preparation
-        builders.prepare(config.data.name, os.path.expanduser(config.data.data_dir))
+    if config.data.tfds.name:  # prepared first: the benchmark times training, not data preparation
+        builders.prepare(config.data.tfds.name, os.path.expanduser(config.data.data_dir))
     with tempfile.TemporaryDirectory() as workdir:
         start = time.time()
         result = subprocess.run([sys.executable, "-m", "tpu_keras.train", f"--config={config_arg}",
@@ -489,7 +489,7 @@ def _benchmark(report):
     elif _ACCELERATOR.value:
         import accelerator_benchmark
         configs = _CONFIGS.value if _CONFIGS.present else accelerator_benchmark.DEFAULT_CONFIGS
-        result = accelerator_benchmark.run(configs, _SECONDS.value, _ROUNDS.value,
+        result = accelerator_benchmark.measure(configs, _SECONDS.value, _ROUNDS.value,
                                            allow_cpu=_ON_CPU.value)
         emit(json.dumps(result, indent=2) if result else accelerator_benchmark.no_accelerator_line())
     elif _TPU_COMPILE.value:

@@ -1,5 +1,5 @@
 """What benchmark.py and accelerator_benchmark.py share: configs by name, the rate of
-`fit`'s host calls, and the race of several models in turns.
+`fit`'s executions, and the race of several models in turns.
 
 No flags here: both scripts import it (benchmark.py defines the flags).
 """
@@ -26,7 +26,7 @@ def first_reason(error) -> str:
 
 
 def training_rate(model, dataset, batch, seconds):
-    """examples/s of `model.fit`'s training loop: the median host call, after one fit that compiles.
+    """examples/s of `model.fit`'s training loop: the median execution, after one fit that compiles.
 
     Each call to the train function is timed from a callback, so what `fit`
     does before the first step and after the last is left out. That matters:
@@ -87,7 +87,7 @@ def race(turns: dict, rounds: int) -> dict:
 
 
 def settings(model) -> dict:
-    """What the JSON says of how a model trains: its steps per host call, and whether XLA runs."""
+    """What the JSON says of how a model trains: its steps per execution, and whether XLA runs."""
     return {"steps_per_execution": model.steps_per_execution, "xla": bool(model.jit_compile)}
 
 

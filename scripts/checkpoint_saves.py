@@ -60,25 +60,25 @@ def main():
     host = types.SimpleNamespace(is_chief=True, host_index=0)
     folders = {name: tempfile.mkdtemp(prefix=f"checkpoint_saves_{name}_")
                for name in ("synchronous", "asynchronous")}
-    savers = {name: checkpoint.open_checkpointer(folder, model, host, keep=1,
+    checkpointers = {name: checkpoint.open_checkpointer(folder, model, host, keep=1,
                                                  asynchronous=name == "asynchronous")
               for name, folder in folders.items()}
-    blocked = {name: [] for name in savers}
-    steps = {name: [] for name in savers}  # seconds per step right after each kind of save
+    blocked = {name: [] for name in checkpointers}
+    steps = {name: [] for name in checkpointers}  # seconds per step right after each kind of save
     written = []  # seconds each asynchronous write took in the background
     for _ in range(ROUNDS):
-        for name, saver in savers.items():
-            before = saver.writer.background_seconds if saver.writer else 0.0
+        for name, checkpointer in checkpointers.items():
+            before = checkpointer.writer.background_seconds if checkpointer.writer else 0.0
             began = time.perf_counter()
-            saver.save()
+            checkpointer.save()
             blocked[name].append(time.perf_counter() - began)
             began = time.perf_counter()
             for _ in range(STEPS_BETWEEN):
                 model.train_on_batch(batch, batch)
             steps[name].append((time.perf_counter() - began) / STEPS_BETWEEN)
-            if saver.writer:
-                saver.wait()  # the next round starts with nothing in flight
-                written.append(saver.writer.background_seconds - before)
+            if checkpointer.writer:
+                checkpointer.wait()  # the next round starts with nothing in flight
+                written.append(checkpointer.writer.background_seconds - before)
     parameters = model.count_params()
     sync, async_ = (statistics.median(blocked[n]) for n in ("synchronous", "asynchronous"))
     print(json.dumps({

@@ -35,7 +35,7 @@ from tpu_keras.cluster import libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.planning import network
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.planning import memory_plan
+from tpu_keras.planning import slice_plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
 _TPU = flags.DEFINE_string("tpu", "v5litepod-16", "One TPU slice type.")
@@ -84,7 +84,7 @@ def main(argv):
         config.mesh = {"slices": 1, "data": shape[0], "fsdp": shape[1], "model": shape[2]}
         config.train.batch_size = max(config.train.batch_size, shape[0] * shape[1])
         try:
-            plan = memory_plan.plan(config, _TPU.value)
+            plan = slice_plan.plan(config, _TPU.value)
         except UserError as error:  # the model's layout rules cannot take this mesh
             results.append({"mesh": dict(zip(mesh_lib.AXES, shape)), "skipped": str(error)})
             continue

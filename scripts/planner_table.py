@@ -32,7 +32,7 @@ from absl import flags  # noqa: E402
 
 from tpu_keras import cli  # noqa: E402
 from tpu_keras.errors import UserError  # noqa: E402
-from tpu_keras.planning import memory_plan, tpu_compiler  # noqa: E402
+from tpu_keras.planning import slice_plan, tpu_compiler  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -56,7 +56,7 @@ def load(name):
 def row(name, slice_name):
     config = load(name)
     try:
-        p = memory_plan.plan(config, slice_name, measure=True, compiler="tpu")
+        p = slice_plan.plan(config, slice_name, measure=True, compiler="tpu")
     except UserError as error:
         return {"config": name, "slice": slice_name, "error": str(error)}
     m, d = p["measured"], p["per_device"]
@@ -92,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

@@ -38,7 +38,7 @@ from ml_collections import config_flags  # noqa: E402
 from tpu_keras import cli  # noqa: E402
 from tpu_keras import config as config_lib  # noqa: E402
 from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
-from tpu_keras.planning import memory_plan, tpu_compiler  # noqa: E402
+from tpu_keras.planning import slice_plan, tpu_compiler  # noqa: E402
 
 TPU = "v5litepod-8"
 MICRO_BATCHES = 4
@@ -54,8 +54,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file, with -
 def variant(config, step, accumulate):
     config = config.copy_and_resolve_references()
     config.train.grad_accum_steps = accumulate
-    slices, found = memory_plan.tpu_slices(config, TPU)
-    mesh = memory_plan.one_slice_mesh(config, found)
+    slices, found = slice_plan.tpu_slices(config, TPU)
+    mesh = slice_plan.one_slice_mesh(config, found)
     per_replica = config.train.batch_size // (mesh["data"] * mesh["fsdp"])
     # The same attention in both (keras-hub's call of Keras's): the guard is what is weighed.
     m = tpu_compiler.measure(config, TPU, mesh, per_replica, step=step, attention="keras")
@@ -79,7 +79,7 @@ def accumulation_extra(config, results) -> dict:
     toolkit, keras = results["toolkit_accumulating"]["peak"], results["keras_accumulating"]["peak"]
     if not (toolkit and keras):
         return {}
-    footprint = memory_plan.Footprint(config)  # the model again, nothing allocated
+    footprint = slice_plan.Footprint(config)  # the model again, nothing allocated
     mesh = results["toolkit_accumulating"]["mesh"]
     weights = footprint.layout(tuple(mesh[axis] for axis in mesh_lib.AXES))["totals"]
     bf16 = footprint.precision == "mixed_bfloat16"
@@ -126,4 +126,4 @@ def main(argv):
 if __name__ == "__main__":
     if len(sys.argv) == 1:
         sys.argv += DEFAULT
-    cli.run(main)
+    cli.start(main)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))  # the helpers the test modu
 # xdist's loadscope hands whole modules to the workers in collection order, so
 # starting with the longest lets the short ones fill in at the end, and both
 # workers finish together instead of one running a long module alone.
-SLOWEST_FIRST = ("test_multislice.py", "test_hub_transformers.py", "test_hub.py",
+SLOWEST_FIRST = ("test_multislice.py", "test_hub_transformers.py", "test_hub.py", "test_tpu_pod.py",
                  "test_parallel.py", "test_plan.py", "test_steps.py", "test_data.py", "test_reliability.py",
                  "test_train.py", "test_user_code.py", "test_evaluate.py", "test_accumulation.py",
                  "test_nonfinite.py", "test_host_failure.py", "test_tpu_compiler.py", "test_engines.py",
@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
 
 
-def run(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO):
+def run_command(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO):
     """Runs `args` (from the repo root unless `cwd` says otherwise); returns the
     CompletedProcess (text; stderr merged into stdout unless `merge_stderr=False`)."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -62,8 +62,8 @@ def run(args, *, timeout=300, env=None, check=True, merge_stderr=True, cwd=REPO)
 def run_in_one_process(command, calls, *, timeout=300):
     """Several command lines of one toolkit `command` ('tpu_keras.plan'), run in one
     process by tests/helpers/cli_batch.py: {name: CompletedProcess}, `stdout` and `stderr` apart."""
-    output = run([sys.executable, "tests/helpers/cli_batch.py", command, json.dumps(calls)],
-                 timeout=timeout, merge_stderr=False).stdout
+    output = run_command([sys.executable, "tests/helpers/cli_batch.py", command, json.dumps(calls)],
+                         timeout=timeout, merge_stderr=False).stdout
     done = [json.loads(line[len("CALL "):]) for line in output.splitlines() if line.startswith("CALL ")]
     return {call["name"]: subprocess.CompletedProcess(calls[call["name"]], call["code"], call["stdout"],
                                                       call["stderr"]) for call in done}
@@ -109,8 +109,8 @@ def train_args(config, workdir, *overrides) -> list:
 
 
 def train(config, workdir, *overrides, timeout=300, check=True, env=None):
-    return run([sys.executable, "-m", "tpu_keras.train", *train_args(config, workdir, *overrides)],
-               timeout=timeout, check=check, env=env)
+    return run_command([sys.executable, "-m", "tpu_keras.train", *train_args(config, workdir, *overrides)],
+                       timeout=timeout, check=check, env=env)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -173,7 +173,7 @@ def stdlib_text(tmp_path_factory, data_dir):
     """The standard library as .txt documents with its 1,024-piece SentencePiece
     vocabulary (trained offline with SentencePiece), written once into `data_dir`;
     returns their folder."""
-    once_per_suite(tmp_path_factory, "stdlib_text", lambda: run(
+    once_per_suite(tmp_path_factory, "stdlib_text", lambda: run_command(
         [sys.executable, "-c", "import sys; from tpu_keras.data import stdlib_text; "
          "print(stdlib_text.prepare(sys.argv[1]))", data_dir], timeout=300).stdout)
     return Path(data_dir) / "stdlib_text"

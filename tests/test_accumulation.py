@@ -12,12 +12,14 @@ import sys
 
 import pytest
 
-from conftest import run
+from conftest import run_command
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step, train_args
+
+pytestmark = pytest.mark.slow  # each check trains several runs or a simulated pod
 
 
 def test_four_micro_batches_make_the_update_of_their_union_under_mirrored(data_dir):
-    out = run([sys.executable, "tests/helpers/accum_probe.py", "tf", data_dir, "2"]).stdout
+    out = run_command([sys.executable, "tests/helpers/accum_probe.py", "tf", data_dir, "2"]).stdout
     result = json.loads(next(l for l in out.splitlines() if l.startswith("ACCUM "))[6:])
     assert result["moved"] > 1e-3, result  # the update is real
     assert result["between"] <= 1e-5, result
@@ -28,7 +30,7 @@ def test_a_step_split_over_replicas_and_micro_batches_takes_one_token_mean(engin
     """tests/helpers/token_mean_probe.py: rows of 1 to 16 weighted targets, split over 2 tf
     replicas (jax: a data 2 x model 2 mesh) and 2 micro-batches, against numpy and against
     the same step on one device and one batch."""
-    out = run([sys.executable, "tests/helpers/token_mean_probe.py", engine]).stdout
+    out = run_command([sys.executable, "tests/helpers/token_mean_probe.py", engine]).stdout
     got = json.loads(re.search(r"^TOKENS (.*)$", out, re.M).group(1))
     assert got["devices"] == (2 if engine == "tf" else 4), got
     # The global mean over targets (float32 against float64: within 1e-6 of it, relative).
@@ -42,7 +44,7 @@ def test_a_step_split_over_replicas_and_micro_batches_takes_one_token_mean(engin
 
 def test_a_run_with_accumulation_killed_mid_run_resumes_to_the_same_weights(data_dir, tmp_path):
     extra = ("--config.train.grad_accum_steps=2", "--config.train.batch_size=32")
-    reference = run(train_args(tmp_path / "reference", data_dir, *extra), timeout=300).stdout
+    reference = run_command(train_args(tmp_path / "reference", data_dir, *extra), timeout=300).stdout
     assert "2 micro-batches of 32 per update" in reference, reference[-2000:]
     resumed = killed_after_checkpoint_then_resumed(train_args(tmp_path / "killed", data_dir, *extra),
                                                    step=20)

@@ -6,21 +6,24 @@ import json
 import os
 import sys
 
-from conftest import REPO, run
+import pytest
+
+from conftest import REPO, run_command
 
 
 def test_accelerator_benchmark_without_accelerator_says_so_in_one_line():
-    result = run([sys.executable, "scripts/benchmark.py", "--accelerator"], merge_stderr=False,
-                 env={"JAX_PLATFORMS": "cpu"})
+    result = run_command([sys.executable, "scripts/benchmark.py", "--accelerator"], merge_stderr=False,
+                         env={"JAX_PLATFORMS": "cpu"})
     lines = result.stdout.splitlines()
     assert result.returncode == 0
     assert len(lines) == 1 and lines[0].startswith("no accelerator here: JAX sees only cpu devices"), lines
     assert "python scripts/benchmark.py --accelerator" in lines[0]
 
 
+@pytest.mark.slow
 def test_stdout_is_the_json_alone_while_a_dataset_is_prepared(tmp_path):
     """A fresh home: TFDS prepares the digits and says so, on stderr, not in the JSON."""
-    result = run([sys.executable, "scripts/benchmark.py", "--data", "--configs=digits",
+    result = run_command([sys.executable, "scripts/benchmark.py", "--data", "--configs=digits",
                   "--seconds=0.2"], merge_stderr=False, env={"HOME": str(tmp_path)})
     assert json.loads(result.stdout)["benchmark"] == "data", result.stdout[-2000:]
     assert "Dataset digits" in result.stderr or "preparing" in result.stderr, result.stderr[-2000:]

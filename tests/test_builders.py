@@ -161,6 +161,7 @@ def test_prepare_lets_unknown_names_fail(tmp_path):
         builders.prepare("no_such_dataset_anywhere", str(tmp_path))
 
 
+@pytest.mark.slow
 def test_two_hosts_preparing_one_data_dir_at_once(tmp_path):
     """Without the lock, the slower host fails to rename its copy into place."""
     data_dir = tmp_path / "tfds"

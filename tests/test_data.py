@@ -8,7 +8,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, run, train
+from conftest import REPO, run_command, train
 
 EXAMPLE_STRIDE = 100_000  # id = file * EXAMPLE_STRIDE + row: the id names its file
 
@@ -34,7 +34,7 @@ def probe(pattern, hosts, devices, global_batch, epochs=1, seed=0, data_service=
     `pattern` may join several globs with ','; the reports are then a dict by glob.
     `seed` may join several seeds with ','; the reports are then a list, one per seed.
     """
-    result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
+    result = run_command([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
                   f"--devices_per_host={devices}", "--timeout=240",
                   *(["--data_service"] if data_service else []), "--",
                   sys.executable, str(REPO / "tests" / "helpers" / "data_probe.py"), pattern,
@@ -58,7 +58,9 @@ def ids_of_epoch(reports, epoch):
     return [i for r in reports for replica in r["seen"][epoch] for i in replica]
 
 
-@pytest.mark.parametrize("hosts, devices", [(1, 4), (2, 2), (4, 1)])  # one host of one device: the trivial case
+# One host of one device is the trivial case; the fast tier takes one host of four replicas.
+@pytest.mark.parametrize("hosts, devices", [(1, 4), pytest.param(2, 2, marks=pytest.mark.slow),
+                                            pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_each_example_exactly_once_per_epoch(tmp_path, hosts, devices):
     global_batch = 32
     file_sets = {}  # one start of the hosts reads both: 8 files that divide the batch, and not
@@ -107,6 +109,7 @@ def test_same_seed_same_order_and_each_epoch_reshuffled(tmp_path):
     assert epoch0 != sorted(epoch0)  # shuffled at all
 
 
+@pytest.mark.slow
 def test_tf_data_service_feeds_the_same_examples(tmp_path):
     pattern, all_ids = write_files(tmp_path, [96] * 4)
     served, output = probe(pattern, hosts=2, devices=1, global_batch=32, data_service=True)
@@ -139,15 +142,17 @@ print("EVAL", int(test.sum()), steps, toolkit, numpy)
 """
 
 
+@pytest.mark.slow
 def test_evaluation_counts_every_example_once(data_dir):
-    result = run([sys.executable, "-c", DIGITS_EVAL, data_dir])
+    result = run_command([sys.executable, "-c", DIGITS_EVAL, data_dir])
     count, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+)", result.stdout).groups()
     assert int(count) == 360 and int(steps) == 6  # 360 = 5 x 64 + 40: the last batch is padded
     assert float(toolkit) == pytest.approx(float(numpy), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_training_run_through_the_tf_data_service(tmp_path, data_dir):
-    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--timeout=240",
+    result = run_command([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--timeout=240",
                   "--data_service", "--", sys.executable, "-m", "tpu_keras.train",
                   "--config=configs/digits.py:tiny", f"--workdir={tmp_path}",
                   f"--config.data.data_dir={data_dir}"], timeout=300)
@@ -164,7 +169,8 @@ sys.path.insert(0, "configs")
 import digits, tpu_keras
 from tpu_keras import data
 config = digits.get_config()
-config.data.update(data_dir=sys.argv[1], train_split="train[:50%]", eval_split="train[50%:]")
+config.data.data_dir = sys.argv[1]
+config.data.tfds.update(train_split="train[:50%]", eval_split="train[50%:]")
 cluster = tpu_keras.connect({})
 _, train_steps = data.build(config.data, cluster, 64, training=True)
 _, eval_steps = data.build(config.data, cluster, 64, training=False)
@@ -173,7 +179,7 @@ print("STEPS", train_steps, eval_steps)
 
 
 def test_tfds_split_slicing(data_dir):
-    result = run([sys.executable, "-c", SLICED, data_dir])
+    result = run_command([sys.executable, "-c", SLICED, data_dir])
     # 1437 examples: TFDS gives the first half 718 (11 full batches of 64) and
     # the second half 719 (12 batches, the last one padded).
     assert re.search(r"sharding digits\[train\[:50%\]\] by file: 4 file\(s\) over 1 host\(s\), 718 ",
@@ -185,19 +191,20 @@ TFRECORD_SPLITS = """
 import sys, tpu_keras
 from tpu_keras import config as config_lib, data
 config = config_lib.defaults().data
-config.update(files=sys.argv[1], eval_files=sys.argv[2], features={"id": "int64", "x": "float32[2]"},
-              preprocess="features", inputs="x", targets="id")
+config.tfrecords.update(files=sys.argv[1], eval_files=sys.argv[2], features={"id": "int64", "x": "float32[2]"})
+config.update(preprocess="features", inputs="x", targets="id")
 cluster = tpu_keras.connect({})
 print("STEPS", data.build(config, cluster, 16, training=True)[1], data.build(config, cluster, 16, training=False)[1])
 """
 
 
+@pytest.mark.slow
 def test_tfrecord_train_and_eval_files_are_separate(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "eval").mkdir()
     train_pattern, _ = write_files(tmp_path / "train", [64] * 2)
     eval_pattern, _ = write_files(tmp_path / "eval", [20])
-    result = run([sys.executable, "-c", TFRECORD_SPLITS, train_pattern, eval_pattern])
+    result = run_command([sys.executable, "-c", TFRECORD_SPLITS, train_pattern, eval_pattern])
     assert "STEPS 8 2" in result.stdout  # 128 / 16 train steps; 20 eval rows -> 2 padded steps
 
 
@@ -259,6 +266,7 @@ def logged_tokens(folder):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hosts, devices", [(2, 2)])  # hosts and replicas at once
 def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices):
     """Text, .jsonl text, the same packed apart and instructions (packed apart): every token
@@ -267,7 +275,7 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
     global_batch = 8
     documents = write_text(tmp_path)
     bad = str(tmp_path / "bad" / "*.jsonl")
-    result = run([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
+    result = run_command([sys.executable, "-m", "tpu_keras.launch", f"--hosts={hosts}",
                   f"--devices_per_host={devices}", "--timeout=240", "--",
                   sys.executable, str(REPO / "tests" / "helpers" / "text_probe.py"), str(tmp_path / "logs"),
                   ",".join([*documents, bad]), str(global_batch), str(TEXT_CONTEXT)], timeout=300)
@@ -277,8 +285,8 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
     errors = re.findall(r"PROBE_ERROR (\d) (.*)", result.stdout)
     assert sorted(int(host) for host, _ in errors) == list(range(hosts))
     assert {message for _, message in errors} == {
-        f"{tmp_path}/bad/part-1.jsonl:2 has no text under data.response_field='response'; set "
-        "data.response_field to the key of the response (this line has ['prompt'])"}
+        f"{tmp_path}/bad/part-1.jsonl:2 has no text under data.instructions.response_field='response'; "
+        "set data.instructions.response_field to the key of the response (this line has ['prompt'])"}
     for index, (pattern, lengths) in enumerate(documents.items()):
         steps = {r["steps"] for r in reports if r["pattern"] == pattern}
         assert len(steps) == 1
@@ -316,10 +324,11 @@ def test_text_tokens_exactly_once_per_epoch_and_resume(tmp_path, hosts, devices)
             assert sorted(resumed[host, steps // 2]) == sorted(logged[host, steps // 2])
 
 
+@pytest.mark.slow
 def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, stdlib_text):
     """One process: evaluation over every token once equals numpy; a TFDS text feature
     packs; SentencePiece by class and by preset tokenize alike, as sentencepiece does."""
-    result = run([sys.executable, str(REPO / "tests" / "helpers" / "text_eval.py"), data_dir, str(tmp_path),
+    result = run_command([sys.executable, str(REPO / "tests" / "helpers" / "text_eval.py"), data_dir, str(tmp_path),
                   str(stdlib_text / "spm1024.model")])
     tokens, rows, steps, toolkit, numpy = re.search(r"EVAL (\S+) (\S+) (\S+) (\S+) (\S+)",
                                                     result.stdout).groups()
@@ -345,6 +354,7 @@ def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, 
     assert float(tokens_per_byte) == pytest.approx(float(tokens_per_byte_ref), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_instruction_tuning_learns_a_fixed_response(tmp_path, data_dir, stdlib_text):
     """configs/instruct_stdlib.py:tiny on prompts that all get one response: the loss on the
     responses (val bits per token, counted on them alone) falls by half in 20 steps."""
@@ -353,14 +363,14 @@ def test_instruction_tuning_learns_a_fixed_response(tmp_path, data_dir, stdlib_t
             pairs.write(json.dumps({"prompt": f"Tell me about item {i}.\n",
                                     "response": "I do not know that one."}) + "\n")
     result = train("configs/instruct_stdlib.py:tiny", tmp_path / "run",
-                   f"--config.data.data_dir={data_dir}", f"--config.data.text_files={tmp_path}/pairs.jsonl",
-                   f"--config.data.eval_text_files={tmp_path}/pairs.jsonl",
+                   f"--config.data.data_dir={data_dir}", f"--config.data.instructions.files={tmp_path}/pairs.jsonl",
+                   f"--config.data.instructions.eval_files={tmp_path}/pairs.jsonl",
                    "--config.train.learning_rate=0.02")
     assert "tokens per byte (of the responses)" in result.stdout
     first, last = (float(v) for v in re.findall(r"val_bits_per_token ([\d.]+)", result.stdout))
     assert last < first / 2, result.stdout[-2000:]
     # The run's generator gives the model a prompt as training gave it one: start token first.
-    out = run([sys.executable, "-c", GENERATOR_PROMPT, str(tmp_path / "run")]).stdout
+    out = run_command([sys.executable, "-c", GENERATOR_PROMPT, str(tmp_path / "run")]).stdout
     generated, given, trained, start = json.loads(out.splitlines()[-1])
     assert given == trained and given[0] == start, (given, trained, start)
     assert generated.startswith("Tell me about item 5.\n") and len(generated) > 22, generated
@@ -375,7 +385,7 @@ from tpu_keras.tools import sampling
 config = config_lib.read_run_config(sys.argv[1])
 generator = sampling.from_run(sys.argv[1], config)
 prompt = "Tell me about item 5.\\n"
-tokenizer = tokenizers.make(text.with_data_dir(config.data))
+tokenizer = tokenizers.make(text.with_data_dir(config.data).tokens)
 tokens, _, prompt_tokens = text.document_recipe(config.data).tokenize(
     tokenizer, {"prompt": tf.constant([prompt]), "response": tf.constant(["x"])})
 trained = [int(t) for t in tokens[0][:int(prompt_tokens[0])].numpy()]
@@ -398,6 +408,6 @@ def test_a_token_count_whose_counting_host_died_ends_in_bounded_time(tmp_path):
                             str(tmp_path / "counts"), 0, 2, wait_seconds=1)
     message = str(refused.value)
     assert "\n" not in message and "host 1" in message and str(paths[1]) in message, message
-    assert "data.token_counts" in message, message
+    assert "data.tokens.counts" in message, message
     # The record host 0 wrote stays: a restart counts nothing it already counted.
     assert len([n for n in (tmp_path / "counts").iterdir() if n.suffix == ".json"]) == 1

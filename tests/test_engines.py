@@ -6,17 +6,18 @@ import sys
 
 import pytest
 
-from conftest import run
+from conftest import run_command
 
 
 def losses(engine, config, data_dir, init, overrides):
-    out = run([sys.executable, "tests/helpers/engine_probe.py", engine, config, data_dir, str(init),
+    out = run_command([sys.executable, "tests/helpers/engine_probe.py", engine, config, data_dir, str(init),
                json.dumps(overrides)]).stdout
     return json.loads(next(l for l in out.splitlines() if l.startswith("ENGINE "))[7:])
 
 
 @pytest.mark.parametrize("config,overrides", [
-    ("configs/lm_stdlib.py", {"model": {"depth": 1}}),  # one block: a second adds compile time
+    pytest.param("configs/lm_stdlib.py", {"model": {"depth": 1}},  # one block: a second adds compile time
+                 marks=pytest.mark.slow),
     # Dropout draws different masks on the two backends: off, the MLP is deterministic.
     ("configs/digits.py:mlp", {"model": {"dropout": 0.0}}),
 ], ids=["gpt", "mlp"])

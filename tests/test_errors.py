@@ -1,20 +1,22 @@
 """Bad input ends in one line that says what to change, a non-zero exit and no traceback."""
 
+import re
 import shutil
 import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process, train, train_args
+from conftest import assert_one_line_error, run_command, run_in_one_process, train, train_args
+from tpu_keras.errors import UserError
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
 DIGITS_TINY = "configs/digits.py:tiny"
 DATA = "--config.data.data_dir={data_dir}"
 LLAMA_TINY = "configs/llama_stdlib.py:tiny"
 # llama_stdlib:tiny as a LoRA DPO run on the pairs file {} of the inputs below.
-DPO_PAIRS = ("--config.data.preferences=True --config.data.name= --config.data.preprocess= "
-             "--config.model.lora_rank=4 --config.data.text_files={{inputs}}/{0}.jsonl "
-             "--config.data.eval_text_files={{inputs}}/{0}.jsonl")
+DPO_PAIRS = ("--config.data.tfds.name= --config.data.preprocess= "
+             "--config.model.lora_rank=4 --config.data.preferences.files={{inputs}}/{0}.jsonl "
+             "--config.data.preferences.eval_files={{inputs}}/{0}.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +33,18 @@ def inputs(tmp_path_factory):
     (folder / "wrong_type.py").write_text(derived.format(
         module="lm_stdlib", body="    config.train.steps = '100'\n"))
     (folder / "tfrecords.py").write_text(derived.format(module="digits", body=(
-        "    config.data.name = ''\n"
-        f"    config.data.files = config.data.eval_files = {str(folder / 'garbage.tfrecord')!r}\n"
-        "    config.data.features = {'image': 'float32[8,8,1]', 'label': 'int64'}\n")))
+        "    config.data.tfds.update(name='', eval_split='validation')  # digits' own: unread\n"
+        f"    config.data.tfrecords.files = {str(folder / 'garbage.tfrecord')!r}\n"
+        f"    config.data.tfrecords.eval_files = {str(folder / 'garbage.tfrecord')!r}\n"
+        "    config.data.tfrecords.features = {'image': 'float32[8,8,1]', 'label': 'int64'}\n")))
+    (folder / "flat_data_key.py").write_text(derived.format(
+        module="lm_stdlib", body="    config.data.name = 'stdlib_bytes/ctx64'\n"))
+    (folder / "data_switch.py").write_text(derived.format(
+        module="lm_stdlib", body="    config.data.instructions = True\n"))
+    (folder / "two_kinds.py").write_text(derived.format(
+        module="lm_stdlib", body="    config.data.text.files = 'docs/*.txt'\n"))
+    (folder / "unused_part.py").write_text(derived.format(
+        module="lm_stdlib", body="    config.data.instructions.prompt_field = 'question'\n"))
     (folder / "syntax_error.py").write_text("def get_config(:\n")
     (folder / "corrupt_preset").mkdir()
     (folder / "corrupt_preset" / "config.json").write_text("{not json")
@@ -66,6 +77,26 @@ CASES = [
                  id="key-of-another-model"),
     pytest.param("{inputs}/typo.py", [], ["train.learnig_rate", "'learning_rate'"],
                  id="key-typo-in-config-file"),
+    # The data section in parts: a flat key of before names its new place; a part is read
+    # or refused.
+    pytest.param(LM_TINY, ["--config.data.text_files=x.txt"],
+                 ["--config.data.text_files: data.text_files moved to data.text.files",
+                  "instruction data: data.instructions.files"], id="flat-data-key-in-flag"),
+    pytest.param(LM_TINY, ["--config.data.preferences=true"],
+                 ["data.preferences is a part of the data section now, not a switch",
+                  "set data.preferences.files"], id="data-switch-in-flag"),
+    pytest.param("{inputs}/flat_data_key.py", [], ["data.name moved to data.tfds.name"],
+                 id="flat-data-key-in-config-file"),
+    pytest.param("{inputs}/data_switch.py", [],
+                 ["data.instructions is a part of the data section now", "data.instructions.files"],
+                 id="data-switch-in-config-file"),
+    pytest.param("{inputs}/two_kinds.py", [],
+                 ["names several kinds of data (data.tfds.name, data.text.files); set one"],
+                 id="two-kinds-of-data"),
+    pytest.param("{inputs}/unused_part.py", [],
+                 ["data.instructions.prompt_field is set, but this run reads data.tfds",
+                  "set data.instructions.files to read that kind of data instead"],
+                 id="a-part-the-run-does-not-read"),
     # Value types.
     pytest.param(LM_TINY, ["--config.train.steps=abc"],
                  ["--config.train.steps=abc is not an int", "set train.steps to an int"],
@@ -122,72 +153,75 @@ CASES = [
                  ["no TPU reachable as cluster.tpu='no-such-tpu'", "cluster.strategy=auto"],
                  id="unreachable-tpu"),
     # Data.
-    pytest.param(DIGITS_TINY, ["--config.data.name=mnist",
+    pytest.param(DIGITS_TINY, ["--config.data.tfds.name=mnist",
                                "--config.data.data_dir={inputs}/no-such-dir"],
                  ["'mnist' is not prepared", "no such directory", "set data.data_dir"],
                  id="missing-data-dir"),
-    pytest.param(LM_TINY, ["--config.data.name=stdlib_byte", DATA],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=stdlib_byte", DATA],
                  ["unknown dataset 'stdlib_byte'", "stdlib_bytes"], id="unknown-dataset"),
-    pytest.param(LM_TINY, ["--config.data.name=stdlib_bytes/ctx999", DATA],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=stdlib_bytes/ctx999", DATA],
                  ["'stdlib_bytes' has no variant 'ctx999'", "'stdlib_bytes/ctx128'"],
                  id="unknown-dataset-variant"),
-    pytest.param(LM_TINY, ["--config.data.eval_split=valdation", DATA],
-                 ["data.eval_split='valdation'", "'validation'"], id="unknown-split"),
-    pytest.param("{inputs}/tfrecords.py", ["--config.data.eval_files={inputs}/none-*.tfrecord"],
-                 ["data.eval_files=", "matches no file"], id="glob-matches-nothing"),
+    pytest.param(LM_TINY, ["--config.data.tfds.eval_split=valdation", DATA],
+                 ["data.tfds.eval_split='valdation'", "'validation'"], id="unknown-split"),
+    pytest.param("{inputs}/tfrecords.py", ["--config.data.tfrecords.eval_files={inputs}/none-*.tfrecord"],
+                 ["data.tfrecords.eval_files=", "matches no file"], id="glob-matches-nothing"),
     pytest.param("{inputs}/tfrecords.py", [],
-                 ["garbage.tfrecord is not a readable TFRecord file", "leave it out of data.files"],
+                 ["garbage.tfrecord is not a readable TFRecord file",
+                  "leave it out of data.tfrecords.files"],
                  id="corrupt-tfrecord"),
     # Text sources.
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
-                           "--config.data.eval_text_files={inputs}/none-*.txt", DATA],
-                 ["data.eval_text_files='", "none-*.txt' matches no file", ".txt or .jsonl"],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=", "--config.data.text.files={inputs}/doc.txt",
+                           "--config.data.text.eval_files={inputs}/none-*.txt", DATA],
+                 ["data.text.eval_files='", "none-*.txt' matches no file", ".txt or .jsonl"],
                  id="text-glob-matches-nothing"),
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/docs.jsonl",
-                           "--config.data.eval_text_files={inputs}/docs.jsonl",
-                           "--config.data.text_field=text", DATA],
-                 ["docs.jsonl:1 has no text under data.text_field='text'", "['body']"],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=", "--config.data.text.files={inputs}/docs.jsonl",
+                           "--config.data.text.eval_files={inputs}/docs.jsonl",
+                           "--config.data.text.field=text", DATA],
+                 ["docs.jsonl:1 has no text under data.text.field='text'", "['body']"],
                  id="jsonl-without-the-text-field"),
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/pairs.jsonl",
-                           "--config.data.eval_text_files={inputs}/pairs.jsonl",
-                           "--config.data.instructions=true", DATA],
-                 ["pairs.jsonl:2 has no text under data.response_field='response'",
-                  "set data.response_field to the key of the response", "['answer', 'prompt']"],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=", "--config.data.instructions.files={inputs}/pairs.jsonl",
+                           "--config.data.instructions.eval_files={inputs}/pairs.jsonl", DATA],
+                 ["pairs.jsonl:2 has no text under data.instructions.response_field='response'",
+                  "set data.instructions.response_field to the key of the response",
+                  "['answer', 'prompt']"],
                  id="instruction-without-its-response"),
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/long.jsonl",
-                           "--config.data.eval_text_files={inputs}/long.jsonl",
-                           "--config.data.instructions=true", DATA],
-                 ["long.jsonl:1 has a prompt of 100 tokens, longer than data.context_length=64",
-                  "raise data.context_length", "to at least 100, or shorten that prompt"],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=", "--config.data.instructions.files={inputs}/long.jsonl",
+                           "--config.data.instructions.eval_files={inputs}/long.jsonl", DATA],
+                 ["long.jsonl:1 has a prompt of 100 tokens, longer than data.tokens.context_length=64",
+                  "raise data.tokens.context_length", "to at least 100, or shorten that prompt"],
                  id="instruction-prompt-longer-than-the-context"),
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/long_response.jsonl",
-                           "--config.data.eval_text_files={inputs}/long_response.jsonl",
-                           "--config.data.instructions=true", DATA],
+    pytest.param(LM_TINY, ["--config.data.tfds.name=",
+                           "--config.data.instructions.files={inputs}/long_response.jsonl",
+                           "--config.data.instructions.eval_files={inputs}/long_response.jsonl", DATA],
                  ["long_response.jsonl:2 is an example of 102 tokens, longer than a row of "
-                  "data.context_length + 1 = 65 tokens", "set data.truncate=True"],
+                  "data.tokens.context_length + 1 = 65 tokens", "set data.instructions.truncate=True"],
                  id="instruction-example-longer-than-a-row"),
     # Preference pairs (DPO).
     pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_missing").split(), DATA],
-                 ["prefs_missing.jsonl:2 has no text under data.rejected_field='rejected'",
+                 ["prefs_missing.jsonl:2 has no text under data.preferences.rejected_field='rejected'",
                   "['chosen', 'prompt']"], id="preference-pair-without-rejected"),
     pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), DATA],
-                 ["prefs_same.jsonl:1 has the same text under data.chosen_field='chosen' and "
-                  "data.rejected_field='rejected'", "fix the pair or drop the line"],
+                 ["prefs_same.jsonl:1 has the same text under data.preferences.chosen_field='chosen' "
+                  "and data.preferences.rejected_field='rejected'", "fix the pair or drop the line"],
                  id="preference-pair-chosen-equals-rejected"),
     pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), "--config.train.dpo_beta=-0.5",
                               DATA], ["train.dpo_beta=-0.5 must be a number above 0"], id="dpo-beta-not-positive"),
-    pytest.param(DIGITS_TINY, ["--config.data.preferences=True", DATA],
+    pytest.param(DIGITS_TINY, ["--config.data.tfds.name=", "--config.data.tfds.eval_split=validation",
+                               "--config.data.preprocess=",
+                               "--config.data.preferences.files={inputs}/prefs_same.jsonl",
+                               "--config.data.preferences.eval_files={inputs}/prefs_same.jsonl", DATA],
                  ["DPO (data.preferences) trains a language model", "keras_hub:LlamaCausalLM"],
                  id="dpo-on-a-model-that-is-not-a-language-model"),
-    pytest.param(LM_TINY, ["--config.data.text_field=text", DATA],
-                 ["'stdlib_bytes/ctx64' has no text feature data.text_field='text'"],
+    pytest.param(LM_TINY, ["--config.data.text.field=text", DATA],
+                 ["'stdlib_bytes/ctx64' has no text feature data.text.field='text'"],
                  id="tfds-without-the-text-feature"),
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
-                           "--config.data.eval_text_files={inputs}/doc.txt",
-                           "--config.data.tokenizer=LlamaTokeniser", DATA],
-                 ["data.tokenizer='LlamaTokeniser'", "'LlamaTokenizer'"], id="unknown-tokenizer"),
-    pytest.param(LM_TINY, ["--config.data.name=", "--config.data.text_files={inputs}/doc.txt",
-                           "--config.data.eval_text_files={inputs}/doc.txt",
+    pytest.param(LM_TINY, ["--config.data.tfds.name=", "--config.data.text.files={inputs}/doc.txt",
+                           "--config.data.text.eval_files={inputs}/doc.txt",
+                           "--config.data.tokens.tokenizer=LlamaTokeniser", DATA],
+                 ["data.tokens.tokenizer='LlamaTokeniser'", "'LlamaTokenizer'"], id="unknown-tokenizer"),
+    pytest.param(LM_TINY, ["--config.data.tfds.name=", "--config.data.text.files={inputs}/doc.txt",
+                           "--config.data.text.eval_files={inputs}/doc.txt",
                            "--config.model.vocab_size=200", DATA],
                  ["has 256 tokens but the model's embedding has 200", "vocab_size) to 256"],
                  id="vocabulary-does-not-match-the-model"),
@@ -285,10 +319,10 @@ def test_bad_input_is_one_line_that_says_what_to_change(request, tmp_path, fille
     (["tpu_keras.layout", "--config=nope.py"], "cannot load --config=nope.py"),
     (["tpu_keras.train", "--config=nope.py", "--workdir=/tmp/unused"], "cannot load --config=nope.py"),
     (["tpu_keras.launch", "--hosts=0", "--", "true"], "--hosts must be >= 1"),
-    (["tpu_keras.data.service", "--port=abc"], "port"),
+    (["tpu_keras.data_service", "--port=abc"], "port"),
 ], ids=["info", "plan", "layout", "train", "launch", "data-service"])
 def test_every_command_fails_the_same_way(command, fragment):
-    result = run([sys.executable, "-m", *command], check=False)
+    result = run_command([sys.executable, "-m", *command], check=False)
     assert result.returncode == 2, result.stdout[-2000:]
     assert_one_line_error(result, fragment)
 
@@ -316,3 +350,32 @@ def test_resuming_a_different_model_on_the_same_workdir(tmp_path, data_dir, tiny
     assert_one_line_error(results["deeper"], "does not fit this model: weight "
                           "'block1_attention_norm/gamma' [32] of this model is not in the checkpoint",
                           "use a new --workdir")
+
+
+def test_every_flat_data_key_of_before_names_its_new_place():
+    """In a config file or on the command line (the cases above), and here for every key."""
+    from tpu_keras import config as config_lib, data_section
+    for key, place in data_section.MOVED.items():
+        config = config_lib.defaults()
+        config.data[key] = config_lib.defaults().data[place.split(".")[0]][place.split(".")[1]]
+        with pytest.raises(UserError, match=rf"^data\.{key} moved to data\.{re.escape(place)}\b"):
+            config_lib.check(config)
+
+
+def test_a_run_written_before_the_parts_reads_in_parts():
+    """A workdir's config.json from before the parts (evaluate, export and generate read it)."""
+    from tpu_keras import config as config_lib, data_section
+    flat = {"name": "", "instructions": True, "text_files": "t/*.jsonl", "eval_text_files": "v/*.jsonl",
+            "prompt_field": "q", "truncate": True, "tokenizer": "preset", "context_length": 128,
+            "token_counts": "/w/token_counts", "data_dir": "/d"}
+    parts = data_section.migrated(flat)
+    assert parts == {"data_dir": "/d", "tfds": {"name": ""},
+                     "instructions": {"files": "t/*.jsonl", "eval_files": "v/*.jsonl",
+                                      "prompt_field": "q", "truncate": True},
+                     "tokens": {"tokenizer": "preset", "context_length": 128, "counts": "/w/token_counts"}}
+    config = config_lib.defaults()
+    config.data.update(parts)
+    config_lib.check(config)
+    assert data_section.kind(config.data) == "instructions"
+    pairs = data_section.migrated({"preferences": True, "text_files": "p/*.jsonl", "prompt_field": "q"})
+    assert pairs == {"preferences": {"files": "p/*.jsonl", "prompt_field": "q"}}

@@ -11,12 +11,14 @@ import re
 import shutil
 import sys
 
-from conftest import assert_one_line_error, run
+import pytest
+
+from conftest import assert_one_line_error, run_command
 
 
 def evaluate(workdir, *flags, check=True):
-    return run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}", *flags],
-               check=check)
+    return run_command([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}", *flags],
+                       check=check)
 
 
 def scalars(folder):
@@ -58,6 +60,7 @@ def test_evaluate_step_on_two_replicas_equals_the_runs_validation_on_one(tiny_ru
     assert_same_validation(workdir, [10])
 
 
+@pytest.mark.slow
 def test_watch_skips_a_checkpoint_deleted_under_it_and_stops_at_the_last_step(tiny_run, tmp_path):
     workdir = copy_run(tiny_run[0], tmp_path / "run")
     for file in glob.glob(str(workdir / "checkpoints" / "ckpt-10.*")):
@@ -74,6 +77,7 @@ def test_evaluate_refuses_a_folder_without_a_run_and_a_step_not_saved(tiny_run, 
                           "step 15 is not saved", "the saved steps are 10, 20")
 
 
+@pytest.mark.slow
 def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
     """A transformers checkpoint fine-tuned with LoRA: the run copies it, all but its weights,
     into DIR/model. `evaluate` then gives the run's own figures after the checkpoint's
@@ -86,23 +90,23 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
     (tmp_path / "text").mkdir()
     for i in range(4):
         (tmp_path / "text" / f"{i}.txt").write_text(hf_checkpoints.TEXT[i] * 20)
-    trained = run([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
+    trained = run_command([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
          f"--workdir={workdir}", "--config.engine=tf", "--config.mesh.model=1",
          "--config.train.precision=float32", "--config.train.remat=none",
          f"--config.model.preset={checkpoint}", "--config.model.lora_rank=4",
-         "--config.model.context_length=32", f"--config.data.text_files={tmp_path}/text/*.txt",
-         f"--config.data.eval_text_files={tmp_path}/text/*.txt", "--config.train.batch_size=4",
+         "--config.model.context_length=32", f"--config.data.text.files={tmp_path}/text/*.txt",
+         f"--config.data.text.eval_files={tmp_path}/text/*.txt", "--config.train.batch_size=4",
          "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.eval_every=4",
          "--config.log.every_steps=4", "--config.checkpoint.every_steps=4",
          "--config.train.compile_cache=off", "--config.export.formats=('transformers',)"]).stdout
     # config.json is the config the run used, resolved once before the model was built: the
     # platform's steps per call (auto), the preset, and what packed text takes from both.
     recorded = json.loads((workdir / "config.json").read_text())
-    assert "float32, 2 steps per host call" in trained, trained[-2000:]
+    assert "float32, 2 steps per execution" in trained, trained[-2000:]
     assert recorded["train"]["steps_per_execution"] == 2, recorded["train"]
-    assert recorded["model"]["preset"] == recorded["data"]["vocabulary"] == str(checkpoint), recorded
-    assert recorded["data"]["context_length"] == 32, recorded["data"]
-    assert recorded["data"]["token_counts"] == str(workdir / "token_counts"), recorded["data"]
+    assert recorded["model"]["preset"] == recorded["data"]["tokens"]["vocabulary"] == str(checkpoint), recorded
+    assert recorded["data"]["tokens"]["context_length"] == 32, recorded["data"]
+    assert recorded["data"]["tokens"]["counts"] == str(workdir / "token_counts"), recorded["data"]
     assert os.listdir(workdir / "token_counts")  # where the run counted its tokens
     kept = sorted(os.listdir(workdir / "model"))
     assert "config.json" in kept and "tokenizer.json" in kept, kept
@@ -117,7 +121,7 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
         evaluated, ran)
     shutil.rmtree(checkpoint)  # export then builds the model from DIR/model alone
     shutil.rmtree(workdir / "export")
-    run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--step=4",
+    run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--step=4",
          "--formats=transformers,peft"])
     exported = json.loads((workdir / "export" / "transformers" / "config.json").read_text())
     assert exported["rope_theta"] == config["rope_theta"], exported  # the run's, not the edit's

@@ -7,14 +7,17 @@ import json
 import re
 import sys
 
-from conftest import run
+import pytest
+
+from conftest import run_command
 
 FAMILY = "tests/helpers/otter_family.py"
 TRANSFORMERS = 1e-4  # the toolkit against transformers' own PyTorch model, float32
 
 
+@pytest.mark.slow
 def test_a_family_from_one_file_trains_with_lora_and_exports_to_transformers_and_peft(tmp_path, data_dir):
-    out = run([sys.executable, "tests/helpers/family_probe.py", str(tmp_path), data_dir], timeout=300).stdout
+    out = run_command([sys.executable, "tests/helpers/family_probe.py", str(tmp_path), data_dir], timeout=300).stdout
     got = json.loads(re.search(r"^FAMILY (.*)$", out, re.M).group(1))
     assert got["backbone"] == "OtterBackbone", got
     # The family's own default targets, at rank 4: q, k, v, o of one block, 4 x (32 + 32) each.
@@ -27,7 +30,7 @@ def test_a_family_from_one_file_trains_with_lora_and_exports_to_transformers_and
 
 
 def test_a_family_from_one_file_plans_with_its_layout_rules():
-    plan = run([sys.executable, "-m", "tpu_keras.plan", "--config=configs/llama_stdlib.py:lora",
+    plan = run_command([sys.executable, "-m", "tpu_keras.plan", "--config=configs/llama_stdlib.py:lora",
                 "--config.model.name=keras_hub:OtterCausalLM", f"--config.model.imports={FAMILY}",
                 "--config.engine=jax", "--config.mesh.model=2", "--tpu=v5litepod-8", "--json"]).stdout
     got = json.loads(plan[plan.index("{"):])

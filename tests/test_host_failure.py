@@ -14,10 +14,14 @@ import signal
 import sys
 import time
 
-from conftest import NO_PRIVATE_NETWORK, reachable, run, skip_without_private_network
+import pytest
+
+from conftest import NO_PRIVATE_NETWORK, reachable, run_command, skip_without_private_network
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish,
                     read_until, resumed_step, running, seen_over_the_run)
 from test_evaluate import assert_same_validation
+
+pytestmark = pytest.mark.slow  # every check here starts several hosts or runs
 
 
 def launch_args(workdir, data_dir, *launcher_flags):
@@ -92,7 +96,7 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
     assert stopped_after < 120, stopped_after
 
     (workdir / "example_ids").rename(workdir / "example_ids.first")
-    second = run(launch_args(workdir, data_dir, "--network=host"), timeout=450).stdout
+    second = run_command(launch_args(workdir, data_dir, "--network=host"), timeout=450).stdout
     resumed_at = resumed_step(second)
     assert_same_weights(workdir, reference)
     seen = seen_over_the_run(example_ids(workdir / "example_ids.first"),

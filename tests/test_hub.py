@@ -9,17 +9,18 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, run, run_in_one_process, train
+from conftest import REPO, assert_one_line_error, run_command, run_in_one_process, train
 from placements import assert_laid_out_as_placed, assert_same_losses
 
 LLAMA_TINY = "configs/llama_stdlib.py:tiny"
 
 
 def generate(workdir, *flags):
-    return run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}", *flags],
-               merge_stderr=False)
+    return run_command([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}", *flags],
+                       merge_stderr=False)
 
 
+@pytest.mark.slow
 def test_sentencepiece_llama_trains_on_packed_text_exports_and_generates(stdlib_text, data_dir, tmp_path):
     """configs/llama_stdlib.py:spm_tiny: LlamaTokenizer on the offline vocabulary, the tf
     engine (the jax engine trains keras-hub's Llama in tests/helpers/hf_probe.py, the
@@ -68,10 +69,11 @@ def test_sentencepiece_llama_trains_on_packed_text_exports_and_generates(stdlib_
                for line in lines), lines
 
 
+@pytest.mark.slow
 def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):
     init, results = tmp_path / "init.npz", {}
     for mesh in ("1x1", "4x2"):  # the first run saves the initial weights the second loads
-        out = run([sys.executable, "tests/helpers/mesh_probe.py", mesh, data_dir, str(init),
+        out = run_command([sys.executable, "tests/helpers/mesh_probe.py", mesh, data_dir, str(init),
                    "llama_stdlib:tiny"], timeout=500).stdout
         line = next(line for line in out.splitlines() if line.startswith("PROBE "))
         results[mesh] = json.loads(line[len("PROBE "):])
@@ -151,18 +153,20 @@ def test_keras_hub_maps_of_other_families_are_checked(layouts):
                           "expert_feedforward_gate_dense' [4, 64, 128]", "covered by no layout rule")
 
 
+@pytest.mark.slow
 def test_a_saved_preset_is_loaded_not_reinitialised_on_both_engines(tmp_path):
     for engine in ("tf", "jax"):
-        out = run([sys.executable, "tests/helpers/hub_preset.py", engine, str(tmp_path / engine)]).stdout
+        out = run_command([sys.executable, "tests/helpers/hub_preset.py", engine, str(tmp_path / engine)]).stdout
         losses = json.loads(next(l for l in out.splitlines() if l.startswith("PRESET "))[7:])
         assert abs(losses["loaded"] - losses["saved"]) <= 1e-6, (engine, losses)
         assert abs(losses["scratch"] - losses["saved"]) > 1e-4, (engine, losses)
 
 
+@pytest.mark.slow
 def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device_and_nothing_compiled(tmp_path):
     """keras-team/keras#21634, measured on 8 fake devices (tests/helpers/load_memory_probe.py)."""
-    out = run([sys.executable, "tests/helpers/load_memory_probe.py", str(tmp_path / "preset")],
-              timeout=500).stdout
+    out = run_command([sys.executable, "tests/helpers/load_memory_probe.py", str(tmp_path / "preset")],
+                      timeout=500).stdout
     load = json.loads(next(line for line in out.splitlines()
                            if line.startswith("LOAD "))[len("LOAD "):])
     toolkit, alone = load["toolkit"], load["keras_hub"]
@@ -178,10 +182,11 @@ def test_a_preset_loads_under_fsdp_8_with_no_whole_weight_on_one_device_and_noth
     assert load["unloaded"]["kernel"] == 0 and set(load["unloaded"]["bias"]) == {1.0}, load
 
 
+@pytest.mark.slow
 def test_splash_attention_gives_keras_hubs_llama_outputs_and_gradients_at_every_real_token():
     """The TPU's fused kernel, in Pallas's interpreter, under data x fsdp x model (splash_probe.py),
     on rows with padding and on rows of examples packed apart."""
-    out = run([sys.executable, "tests/helpers/splash_probe.py"], timeout=500).stdout
+    out = run_command([sys.executable, "tests/helpers/splash_probe.py"], timeout=500).stdout
     got = json.loads(next(line for line in out.splitlines()
                           if line.startswith("SPLASH "))[len("SPLASH "):])
     assert got["routed"] == 2, got  # both decoder layers
@@ -196,7 +201,7 @@ def test_splash_attention_gives_keras_hubs_llama_outputs_and_gradients_at_every_
 
 def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(tiny_run, tmp_path):
     workdir, _ = tiny_run
-    assert_one_line_error(run([sys.executable, "-m", "tpu_keras.generate",
+    assert_one_line_error(run_command([sys.executable, "-m", "tpu_keras.generate",
                                f"--workdir={tmp_path / 'nowhere'}"], check=False),
                           "holds no training run")
     digits = tmp_path / "digits"
@@ -223,10 +228,11 @@ def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(ti
                           "an object with a \"prompt\" string")
 
 
+@pytest.mark.slow
 def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_presets(tmp_path):
     """A Llama with a SentencePiece proto and a GPT-2 with byte-pair merges, both written by
     tests/helpers/generate_probe.py: --temperature=0 gives keras-hub's greedy texts, byte for byte."""
-    out = run([sys.executable, "tests/helpers/generate_probe.py", str(tmp_path)]).stdout
+    out = run_command([sys.executable, "tests/helpers/generate_probe.py", str(tmp_path)]).stdout
     greedy = json.loads(next(line for line in out.splitlines()
                              if line.startswith("GREEDY "))[len("GREEDY "):])
     prompts = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
@@ -242,18 +248,20 @@ def test_greedy_generate_equals_keras_hub_for_sentencepiece_and_byte_pair_preset
         assert all(len(text) > len(prompt["prompt"]) for text, prompt in zip(greedy[name], prompts))
 
 
+@pytest.mark.slow
 def test_fine_tuning_guides_lora_recipe_runs(tmp_path):
     guide = (REPO / "docs" / "fine_tuning.md").read_text()
     code = textwrap.dedent(re.search(r"<!-- lora-recipe -->\n *```python\n(.*?) *```", guide,
                                      re.S).group(1))
     assert len([line for line in code.splitlines() if line.strip()]) <= 10
-    out = run([sys.executable, "-c", code.replace("/tmp/", f"{tmp_path}/")], cwd=tmp_path,
-              timeout=400).stdout
+    out = run_command([sys.executable, "-c", code.replace("/tmp/", f"{tmp_path}/")], cwd=tmp_path,
+                      timeout=400).stdout
     # Rank 4 on q_proj and v_proj (32 -> 32 each): 4 x (32 + 32) twice, PEFT's count.
     assert re.search(r"model: keras_hub:LlamaCausalLM with [\d,]+ parameters, 512 of them trainable", out), out[-2000:]
     assert re.search(r"done at step 50: val_bits_per_byte \d", out), out[-2000:]
 
 
+@pytest.mark.slow
 def test_a_keras_hub_image_classifier_trains_under_two_replicas(data_dir, tmp_path):
     out = train("configs/digits.py:resnet", tmp_path, f"--config.data.data_dir={data_dir}",
                 "--config.cluster.virtual_devices=2", "--config.train.steps=100",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process, train
+from conftest import assert_one_line_error, run_command, run_in_one_process, train
 
 import hf_checkpoints
 
@@ -18,21 +18,22 @@ TOLERANCE = 1e-5  # keras-hub against keras-hub, the same operations
 TRANSFORMERS = 1e-4  # the toolkit against transformers' own PyTorch model, float32
 CHECKPOINTS = tuple(hf_checkpoints.CHECKPOINTS)  # llama, llama31, ..., gemma, mistral
 TRAINED_TF = ("llama:full", "qwen2:lora_all")
-# On the mesh, the LoRA run whose PEFT adapter transformers reads (the full fine-tune's export
-# and Qwen's LoRA are the tf runs'; Qwen's full fine-tune ran here too, at 14 s of the suite).
+# On the mesh, the LoRA run whose PEFT adapter transformers reads; the slow tier adds Qwen's
+# full fine-tune, so each family has a LoRA and a full fine-tune exported from a mesh too.
 TRAINED_JAX = ("llama:lora",)
 # Exported untrained on tf (the trained runs export llama and qwen2); `theta` changes the
 # model's rope_theta first, on the checkpoint that keeps it inside rope_parameters.
 EXPORTED_TF = ("llama31", "llama31_rope_parameters", "gemma", "mistral")
 THETA = "llama31_rope_parameters"
-# On the mesh, one family per kind of layout: Llama by the toolkit's rules (fsdp 2 x model 2;
-# Llama 3.1 and Mistral build the same layers), Qwen and Gemma by fsdp alone. Every family's
-# logits are the tf test's.
+# On the mesh, one family per kind of layout: Llama by the toolkit's rules (fsdp 2 x model 2),
+# Qwen and Gemma by fsdp alone. The slow tier adds Llama 3.1 and Mistral (the same layers as
+# Llama, their own rope scaling and head size). Every family's logits are the tf test's.
 JAX_CHECKPOINTS = ("llama", "qwen2", "gemma")
+JAX_CHECKPOINTS_SLOW = ("llama31", "mistral")
 
 
 def probe(engine, out, data_dir, mesh, runs, checkpoints=CHECKPOINTS, env=None):
-    result = run([sys.executable, "tests/helpers/hf_probe.py", engine, str(out), data_dir, mesh, ",".join(runs),
+    result = run_command([sys.executable, "tests/helpers/hf_probe.py", engine, str(out), data_dir, mesh, ",".join(runs),
                   ",".join(checkpoints)], timeout=900, env=env)
     return json.loads(next(line[3:] for line in result.stdout.splitlines() if line.startswith("HF ")))
 
@@ -84,6 +85,7 @@ def assert_reloads(checks, variant):
         assert checks["written_base_alone"] <= TRANSFORMERS, checks
 
 
+@pytest.mark.slow
 def test_every_family_starts_from_transformers_logits_on_tf(tf_runs):
     for name in CHECKPOINTS:  # Llama 3's rms_norm_eps 1e-5, Llama 3.1's rope scaling, Mistral's head_dim
         assert tf_runs[name]["first_step"] <= TRANSFORMERS, (name, tf_runs[name])
@@ -91,6 +93,7 @@ def test_every_family_starts_from_transformers_logits_on_tf(tf_runs):
     assert tf_runs["llama"]["generate_preset"] <= TRANSFORMERS, tf_runs["llama"]
 
 
+@pytest.mark.slow
 def test_evaluate_on_pairs_packed_apart_is_transformers_mean_over_each_pair_alone(tf_runs):
     """40 instruction pairs of 20 to 59 bytes, packed apart (several to a row of 65), a few
     steps of full fine-tuning: evaluate's loss is the mean over every response token that
@@ -100,6 +103,7 @@ def test_evaluate_on_pairs_packed_apart_is_transformers_mean_over_each_pair_alon
     assert abs(got["evaluate"] - got["transformers"]) < 1e-4, got
 
 
+@pytest.mark.slow
 def test_every_export_reloads_on_tf(tf_runs):
     for name, variant in (entry.split(":") for entry in TRAINED_TF):
         checks = tf_runs[name][variant]
@@ -113,6 +117,7 @@ def test_every_export_reloads_on_tf(tf_runs):
         assert "transformers/tokenizer.json" in files or "transformers/vocab.json" in files, files
 
 
+@pytest.mark.slow
 def test_transformers_itself_reads_every_transformers_export_with_the_checkpoints_config(tf_runs):
     assert tf_runs["versions"].startswith("transformers "), tf_runs["versions"]
     for name in EXPORTED_TF:  # untrained: the toolkit's first-step logits, exported
@@ -132,6 +137,7 @@ def test_transformers_itself_reads_every_transformers_export_with_the_checkpoint
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
+@pytest.mark.slow
 def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(tmp_path, data_dir):
     result = probe("jax", tmp_path, data_dir, "1,2,2", TRAINED_JAX, JAX_CHECKPOINTS, env=FOUR_DEVICES)
     for name in JAX_CHECKPOINTS:  # Llama: fsdp 2 x model 2; Qwen, Gemma: fsdp 4
@@ -143,25 +149,36 @@ def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(t
     # VM host has 4 to 8): export and generate rebuild it on one of them, evaluate on its mesh.
     workdir = tmp_path / "llama" / "lora"
     (workdir / "export" / "peft" / "adapter_config.json").unlink()
-    exported = run([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--formats=peft"],
-                   env=FOUR_DEVICES).stdout
+    exported = run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--formats=peft"],
+                           env=FOUR_DEVICES).stdout
     assert "exported step 4 of keras_hub:Llama3CausalLM" in exported, exported[-2000:]
     assert (workdir / "export" / "peft" / "adapter_config.json").exists()
-    generated = run([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}", "--prompt=def ",
+    generated = run_command([sys.executable, "-m", "tpu_keras.generate", f"--workdir={workdir}", "--prompt=def ",
                      "--max_length=12", "--temperature=0"], env=FOUR_DEVICES, merge_stderr=False).stdout
     assert generated.startswith("def "), generated
-    evaluated = run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}"],
-                    env=FOUR_DEVICES).stdout
+    evaluated = run_command([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}"],
+                            env=FOUR_DEVICES).stdout
     assert "does not fit these" not in evaluated  # the run's own mesh: no refitting
     # On 2 devices the run's mesh of 4 is fitted to them (model 2 kept), to the same figures.
-    refitted = run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}"],
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}).stdout
+    refitted = run_command([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}"],
+                           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}).stdout
     assert "does not fit these 2 devices: using data=1 x model=2" in refitted, refitted[-2000:]
     figures = [float(re.search(r"step 4 \|.* val_loss (\S+)", out).group(1))
                for out in (evaluated, refitted)]
     assert figures[0] == pytest.approx(figures[1], abs=1e-5), figures
 
 
+@pytest.mark.slow
+def test_llama31_and_mistral_on_a_jax_mesh_and_a_full_fine_tune_of_qwen_from_it(tmp_path, data_dir):
+    result = probe("jax", tmp_path, data_dir, "1,2,2", ("qwen2:full",),
+                   JAX_CHECKPOINTS_SLOW + ("qwen2",), env=FOUR_DEVICES)
+    for name in JAX_CHECKPOINTS_SLOW + ("qwen2",):  # Llama 3.1, Mistral: fsdp 2 x model 2; Qwen: fsdp 4
+        assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
+        assert result[name]["first_step"] <= TRANSFORMERS, (name, result[name])
+    assert_reloads(result["qwen2"]["full"], "full")
+
+
+@pytest.mark.slow
 def test_a_lora_over_an_int8_or_int4_base_trains_on_a_mesh_and_its_adapter_loads_on_the_float_base(
         tmp_path, data_dir):
     result = probe("jax", tmp_path, data_dir, "1,2,2", ("llama:lora_int8", "llama:lora_int4"), ("llama",),

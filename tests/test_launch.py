@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import NO_PRIVATE_NETWORK, assert_one_line_error, reachable, run, \
+from conftest import NO_PRIVATE_NETWORK, assert_one_line_error, reachable, run_command, \
     skip_without_private_network
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -250,6 +250,6 @@ def test_where_namespaces_are_refused_one_line_says_what_is_exposed():
 
 
 def test_a_command_that_names_another_machine_needs_the_host_network():
-    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--", "true",
+    result = run_command([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--", "true",
                   "--workdir=gs://bucket/run"], timeout=30, check=False)
     assert_one_line_error(result, "gs://bucket/run", "--network=host")

@@ -12,17 +12,17 @@ import sys
 
 import pytest
 
-from conftest import run
+from conftest import run_command
 
 MERGED = 1e-5  # the factored update against the merged kernel, float32
 
 
 def probe(*args):
-    out = run([sys.executable, "tests/helpers/lora_probe.py", *args], timeout=300).stdout
+    out = run_command([sys.executable, "tests/helpers/lora_probe.py", *args], timeout=300).stdout
     return json.loads(re.search(r"^LORA (.*)$", out, re.M).group(1))
 
 
-@pytest.mark.parametrize("engine", ["tf", "jax"])
+@pytest.mark.parametrize("engine", ["tf", pytest.param("jax", marks=pytest.mark.slow)])
 def test_the_factors_alone_train_and_compute_the_merged_kernels(engine):
     result = probe(engine)
     # gpt: 2 blocks of q, k, v, o (32 -> 32) and up, down (32 <-> 128), rank 2.

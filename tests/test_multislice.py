@@ -9,7 +9,11 @@ jax pod: each simulated host costs a start of TensorFlow and JAX and a
 compile, so the slices and the hosts-per-slice are checked in one run.)
 """
 
+import pytest
+
 from pods import a_host_killed_then_the_run_resumed, assert_trains_like_one_device, probe, train_on_a_pod
+
+pytestmark = pytest.mark.slow  # every check here starts several hosts or runs
 
 
 def test_two_v4_slices_in_the_tpu_chip_order_train_like_one_device(tmp_path):

@@ -26,9 +26,11 @@ import digits
 
 def get_config(arg=None):
     config = digits.get_config("tiny")
-    config.data.update(name="", files="{folder}/train-*.tfrecord", eval_files="{folder}/train-1.tfrecord",
-                       features={{"x": "float32[4]", "y": "int64"}}, preprocess="features",
-                       inputs="x", targets="y", cache=False, log_example_ids=True)
+    config.data.tfds.update(name="", eval_split="validation")
+    config.data.tfrecords.update(files="{folder}/train-*.tfrecord", eval_files="{folder}/train-1.tfrecord",
+                                 features={{"x": "float32[4]", "y": "int64"}})
+    config.data.update(preprocess="features", inputs="x", targets="y", cache=False,
+                       log_example_ids=True)
     config.model.update(image_shape=(4,), num_classes=2)
     config.train.update(steps=20, eval_every=10, steps_per_execution=5)
     if arg == "norm":  # a model whose loss stays finite at the poisoned example
@@ -123,12 +125,13 @@ def test_a_finite_loss_with_a_nan_gradient_stops_at_that_step(zero_config, tmp_p
     assert_saved_before(tmp_path, step)
 
 
+@pytest.mark.slow
 def test_the_jax_engine_skips_the_update_of_a_nan_gradient_too(zero_config, tmp_path):
     result = train(zero_config, tmp_path, "--config.engine=jax", check=False,
                    env={"KERAS_BACKEND": "jax"})
     step = poisoned_step(tmp_path)
     error = error_line(result)
-    # Keras's jax loop runs a host call's 5 steps at once: the error names the call's steps.
+    # Keras's jax loop runs an execution's 5 steps at once: the error names the call's steps.
     first, last = map(int, re.search(r"the gradient norm became \S+ at one of steps (\d+)-(\d+) ",
                                      error).groups())
     assert first <= step <= last and last - first < 5, error

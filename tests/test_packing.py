@@ -12,21 +12,22 @@ import sys
 
 import pytest
 
-from conftest import run, train
+from conftest import run_command, train
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step
 
 INSTRUCT_TINY = "configs/instruct_stdlib.py:tiny"
 
 
-@pytest.mark.parametrize("engine", ["tf", "jax"])
+@pytest.mark.parametrize("engine", ["tf", pytest.param("jax", marks=pytest.mark.slow)])
 def test_a_packed_rows_logits_are_each_examples_alone(engine):
-    out = run([sys.executable, "tests/helpers/segments_probe.py", engine]).stdout
+    out = run_command([sys.executable, "tests/helpers/segments_probe.py", engine]).stdout
     got = json.loads(re.search(r"^SEGMENTS (.*)$", out, re.M).group(1))
     for model in ("gpt", "llama"):  # learned positions restarted; rotary ones kept
         assert got[model]["alone"] < 1e-5, (model, got)
         assert got[model]["stream"] > 1e-2, (model, got)  # the same row as one stream differs
 
 
+@pytest.mark.slow
 def test_packed_instruction_data_logs_its_padding_and_resumes_exactly(data_dir, stdlib_text, tmp_path):
     args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True")
     reference = train(INSTRUCT_TINY, tmp_path / "reference", *args).stdout

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process, train, train_args
+from conftest import assert_one_line_error, run_command, run_in_one_process, train, train_args
 from placements import assert_laid_out_as_placed, assert_same_losses
 
 LM_TINY = "configs/lm_stdlib.py:tiny"
@@ -39,7 +39,7 @@ def probe(data_dir, tmp_path_factory):
     init, results = tmp_path_factory.mktemp("mesh") / "init.npz", {}
 
     def run_probe(*meshes):
-        out = run([sys.executable, "tests/helpers/mesh_probe.py",
+        out = run_command([sys.executable, "tests/helpers/mesh_probe.py",
                    ",".join("x".join(map(str, _mesh_key(m))) for m in meshes),
                    data_dir, str(init), ""], timeout=500).stdout
         for line in out.splitlines():
@@ -55,6 +55,7 @@ def probe(data_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_axis,model_axis", MESHES,
                          ids=["model_2x4", "hybrid_4x2"])
 def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis):
@@ -85,6 +86,7 @@ def layouts():
     return {name: call.stdout if name == "table" else json.loads(call.stdout) for name, call in calls.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2"])
 def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, layouts, mesh):
     reference, result = probe(1, 1), probe(*mesh)
@@ -109,6 +111,7 @@ def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, layouts, m
     assert notes["block0_mlp_up/kernel"].startswith("fsdp on dimension"), notes
 
 
+@pytest.mark.slow
 def test_layout_tool_bytes_match_sharded_variables(probe, layouts):
     table = layouts["table"]
     assert re.search(r"^block0_mlp_up/kernel\s+128x512\s+P\(None, 'model'\)\s+128\.00 KiB$", table, re.M), table
@@ -125,12 +128,13 @@ def test_layout_tool_bytes_match_sharded_variables(probe, layouts):
     assert 0.5 < totals["bytes_per_device"] / totals["bytes"] < 0.55
 
 
+@pytest.mark.slow
 def test_plan_bytes_match_sharded_variables(probe):
     # v5litepod-8: 8 chips of one device each, the 8 fake devices of probe(4, 2).
     command = [sys.executable, "-m", "tpu_keras.plan", "--config=configs/lm_stdlib.py",
                "--tpu=v5litepod-8", "--config.engine=jax", "--config.mesh.data=4",
                "--config.mesh.model=2", "--json"]
-    plan = json.loads(run(command, merge_stderr=False).stdout)
+    plan = json.loads(run_command(command, merge_stderr=False).stdout)
     sharded = probe(4, 2)
     assert plan["devices"] == 8 and plan["slices"] == sharded["mesh"]["slices"] == 1
     assert plan["mesh"] == {axis: sharded["mesh"][axis] for axis in ("data", "fsdp", "model")}
@@ -185,8 +189,9 @@ def test_uncovered_large_weight_is_refused(refused):
                           "(8,192 elements) is covered by no layout rule")
 
 
+@pytest.mark.slow
 def test_remat_keeps_the_losses_and_lowers_xla_temporary_bytes(data_dir):
-    out = run([sys.executable, "tests/helpers/remat_probe.py", data_dir], timeout=400).stdout
+    out = run_command([sys.executable, "tests/helpers/remat_probe.py", data_dir], timeout=400).stdout
     runs = {r["remat"]: r for r in (json.loads(line[len("REMAT "):]) for line in out.splitlines()
                                     if line.startswith("REMAT "))}
     for step, (a, b) in enumerate(zip(runs["none"]["losses"], runs["activations"]["losses"])):

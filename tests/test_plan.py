@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process
+from conftest import assert_one_line_error, run_command, run_in_one_process
 
 
 # float32: with bf16, CPU XLA keeps float32 copies that a TPU does not (tpu_keras.planning.compiled_step).
@@ -51,7 +51,7 @@ def plans():
         "dpo_full": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8",
                      "--config.model.lora_rank=0", "--json"],
         "sft_same_model": ["--config=configs/preference_stdlib.py", "--tpu=v5litepod-8",
-                           "--config.data.preferences=False", "--json"],
+                           "--config.data.preferences.files=", "--json"],
         # keras-hub's Llama at 512 tokens: on the jax engine a TPU run takes the fused kernel.
         "llama_512_jax": ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", "--config.engine=jax",
                           "--config.model.context_length=512", "--json"],
@@ -81,7 +81,7 @@ def measured():
                             "--config.train.precision=mixed_bfloat16", "--measure", CPU, "--json"],
         "pure_fsdp": GPT + [FLOAT32, "--config.engine=jax", "--config.mesh.data=1", "--config.mesh.fsdp=8",
                             "--config.model.width=512", "--config.model.num_heads=8",
-                            "--config.model.context_length=512", "--config.data.name=stdlib_bytes/ctx512",
+                            "--config.model.context_length=512", "--config.data.tfds.name=stdlib_bytes/ctx512",
                             "--config.train.batch_size=8", "--measure", CPU, "--json"],
     }, timeout=600)
     for name, result in done.items():
@@ -89,6 +89,7 @@ def measured():
     return {name: json.loads(result.stdout) for name, result in done.items()}
 
 
+@pytest.mark.slow
 def test_auto_recommendation_matches_the_compiled_sharded_step(measured):
     # --auto on 8 devices picks a layout; --measure compiles that layout's real training
     # step on 8 fake CPU devices and reads XLA's memory_analysis().
@@ -102,6 +103,7 @@ def test_auto_recommendation_matches_the_compiled_sharded_step(measured):
     assert abs(sent / compiled - 1) <= 0.02, (best["sent_per_step"], measured["sent_per_step"])
 
 
+@pytest.mark.slow
 def test_plan_against_the_compiled_sharded_step_on_three_axes(measured):
     # data, fsdp and model at once (fsdp alone and data alone: the tests around this one).
     result = measured["three_axes"]
@@ -113,6 +115,7 @@ def test_plan_against_the_compiled_sharded_step_on_three_axes(measured):
     assert 0.75 <= sent <= 1.25, (result["sent_per_step"], measured["sent_per_step"])
 
 
+@pytest.mark.slow
 def test_two_slices_in_bf16_send_what_the_partitioned_step_sends(measured):
     # 2 slices of 4 fake devices (slices=2 x fsdp=2 x model=2), in mixed_bfloat16 as on a
     # TPU. XLA:CPU widens bf16 collectives to float32 (8.70 MiB where the partitioner's
@@ -130,6 +133,7 @@ def test_two_slices_in_bf16_send_what_the_partitioned_step_sends(measured):
     assert result["network"]["dcn_seconds"] > 0 and result["network"]["ici_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_auto_on_two_v5e_256_slices_puts_data_parallelism_across_them(plans):
     assert plans["auto_two_slices"].returncode == 0, plans["auto_two_slices"].stderr[-2000:]
     text = plans["auto_two_slices"].stdout
@@ -139,6 +143,7 @@ def test_auto_on_two_v5e_256_slices_puts_data_parallelism_across_them(plans):
     assert "--config.mesh.slices=2" in text
 
 
+@pytest.mark.slow
 def test_the_fused_attention_kernel_keeps_no_scores(plans):
     # A jax run on the TPU routes keras-hub's Llama through splash attention
     # (models.splash_attention), which keeps no scores; the plan traces that kernel. On the
@@ -155,10 +160,10 @@ SHARED_PROGRAM = """
 from tpu_keras.cluster import engine
 engine.select("jax")
 import jax, jax.numpy as jnp
-from tpu_keras.planning import memory
+from tpu_keras.planning import activations
 layer = jax.jit(lambda x: jnp.sin(x) * x)  # one traced program, whichever call runs it
 def residuals(f):
-    return memory.residual_bytes(jax.make_jaxpr(lambda x: jax.vjp(f, x)[1])(jnp.ones((256, 256))), None)
+    return activations.residual_bytes(jax.make_jaxpr(lambda x: jax.vjp(f, x)[1])(jnp.ones((256, 256))), None)
 print(residuals(lambda x: layer(x).sum()), residuals(lambda x: layer(layer(x)).sum()))
 """
 
@@ -168,16 +173,18 @@ def test_each_call_of_a_shared_program_keeps_its_own_residuals():
     # (every layer's activation). Each call's residuals are its own tensors: one call keeps
     # sin(x) and cos(x); two keep those, and the first call's output, from which the second
     # call's sine and cosine are cheap to remake.
-    one, two = map(int, run([sys.executable, "-c", SHARED_PROGRAM], merge_stderr=False).stdout.split())
+    one, two = map(int, run_command([sys.executable, "-c", SHARED_PROGRAM], merge_stderr=False).stdout.split())
     tensor = 256 * 256 * 4
     assert (one, two) == (2 * tensor, 3 * tensor)
 
 
+@pytest.mark.slow
 def test_nothing_fits_exits_1(plans):
     result = plans["nothing_fits"]
     assert result.returncode == 1 and "nothing fits" in result.stdout, result.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_pure_fsdp_gathers_weights_not_activations(measured):
     # Without the layer outputs held to the batch split, XLA met this model's fsdp-split
     # weights by reshuffling activations: 3.3x the plan's memory (then counted as XLA:CPU
@@ -189,6 +196,7 @@ def test_pure_fsdp_gathers_weights_not_activations(measured):
     assert abs(sent - 1) <= 0.05, (result["sent_per_step"], measured["sent_per_step"])
 
 
+@pytest.mark.slow
 def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64(plans):
     result = json.loads(plans["auto_1b_v5p_64"].stdout)
     assert 0.95e9 < result["parameters"] < 1.05e9 and result["devices"] == 32
@@ -218,12 +226,14 @@ def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64(plans):
     assert f"--config.mesh.data={m['data']} --config.mesh.fsdp={m['fsdp']}" in result["flags"]
 
 
+@pytest.mark.slow
 def test_auto_table_ends_with_the_flags_to_use(plans):
     text, result = plans["auto_table"].stdout, json.loads(plans["auto_json"].stdout)
     assert "data  fsdp  model  remat" in text and "skipped data=1 x model=8" in text
     assert text.rstrip().endswith(result["flags"])
 
 
+@pytest.mark.slow
 def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     # The 5-minute gpt on a v5litepod-8 in bf16: 8 replicas of 15.75 GiB (what a v5e device reports).
     first = json.loads(plans["gpt"].stdout)
@@ -244,6 +254,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     assert f"largest global batch that fits: {largest:,} ({largest // 8:,} per replica)" in too_big
 
 
+@pytest.mark.slow
 def test_a_dpo_plan_counts_two_sequences_per_pair_and_a_reference_copy_only_without_lora(plans):
     dpo, sft = (json.loads(plans[name].stdout) for name in ("dpo", "sft_same_model"))
     assert dpo["sequences_per_example"] == 2 and sft["sequences_per_example"] == 1
@@ -259,6 +270,7 @@ def test_a_dpo_plan_counts_two_sequences_per_pair_and_a_reference_copy_only_with
     assert full["total"] == sum(value for key, value in full.items() if key != "total")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BAD_INPUTS)
 def test_bad_input_is_one_line(plans, name):
     result = plans[f"bad:{name}"]
@@ -266,7 +278,7 @@ def test_bad_input_is_one_line(plans, name):
 
 
 def test_collective_bytes_are_read_from_each_replica_group_form():
-    from tpu_keras.planning import collectives
+    from tpu_keras.planning import compiled_traffic
     hlo = "\n".join([
         # 8 devices in groups of 2 (iota form): an all-gather's result is the whole tensor.
         "  %all-gather = f32[128,256]{1,0} all-gather(%p), channel_id=7, "
@@ -278,7 +290,7 @@ def test_collective_bytes_are_read_from_each_replica_group_form():
         "  %reduce-scatter = f32[16]{0} reduce-scatter(%g), replica_groups={{0,1,2,3},{4,5,6,7}}",
         "  %all-reduce-done = f32[16]{0} all-reduce-done(%start)",  # the pair's second half: not again
     ])
-    sent = collectives.sent_per_device(hlo, devices=8)
+    sent = compiled_traffic.sent_per_device(hlo, devices=8)
     assert sent["all_gather"] == 128 * 256 * 4 // 2
     assert sent["all_reduce"] == 2 * (1 / 2) * (8 * 128 * 4 + 8 * 128 * 2)
     assert sent["reduce_scatter"] == 3 * 16 * 4
@@ -286,7 +298,7 @@ def test_collective_bytes_are_read_from_each_replica_group_form():
 
 
 def test_collectives_that_span_slices_are_split_hierarchically():
-    from tpu_keras.planning import collectives
+    from tpu_keras.planning import compiled_traffic
     hlo = "\n".join([
         # Groups {0,4},{1,5},...: across the 2 slices of 4 devices only.
         "  %ar.0 = f32[1024]{0} all-reduce(%g), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%sum",
@@ -295,9 +307,9 @@ def test_collectives_that_span_slices_are_split_hierarchically():
         # Every device: 4 per slice, 2 slices.
         "  %ar.2 = f32[1024]{0} all-reduce(%k), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum",
     ])
-    sent = collectives.sent_per_device(hlo, devices=8, slices=2)
+    sent = compiled_traffic.sent_per_device(hlo, devices=8, slices=2)
     assert sent["all_reduce_across_slices"] == 2 * (1 / 2) * 4096 + 2 * (1 / 2) * 4096 / 4
     assert sent["all_reduce"] == 2 * (1 / 2) * 2048 + 2 * (3 / 4) * 4096
     # Inside plus across is the flat ring's total.
-    flat = collectives.sent_per_device(hlo, devices=8)
+    flat = compiled_traffic.sent_per_device(hlo, devices=8)
     assert sent["total"] == flat["total"] == sent["all_reduce"] + sent["all_reduce_across_slices"]

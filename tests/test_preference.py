@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import run, train
+from conftest import run_command, train
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed, resumed_step, weights
 
 DPO_TINY = "configs/preference_stdlib.py:tiny"
@@ -17,17 +17,18 @@ DPO_TINY = "configs/preference_stdlib.py:tiny"
 
 # LoRA's reference (the adapters off) on tf, a full fine-tune's (a frozen copy) on a jax mesh
 # that splits the weights; the tiny run below trains LoRA on jax.
-@pytest.mark.parametrize("engine, mesh, full, base", [("tf", "", False, ""),
-                                                      ("jax", "fsdp2_model2", True, ""),
-                                                      ("jax", "fsdp2_model2", False, "int8")],
+@pytest.mark.parametrize("engine, mesh, full, base", [
+    ("tf", "", False, ""),
+    pytest.param("jax", "fsdp2_model2", True, "", marks=pytest.mark.slow),
+    pytest.param("jax", "fsdp2_model2", False, "int8", marks=pytest.mark.slow)],
                          ids=["tf-lora", "jax-fsdp2-model2-full", "jax-fsdp2-model2-lora-int8-base"])
 def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, full, base, data_dir, tmp_path):
     """tests/helpers/dpo_probe.py: eight real pairs, the policy moved (adapters set at random;
     full: noise on every weight), the engine's own evaluation against numpy's log-softmax
     of the policy's and the starting model's logits (over an int8 base: that base's)."""
-    out = run([sys.executable, "tests/helpers/dpo_probe.py", engine, data_dir, str(tmp_path / "run"),
+    out = run_command([sys.executable, "tests/helpers/dpo_probe.py", engine, data_dir, str(tmp_path / "run"),
                *([mesh] if mesh else []), *(["full"] if full else []), *([base] if base else [])],
-              timeout=300).stdout
+                      timeout=300).stdout
     got = json.loads(re.search(r"^DPO (.*)$", out, re.M).group(1))
     assert got["devices"] == (4 if mesh else 1) and got["full"] == full, got
     assert (got["int8_kernels"] > 0) == (base == "int8"), got  # the reference is the int8 base
@@ -57,6 +58,7 @@ def test_dpo_scores_loss_and_rewards_equal_numpy(engine, mesh, full, base, data_
         assert got["parameters"] == got["policy_parameters"], got
 
 
+@pytest.mark.slow
 def test_dpo_raises_reward_accuracy_resumes_exactly_after_a_kill_and_evaluates(data_dir, tmp_path):
     # On jax, the second and third starts read their programs from the compile cache.
     args = (f"--config.data.data_dir={data_dir}", "--config.deterministic=True",
@@ -82,7 +84,7 @@ def test_dpo_raises_reward_accuracy_resumes_exactly_after_a_kill_and_evaluates(d
     assert resumed_step(resumed) == 10, resumed[-2000:]
     assert_same_weights(tmp_path / "killed", tmp_path / "reference", step=20)
 
-    evaluated = run([sys.executable, "-m", "tpu_keras.evaluate",
+    evaluated = run_command([sys.executable, "-m", "tpu_keras.evaluate",
                      f"--workdir={tmp_path / 'reference'}"]).stdout
     line = re.search(r"^step 20 \| (.*)$", evaluated, re.M).group(1)
     again = float(re.search(r"val_reward_accuracy (\S+)", line).group(1))

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import run, train
+from conftest import run_command, train
 from resume import (ARGS, DIGITS, STEPS, assert_same_weights, example_ids, finish, read_until,
                     resumed_step, seen_over_the_run, start, train_args)
 
@@ -95,6 +95,7 @@ def test_kill_9_at_a_random_step_resumes_exactly(reference, tmp_path, data_dir):
     assert_resumed_exactly(tmp_path, reference, resumed_at)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, tmp_path, data_dir):
     def terminate(process):
         lines = read_until(process, rf"step 10/{STEPS}")
@@ -114,6 +115,7 @@ def test_sigterm_saves_at_the_next_step_exits_42_and_resumes_exactly(reference, 
     assert_resumed_exactly(tmp_path, reference, saved)
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_synchronous_save_leaves_the_previous_checkpoint_loadable(
         reference, tmp_path, data_dir):
     def kill_mid_save(process):
@@ -137,6 +139,7 @@ def _losses(output):
     return dict(re.findall(rf"step (\d+)/{STEPS} \|.*? loss ([\d.e+-]+)", output))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["tf", "jax"])
 def test_a_kill_9_while_a_save_writes_in_the_background_resumes_exactly(
         engine, references, tmp_path, data_dir):
@@ -160,11 +163,12 @@ def test_a_kill_9_while_a_save_writes_in_the_background_resumes_exactly(
     assert sorted(resumed) == ["20", "30", "40"] and resumed == {s: uninterrupted[s] for s in resumed}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["tf", "jax"])
 def test_a_run_exits_only_once_its_last_save_is_committed(engine, tmp_path, data_dir):
     args = train_args(tmp_path, data_dir, *_ENGINE[engine])
-    output = run([args[0], "tests/helpers/slow_commit.py", *args[3:]],
-                 env={"SLOW_COMMIT_STEP": str(STEPS), "SLOW_COMMIT_SECONDS": "5"}).stdout
+    output = run_command([args[0], "tests/helpers/slow_commit.py", *args[3:]],
+                         env={"SLOW_COMMIT_STEP": str(STEPS), "SLOW_COMMIT_SECONDS": "5"}).stdout
     saved = re.search(rf"saved checkpoint \S*(ckpt-|/){STEPS}\n", output)
     time_line = re.search(r"checkpoints [\d.]+ \(\+[\d.]+ written in the background, ([\d.]+) of "
                           r"the blocked time waiting for a write\)", output)
@@ -187,11 +191,11 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference,
     assert_same_weights(tmp_path, reference[0])
 
 
-@pytest.mark.parametrize("engine", ["tf", "jax"])
+@pytest.mark.parametrize("engine", ["tf", pytest.param("jax", marks=pytest.mark.slow)])
 def test_a_checkpoint_restores_each_weight_by_name_and_names_what_does_not_fit(engine, tmp_path):
     # One process per engine (tests/helpers/checkpoint_probe.py): a layer that creates query and key
     # in the other order, models that do not fit, and a checkpoint stored by position.
-    out = run([sys.executable, "tests/helpers/checkpoint_probe.py", engine, str(tmp_path)]).stdout
+    out = run_command([sys.executable, "tests/helpers/checkpoint_probe.py", engine, str(tmp_path)]).stdout
     r = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
          if line.split(" ", 1)[0] in ("SWAPPED", "WIDER", "EXTRA", "OLD")}
     assert set(r) == {"SWAPPED", "WIDER", "EXTRA", "OLD"}, out[-3000:]

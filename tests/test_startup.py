@@ -2,7 +2,7 @@
 
 import sys
 
-from conftest import run
+from conftest import run_command
 
 from tpu_keras import lean_imports
 
@@ -20,7 +20,7 @@ print("PROBED", probed, "LATER", sklearn.datasets.load_digits().data.shape)
 
 
 def test_tensorflow_and_keras_skip_their_optional_probes_and_the_packages_still_import():
-    output = run([sys.executable, "-c", LEAN_START]).stdout
+    output = run_command([sys.executable, "-c", LEAN_START]).stdout
     assert "PROBED [] LATER (1797, 64)" in output, output[-2000:]
 
 

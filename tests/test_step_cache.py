@@ -6,7 +6,9 @@ import json
 import os
 import sys
 
-from conftest import run
+import pytest
+
+from conftest import run_command
 from tpu_keras.training import step_cache
 
 PROBE = """
@@ -59,8 +61,8 @@ def in_a_file(code, tmp_path):
 
 
 def probe(folder, with_jax_cache):
-    result = run([sys.executable, in_a_file(PROBE, folder.parent), str(folder), str(int(with_jax_cache))],
-                 env={"KERAS_BACKEND": "jax"}, merge_stderr=False)
+    result = run_command([sys.executable, in_a_file(PROBE, folder.parent), str(folder), str(int(with_jax_cache))],
+                         env={"KERAS_BACKEND": "jax"}, merge_stderr=False)
     calls = [json.loads(line[5:]) for line in result.stdout.splitlines() if line.startswith("CALL ")]
     return result, calls
 
@@ -124,8 +126,8 @@ for _ in range(2):  # compiled and kept, then loaded whole
 def test_a_step_on_a_mesh_in_another_device_order_loads_for_that_order(tmp_path):
     """On a TPU the mesh does not list devices in JAX's order. A kept step must run on its
     mesh's devices as compiled: loaded in JAX's order, it aborted the process."""
-    result = run([sys.executable, in_a_file(MESH_ORDER_PROBE, tmp_path), str(tmp_path / "steps")],
-                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
+    result = run_command([sys.executable, in_a_file(MESH_ORDER_PROBE, tmp_path), str(tmp_path / "steps")],
+                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
     assert result.stdout.count("CALL 56.0") == 2, result.stdout[-3000:]
     assert len(os.listdir(tmp_path / "steps")) == 1
 
@@ -143,12 +145,13 @@ print("CALL", float(cached(jnp.full((), 2.0), jnp.arange(4.0))[0]["loss"]), flus
 """
 
 
+@pytest.mark.slow
 def test_a_step_whose_code_lives_in_no_file_is_never_served_from_the_cache(tmp_path):
     """Same config, same shapes, other code: each process computes with its own code (a kept
     step would have served the first one's program to the second)."""
     folder = tmp_path / "steps"
-    first, second = (run([sys.executable, "-c", FILELESS_PROBE, str(folder), factor], merge_stderr=False,
-                         env={"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}) for factor in ("1", "2"))
+    first, second = (run_command([sys.executable, "-c", FILELESS_PROBE, str(folder), factor], merge_stderr=False,
+                                 env={"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}) for factor in ("1", "2"))
     assert "CALL 12.0" in first.stdout and "CALL 24.0" in second.stdout, first.stdout + second.stdout
     assert "lives in no file" in second.stderr, second.stderr[-2000:]
     assert not folder.exists() or not os.listdir(folder)

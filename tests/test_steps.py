@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import run
+from conftest import run_command
 
 USER_SCRIPT = """
 import os, numpy as np, tensorflow as tf, keras, tpu_keras
@@ -45,7 +45,7 @@ for jit in map(int, os.environ["JIT"].split(",")):  # one start of TensorFlow fo
 
 def fit_under(launch_args, jit="0", env=None):
     """The script's output on the launched hosts, for each of `jit`'s modes ('0', '1' or '0,1')."""
-    result = run([sys.executable, "-m", "tpu_keras.launch", *launch_args, "--timeout=240",
+    result = run_command([sys.executable, "-m", "tpu_keras.launch", *launch_args, "--timeout=240",
                   "--", sys.executable, "-c", USER_SCRIPT], timeout=300, env={"JIT": jit, **(env or {})})
     return result.stdout
 
@@ -56,7 +56,8 @@ def values(output, key):
 
 @pytest.mark.parametrize("launch_args, replicas, jit, allocator", [
     (["--hosts=1", "--devices_per_host=1"], 1, "0", "false"),  # the user's choice stands
-    (["--hosts=2", "--devices_per_host=2"], 4, "1", None),  # XLA: the toolkit's per-replica step across hosts
+    pytest.param(["--hosts=2", "--devices_per_host=2"], 4, "1", None,  # XLA: the toolkit's per-replica
+                 marks=pytest.mark.slow),                               # step across hosts
 ])
 def test_user_model_fits_with_steps_per_execution(launch_args, replicas, jit, allocator):
     output = fit_under(launch_args, jit, {"TF_CPU_ALLOCATOR_USE_BFC": allocator} if allocator else {})
@@ -75,6 +76,7 @@ def test_user_model_fits_with_steps_per_execution(launch_args, replicas, jit, al
         assert len(set(values(output, "EVAL" + tag))) == 1
 
 
+@pytest.mark.slow
 def test_xla_per_replica_step_matches_the_unjitted_step_under_mirrored():
     """Keras's own jit_compile fails under Mirrored (keras-team/keras#19005); the
     toolkit compiles each replica's step instead, and trains the same model."""

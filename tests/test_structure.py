@@ -12,7 +12,7 @@ import tokenize
 
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, run_command
 
 PACKAGE = REPO / "tpu_keras"
 
@@ -75,7 +75,7 @@ def cycles(graph: dict) -> list:
 
 
 def package_of(module: str) -> str:
-    """tpu_keras.training.run -> tpu_keras.training; top-level modules stand for themselves."""
+    """tpu_keras.training.loop -> tpu_keras.training; top-level modules stand for themselves."""
     parts = module.split(".")
     return ".".join(parts[:2])
 
@@ -102,7 +102,7 @@ print("LOADED", sorted(m for m in sys.modules if m.startswith("tpu_keras.")))
 @pytest.mark.parametrize("engine, absent", [("jax", "tpu_keras.cluster.tf_engine"),
                                             ("tf", "tpu_keras.cluster.jax_engine")])
 def test_connect_loads_only_its_own_engine(engine, absent):
-    output = run([sys.executable, "-c", CONNECT.format(engine=engine)]).stdout
+    output = run_command([sys.executable, "-c", CONNECT.format(engine=engine)]).stdout
     loaded = eval(output.split("LOADED ", 1)[1].splitlines()[0])
     assert f"tpu_keras.cluster.{engine}_engine" in loaded
     assert absent not in loaded, loaded
@@ -112,7 +112,7 @@ def test_the_parallelism_package_imports_nothing_from_the_training_loop():
     code = ("import os, sys; os.environ['KERAS_BACKEND'] = 'jax'\n"
             "import tpu_keras.parallelism.distribution, tpu_keras.parallelism.mesh\n"
             "print('LOADED', sorted(m for m in sys.modules if m.startswith('tpu_keras.')))")
-    loaded = eval(run([sys.executable, "-c", code]).stdout.split("LOADED ", 1)[1].splitlines()[0])
+    loaded = eval(run_command([sys.executable, "-c", code]).stdout.split("LOADED ", 1)[1].splitlines()[0])
     assert "tpu_keras.parallelism.rules" in loaded
     assert not [m for m in loaded if m.startswith(("tpu_keras.training", "tpu_keras.models"))], loaded
 
@@ -329,7 +329,7 @@ def calls_in(path: pathlib.Path, function: str) -> set:
 # Each command, from its entry to `training.setup.set_up`: (module, function, the call it makes).
 SETUP = ("training/setup.py", "set_up")
 TO_SETUP = {
-    "train": [("training/run.py", "train", "setup.set_up")],
+    "train": [("training/loop.py", "train", "setup.set_up")],
     "evaluate": [("evaluate.py", "main", "evaluation.evaluate"),
                  ("training/evaluation.py", "evaluate", "setup.set_up")],
     "restore": [("training/restored.py", "load", "setup.set_up")],
@@ -343,8 +343,8 @@ TO_SETUP = {
 # What only the setup does (or the resolving step, for the pieces of the resolved config).
 SETUP_ONLY = {"open_checkpointer": "training/setup.py", "prepare_preset": "training/setup.py",
               "compile_cache.prepare": "training/setup.py", "compile_cache.enable": "training/setup.py",
-              "keep_steps": "training/setup.py", "kept.keep": "training/setup.py",
-              "run_config.resolve": "training/setup.py", "kept.use": "training/run_config.py",
+              "keep_steps": "training/setup.py", "preset_copy.keep": "training/setup.py",
+              "run_config.resolve": "training/setup.py", "preset_copy.use": "training/run_config.py",
               "text.resolve": "training/run_config.py", "hub.expand_preset": "training/run_config.py"}
 
 
@@ -455,3 +455,54 @@ def test_imports_inside_functions_are_few_and_each_module_says_why():
             unexplained.append(module)
     assert not stdlib, f"standard-library imports inside functions: {stdlib}"
     assert not unexplained, f"imports inside functions, and no '# ... imported inside ...' comment: {unexplained}"
+
+
+# One name, one thing. Each of these names one concept, so wherever it is defined in the
+# package it takes the same parameters (`distributed_steps`: the public call and each
+# engine's own): the step factory and the step, the installers, the command-line start,
+# the run and its setup, the checkpointer, the compile counter.
+ONE_THING = ("guarded_train_step", "make_guarded_train_step", "distributed_steps", "cache_steps",
+             "route_layers", "keep_examples_apart", "install", "start", "run", "train", "set_up",
+             "RunSetup", "open_checkpointer", "CompileCounter", "keep_steps")
+# Names retired because they stood for several things, and what says it now: in the code,
+# and in the code and the guides.
+RETIRED_IN_CODE = {"saver": "checkpointer", "cache_watch": "compile_counter",
+                   "Watch": "CompileCounter"}
+RETIRED_WORDS = {"host call": "execution (train.steps_per_execution: Keras's word)",
+                 "saver": "checkpointer"}
+
+
+def top_level_shapes() -> dict:
+    """{name: {(module, parameters)}} of every function and class at the top of a module."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                a = node.args
+                shape = tuple(x.arg for x in a.posonlyargs + a.args) + tuple(f"*{x.arg}" for x in a.kwonlyargs)
+            elif isinstance(node, ast.ClassDef):
+                shape = "class"
+            else:
+                continue
+            found.setdefault(node.name, set()).add((module_name(path), shape))
+    return found
+
+
+def test_each_listed_name_is_one_thing():
+    defined = top_level_shapes()
+    assert defined["distributed_steps"] == {  # the checked name is there, three times
+        (module, ("model", "grad_accum_steps")) for module in
+        ("tpu_keras.training", "tpu_keras.training.tf_steps", "tpu_keras.training.jax_steps")}
+    for name in ONE_THING:
+        shapes = {shape for _, shape in defined.get(name, ())}
+        assert len(shapes) <= 1, (name, sorted(defined[name]))
+
+
+def test_retired_names_are_gone_from_the_package_and_its_guides():
+    code = {path: path.read_text() for path in PACKAGE.rglob("*.py")}
+    texts = {**code, **{path: path.read_text() for path in [*REPO.glob("docs/*.md"), REPO / "README.md"]}}
+    for retired, where in ((RETIRED_IN_CODE, code), (RETIRED_WORDS, texts)):
+        for old, new in retired.items():
+            pattern = re.compile(rf"\b{re.escape(old)}s?\b")
+            found = [str(path.relative_to(REPO)) for path, text in where.items() if pattern.search(text)]
+            assert not found, f"{old!r} (now {new}) in {found}"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import run
+from conftest import run_command
 from tpu_keras import cluster as cluster_lib
 from tpu_keras.cluster import topology, tpu
 from tpu_keras.errors import UserError
@@ -88,8 +88,8 @@ print(json.dumps({name: by_host(libtpu.devices(name)) for name in sys.argv[1:]})
 def libtpu_chips():
     """{slice: [host][device] chip coordinates} of SLICES as libtpu describes them (one
     process for all; libtpu runs without a TPU)."""
-    return json.loads(run([sys.executable, "-c", CHIPS_BY_HOST, *SLICES], timeout=120,
-                          merge_stderr=False).stdout)
+    return json.loads(run_command([sys.executable, "-c", CHIPS_BY_HOST, *SLICES], timeout=120,
+                                  merge_stderr=False).stdout)
 
 
 def fake_topology(slice_name):

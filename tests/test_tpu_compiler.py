@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process
-from tpu_keras.planning import layout_search, memory_plan, tpu_compiler
+from conftest import assert_one_line_error, run_command, run_in_one_process
+from tpu_keras.planning import layout_search, slice_plan, tpu_compiler
 
 LM = ["--config=configs/lm_stdlib.py", "--config.engine=jax"]
 
@@ -37,11 +37,12 @@ def compiled():
     }, timeout=600)
     # The text a plan prints is format_plan of its JSON: rendered here, not compiled twice.
     for name in ("two_slices", "llama_splash"):
-        printed = memory_plan.format_plan(json.loads(calls[name].stdout))
+        printed = slice_plan.format_plan(json.loads(calls[name].stdout))
         calls[f"{name}_text"] = subprocess.CompletedProcess([], 0, printed + "\n", "")
     return calls
 
 
+@pytest.mark.slow
 def test_plan_measure_asks_the_tpu_compiler_for_v5litepod_16(compiled):
     result = compiled["v5litepod_16"]
     assert result.returncode == 0, result.stderr[-3000:]
@@ -67,6 +68,7 @@ def test_plan_measure_asks_the_tpu_compiler_for_v5litepod_16(compiled):
     assert 0 < m["step_seconds"] < 1 and 0 < m["mfu"] < 1 and m["estimate_covers"] == "the step"
 
 
+@pytest.mark.slow
 def test_two_slices_send_across_the_data_center_network(compiled):
     result = compiled["two_slices"]
     assert result.returncode == 0, result.stderr[-3000:]
@@ -86,6 +88,7 @@ def test_two_slices_send_across_the_data_center_network(compiled):
     assert "over the data-center network (DCN)" in text and "fits by the TPU compiler: yes" in text
 
 
+@pytest.mark.slow
 def test_a_step_the_compiler_cannot_fit_does_not_fit(compiled):
     result = compiled["out_of_memory"]
     assert result.returncode == 1, (result.stdout[-2000:], result.stderr[-2000:])
@@ -94,6 +97,7 @@ def test_a_step_the_compiler_cannot_fit_does_not_fit(compiled):
     assert "fits by the TPU compiler: NO" in result.stdout and "of 15.75 GiB HBM" in result.stdout
 
 
+@pytest.mark.slow
 def test_auto_with_measure_lets_the_compiler_choose_among_the_best_planned(compiled):
     result = compiled["auto"]
     assert result.returncode == 0, result.stderr[-3000:]
@@ -114,11 +118,13 @@ def test_auto_with_measure_lets_the_compiler_choose_among_the_best_planned(compi
     assert "the compiler's step-time estimate, the best of the 2 best-planned layouts compiled" in text
 
 
+@pytest.mark.slow
 def test_measure_for_a_tpu_type_nothing_describes_is_one_error_line(compiled):
     assert_one_line_error(compiled["unknown_type"], "unknown TPU slice 'v9-8'")
     assert compiled["unknown_type"].returncode == 2
 
 
+@pytest.mark.slow
 def test_a_hub_model_without_preset_or_architecture_is_one_error_line(compiled):
     assert_one_line_error(compiled["no_architecture"], "has no model.preset",
                           "model.vocabulary_size, model.num_layers")
@@ -127,18 +133,19 @@ def test_a_hub_model_without_preset_or_architecture_is_one_error_line(compiled):
 
 def test_a_generation_libtpu_does_not_know_is_one_error_line():
     # A table entry an older libtpu does not know: the v5litepod-8 of a generation 'v9'.
-    result = run([sys.executable, "-c", (
+    result = run_command([sys.executable, "-c", (
         "import dataclasses\n"
         "from tpu_keras import cli\n"
         "from tpu_keras.cluster import libtpu, topology\n"
         "found = topology.parse_slice('v5litepod-8')\n"
         "later = dataclasses.replace(found, generation=dataclasses.replace(found.generation, name='v9'))\n"
-        "cli.run(lambda argv: libtpu.describe(1, later))\n")],
+        "cli.start(lambda argv: libtpu.describe(1, later))\n")],
         env={"JAX_PLATFORMS": "cpu"}, check=False)
     assert_one_line_error(result, "libtpu cannot describe v5litepod-8 as v9:2x4", "TPU v9")
     assert result.returncode == 2
 
 
+@pytest.mark.slow
 def test_keras_hubs_llama_attention_compiles_to_the_tpus_fused_kernel(compiled):
     """Three kernel calls per layer (forward, and the two of its gradient) in the TPU program;
     docs/performance.md compares Keras's own attention, which never reaches the kernel."""
@@ -150,6 +157,7 @@ def test_keras_hubs_llama_attention_compiles_to_the_tpus_fused_kernel(compiled):
     assert json.loads(compiled["v5litepod_16"].stdout)["measured"]["fused_kernels"] == 0
 
 
+@pytest.mark.slow
 def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled):
     p = json.loads(compiled["llama_splash"].stdout)
     m = p["measured"]
@@ -168,6 +176,7 @@ def test_where_plan_and_compiler_part_the_output_names_the_term_and_why(compiled
         abs(lm["per_device"]["total"] / lm["measured"]["peak"] - 1) > tpu_compiler.MEMORY_BOUND)
 
 
+@pytest.mark.slow
 def test_the_activation_estimate_is_held_to_the_compiler(compiled):
     """keras-hub's Llama at 512 tokens, where activations are most of the plan: within 1.6 of
     the TPU compiler's peak from above (1.54 here). Counted as autodiff lists them (one
@@ -179,6 +188,7 @@ def test_the_activation_estimate_is_held_to_the_compiler(compiled):
     assert 1.0 <= d["total"] / m["peak"] <= 1.6, (d, m)
 
 
+@pytest.mark.slow
 def test_where_the_bytes_sent_part_the_output_names_the_collective_and_why(compiled):
     """Across two slices the plan counts 6-15% less than the compiled transfers; the kinds
     are set side by side, and the line appears exactly when the totals part by over 15%."""

@@ -13,16 +13,17 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run, run_in_one_process
+from conftest import assert_one_line_error, run_command, run_in_one_process
 
 
 @pytest.fixture(scope="module")
 def matrix():
-    output = run([sys.executable, "tests/helpers/topology_matrix.py"], timeout=600, merge_stderr=False).stdout
+    output = run_command([sys.executable, "tests/helpers/topology_matrix.py"], timeout=600, merge_stderr=False).stdout
     return {row["tpu"]: row for row in (json.loads(line[len("MATRIX "):])
                                         for line in output.splitlines() if line.startswith("MATRIX "))}
 
 
+@pytest.mark.slow
 def test_every_mesh_starts_on_every_slice_and_each_example_is_fed_once(matrix):
     failures = {tpu: row["failures"] for tpu, row in matrix.items() if row["failures"]}
     assert not failures, failures
@@ -115,7 +116,7 @@ def test_reading_tpu_topologies_sends_nothing_off_the_machine():
     """In a network namespace with loopback alone, the kernel counts every attempt to reach
     another address (a connection, a datagram, a DNS query). One deliberate connection to
     the metadata server's address counts; reading libtpu's descriptions adds none."""
-    result = run([sys.executable, "-c", OFFLINE_SCRIPT], timeout=400)
+    result = run_command([sys.executable, "-c", OFFLINE_SCRIPT], timeout=400)
     if "UNAVAILABLE" in result.stdout:
         pytest.skip(f"no unprivileged network namespaces on this machine: {result.stdout[-300:]}")
     control, reading = map(int, result.stdout.split("NO_ROUTE ")[1].split()[:2])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import run, train
+from conftest import run_command, train
 from resume import assert_same_weights, killed_after_checkpoint_then_resumed
 from test_evaluate import assert_same_validation
 
@@ -40,7 +40,7 @@ def test_tiny_run_writes_config_events_checkpoints_and_export(tiny_run):
 
 
 def assert_profiled(workdir, output):
-    """A TensorBoard profile of steps 11-12 (the host call 11-15), where its plugin looks."""
+    """A TensorBoard profile of steps 11-12 (the execution 11-15), where its plugin looks."""
     assert re.search(r"profiling from step 11 into \S+tensorboard", output), output[-2000:]
     traces = glob.glob(str(workdir / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     assert traces and all(os.path.getsize(t) > 0 for t in traces), traces
@@ -53,7 +53,7 @@ def test_profile_steps_trace_the_chosen_steps(tiny_run):
 def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
     workdir, _ = tiny_run
     out = tmp_path / "run.png"
-    result = run([sys.executable, "scripts/plot_run.py", str(workdir), f"--out={out}"])
+    result = run_command([sys.executable, "scripts/plot_run.py", str(workdir), f"--out={out}"])
     drawn = result.stdout.strip().splitlines()[-1]
     for tag in ("loss", "val_loss", "grad_norm", "examples_per_second", "mfu"):
         assert re.search(rf"\b{tag}\b", drawn), drawn
@@ -64,7 +64,7 @@ def test_mixed_bfloat16_trains_and_says_so(tmp_path, data_dir):
     # The digits MLP: XLA compiles it in seconds; the policy is the same for every model.
     output = train("configs/digits.py:tiny", tmp_path, "--config.train.precision=mixed_bfloat16",
                    "--config.train.jit_compile=True", f"--config.data.data_dir={data_dir}").stdout
-    assert "mixed_bfloat16, 5 steps per host call, XLA" in output
+    assert "mixed_bfloat16, 5 steps per execution, XLA" in output
     assert json.loads((tmp_path / "config.json").read_text())["train"]["precision"] == "mixed_bfloat16"
     assert re.search(r"step 20/20 .*mfu \d+\.\d+", output)
     # It learns under bf16: well above the 0.1 of a guess (0.85 when measured).
@@ -89,12 +89,13 @@ exported = tf.saved_model.load(r"{workdir}/export")
 np.testing.assert_allclose(exported.serve(tokens).numpy(), model(tokens).numpy(), atol=1e-5)
 print("MATCH", float(np.abs(model(tokens).numpy()).sum()))
 """
-    result = run([sys.executable, "-c", code])
+    result = run_command([sys.executable, "-c", code])
     assert "MATCH" in result.stdout
 
 
+@pytest.mark.slow
 def test_two_hosts_train_four_replicas_and_end_with_identical_weights(tmp_path, data_dir):
-    result = run([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
+    result = run_command([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
                   "--timeout=400", "--", sys.executable, "-m", "tpu_keras.train",
                   "--config=configs/digits.py:tiny", f"--workdir={tmp_path}",
                   f"--config.data.data_dir={data_dir}"], timeout=450)
@@ -107,6 +108,7 @@ def test_two_hosts_train_four_replicas_and_end_with_identical_weights(tmp_path, 
     assert not (tmp_path / "tmp").exists() or not os.listdir(tmp_path / "tmp")
 
 
+@pytest.mark.slow
 def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path, data_dir):
     result = train("configs/digits.py", tmp_path, f"--config.data.data_dir={data_dir}",
                    "--config.cluster.virtual_devices=4")
@@ -117,6 +119,7 @@ def test_digits_reaches_95_percent_validation_accuracy_on_four_replicas(tmp_path
     assert accuracy >= 0.95
 
 
+@pytest.mark.slow
 def test_a_second_tf_start_reads_its_xla_programs_from_the_cache(tmp_path, data_dir):
     """TensorFlow reads its cache folder once, as it makes its devices: the run gives it the
     folder before that, so a run writes its XLA programs and a rerun reads them. TensorFlow
@@ -151,6 +154,7 @@ def jax_run(tmp_path_factory, data_dir):
     return workdir, first.stdout, args
 
 
+@pytest.mark.slow
 def test_the_same_config_trains_and_resumes_on_the_jax_engine(jax_run, tmp_path_factory):
     workdir, output, args = jax_run
     assert re.search(r"\| compile [\d.]+ \(compiled: not in the cache\)", output), output[-2000:]
@@ -178,10 +182,11 @@ def test_the_same_config_trains_and_resumes_on_the_jax_engine(jax_run, tmp_path_
     assert logged_steps(again.stdout) == [30]
 
 
+@pytest.mark.slow
 def test_a_jax_run_evaluates_on_another_mesh_and_resumes_from_the_compile_cache(jax_run, tmp_path_factory):
     workdir, _, args = jax_run
     # Evaluation as its own job, on another mesh: the run's own validation at step 10.
-    run([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}", "--step=10",
+    run_command([sys.executable, "-m", "tpu_keras.evaluate", f"--workdir={workdir}", "--step=10",
          "--config.cluster.virtual_devices=2", "--config.mesh.model=2"])
     assert_same_validation(workdir, [10])
     # Killed after a checkpoint, rerun: the steps load from the compile cache, and the

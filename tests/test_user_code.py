@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, run_command
 
 
 def readme_user_code():
@@ -17,12 +17,13 @@ def readme_user_code():
 
 @pytest.mark.parametrize("engine_env", [
     {},
-    {"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    pytest.param({"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+                 marks=pytest.mark.slow),
 ], ids=["tf", "jax"])
 def test_readme_example_is_short_and_trains_under_two_replicas(engine_env):
     code = readme_user_code()
     assert len(code.strip().splitlines()) <= 20
-    result = run([sys.executable, "-c", code], env=engine_env)
+    result = run_command([sys.executable, "-c", code], env=engine_env)
     accuracies = [float(a) for a in re.findall(r"val_accuracy: ([\d.]+)", result.stdout)]
     assert accuracies and accuracies[-1] > 0.8, result.stdout[-2000:]
 
@@ -35,10 +36,11 @@ def probe_results(output):
             if line.split(" ", 1)[0] in PROBE_TAGS}
 
 
+@pytest.mark.slow
 def test_the_parallelism_guides_mesh_example_lays_out_checks_accumulates_and_plans_a_users_model():
     # One 4-device process: the guide's example as written, then its promises (user_code_probe.py).
-    out = run([sys.executable, "tests/helpers/user_code_probe.py"], timeout=600,
-              env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}).stdout
+    out = run_command([sys.executable, "tests/helpers/user_code_probe.py"], timeout=600,
+                      env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}).stdout
     r = probe_results(out)
     assert set(r) == set(PROBE_TAGS), out[-3000:]
     # fsdp=2 x model=2 trains as one device does.
@@ -95,7 +97,7 @@ print("PLACED", [p.spec for p in layout.check(model)], type(model.weights[0].val
 
 
 def test_on_the_tf_engine_a_model_axis_is_the_runs_refusal_and_layout_is_the_strategy_scope():
-    out = run([sys.executable, "-c", TF_MODEL_AXIS], env={"KERAS_BACKEND": "tensorflow"}).stdout
+    out = run_command([sys.executable, "-c", TF_MODEL_AXIS], env={"KERAS_BACKEND": "tensorflow"}).stdout
     refused = [line for line in out.splitlines() if line.startswith("REFUSED ")]
     assert refused and refused[0].startswith(
         "REFUSED mesh.model=2 needs the jax engine (--config.engine=jax)"), out[-2000:]

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, run_command
+
+pytestmark = pytest.mark.slow  # a whole run and its resume, in a process of its own
 
 SCRIPT = f"""
 import json, os, sys
@@ -18,16 +20,16 @@ sys.path.insert(0, {str(REPO / "configs")!r})
 import lm_stdlib
 import tensorflow as tf
 from absl import logging
-from tpu_keras.training import run
+from tpu_keras.training import loop
 
 logging.set_verbosity(logging.INFO)
 
 config = lm_stdlib.get_config("tiny")
 config.data.update(data_dir=sys.argv[1], log_example_ids=True)
 config.train.steps = 10
-run.train(config, "ram://run")
+loop.train(config, "ram://run")
 config.train.steps = 20
-history = run.train(config, "ram://run")
+history = loop.train(config, "ram://run")
 print("FILES", json.dumps(sorted(os.path.relpath(os.path.join(root, f), "ram://run")
                                   for root, _, files in tf.io.gfile.walk("ram://run") for f in files)))
 print("TIMINGS", json.dumps(json.load(tf.io.gfile.GFile("ram://run/timings.json"))))
@@ -38,7 +40,7 @@ print("CWD", json.dumps(os.listdir(".")))
 def test_a_run_and_its_resume_on_ram_write_nothing_locally(tmp_path, data_dir):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    result = run([sys.executable, "-c", SCRIPT, data_dir], cwd=cwd)
+    result = run_command([sys.executable, "-c", SCRIPT, data_dir], cwd=cwd)
     output = result.stdout
     assert "resumed from ram://run/checkpoints/ckpt-10 at step 10" in output, output[-3000:]
     files = json.loads(output.split("FILES ", 1)[1].splitlines()[0])

@@ -1,6 +1,6 @@
 """The one command-line path every entry point shares.
 
-`run(main)` is `absl.app.run(main)` with one way to fail: a mistake in the
+`start(main)` is `absl.app.run(main)` with one way to fail: a mistake in the
 flags, the config file, the config overrides or the environment ends as
 one `error: ...` line that says what to change, and exit code 2 (with
 `--verbose`, the traceback above it). The facts in those lines come from
@@ -30,7 +30,7 @@ import traceback
 from absl import app, flags, logging
 import ml_collections
 
-from tpu_keras import config as config_lib
+from tpu_keras import config as config_lib, data_section
 from tpu_keras import lean_imports
 from tpu_keras.errors import UserError, closest, first_line
 
@@ -39,7 +39,7 @@ _VERBOSE = flags.DEFINE_boolean("verbose", False, "On a mistake in the config, f
 EXIT_CODE = 2  # a mistake the user can fix
 
 
-def run(main) -> None:
+def start(main) -> None:
     """`app.run(main)`; a `UserError` from parsing or from `main` is one line and exit 2."""
     lean_imports.install()
     app.run(functools.partial(_main_or_fail, main), flags_parser=_parse_or_fail)
@@ -168,6 +168,8 @@ def _check_overrides(config, args) -> None:
         current = config
         for part in key.split("."):
             if not isinstance(current, ml_collections.ConfigDict) or part not in current:
+                if key.startswith(f"data.{part}") and data_section.moved(part):  # a flat key of before
+                    raise UserError(f"--config.{key}: {data_section.moved(part)}")
                 known = list(current.keys()) if isinstance(current, ml_collections.ConfigDict) else []
                 raise UserError(f"unknown config key in --config.{key}" + (
                     closest(part, known) or " (tpu_keras.config.defaults() lists every key; "
@@ -203,6 +205,8 @@ def _split_new_model_keys(config, argv):
 def _check_value(key: str, value: str, current) -> None:
     """A one-line error unless `value` parses as the type of `current`, as ml_collections parses it."""
     if isinstance(current, ml_collections.ConfigDict):
+        if key.startswith("data.") and data_section.moved(key[len("data."):]):
+            raise UserError(f"--config.{key}={value}: {data_section.moved(key[len('data.'):])}")
         keys = ", ".join(f"--config.{key}.{k}" for k in current.keys())
         raise UserError(f"--config.{key}={value}: {key} is a section, not a value; set "
                         + (f"its keys ({keys}) or " if keys else "") + "it in a config file")

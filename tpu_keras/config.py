@@ -15,7 +15,7 @@ import os
 
 import ml_collections
 
-from tpu_keras import workdir as workdir_lib
+from tpu_keras import data_section, workdir as workdir_lib
 from tpu_keras.cluster import engine
 from tpu_keras.cluster.record import STRATEGIES
 from tpu_keras.errors import UserError, closest
@@ -72,16 +72,10 @@ def defaults() -> ml_collections.ConfigDict:
         virtual_devices=0,    # >1 splits the CPU into that many replicas
     )
 
-    # What to read: a TFDS name (ours are prepared offline on first use), or
-    # TFRecord files by glob with a feature spec such as {'x': 'float32[4]'}.
+    # What to read: one part, by kind (tpu_keras.data_section, docs/data.md). The keys at the
+    # top apply to every kind; a part the run does not read is refused if set.
     config.data = dict(
-        name="",
-        data_dir="~/tensorflow_datasets",
-        files="",             # TFRecord glob for training ...
-        eval_files="",        # ... and for evaluation
-        features={},
-        train_split="train",  # TFDS split names take slices: 'train[:90%]'
-        eval_split="validation",
+        data_dir="~/tensorflow_datasets",  # TFDS datasets; '{data_dir}' in a path stands for it
         preprocess="",        # see tpu_keras.data.preprocess.PREPROCESSORS
         inputs="x",           # feature names used by preprocess='features'
         targets="y",
@@ -90,40 +84,40 @@ def defaults() -> ml_collections.ConfigDict:
         deterministic=True,   # False lets tf.data reorder for speed
         service_address="",   # a tf.data service dispatcher, e.g. grpc://host:5050
         log_example_ids=False,  # append each training batch's example ids to DIR/example_ids/
-        # Text, tokenized and packed (tpu_keras.data.text): a glob of .txt files (a document
-        # each) or .jsonl files (a document per line, under text_field); or data.name with
-        # text_field, a TFDS text feature. '{data_dir}' in a path stands for data.data_dir.
-        text_files="",
-        eval_text_files="",
-        text_field="",
-        # 'bytes' | a keras_hub tokenizer class with its vocabulary file (a SentencePiece
-        # proto; a BPE vocab.json with merges) | 'preset': model.preset's tokenizer.
-        tokenizer="bytes",
-        vocabulary="",
-        merges="",
-        context_length=0,     # packed sequences hold context_length + 1 tokens; 0: model's
-        # Documents packed apart (tpu_keras.data.packing): whole, by best fit, each attending
-        # to itself alone (instruction data always is). Plain text is one stream otherwise.
-        document_masks=False,
-        # An instruction example longer than a row: cut to the row (its end token lost);
+        # A TFDS dataset (ours are prepared offline on first use); splits take slices: 'train[:90%]'.
+        tfds=dict(name="", train_split="train", eval_split="validation"),
+        # TFRecord files of tf.train.Examples by glob, with a feature spec such as {'x': 'float32[4]'}.
+        tfrecords=dict(files="", eval_files="", features={}),
+        # Plain text, tokenized and packed (tpu_keras.data.text): a glob of .txt files (a
+        # document each) or .jsonl files (a document per line, under `field`); or with
+        # data.tfds.name, that dataset's text feature `field`. document_masks: documents
+        # packed apart (tpu_keras.data.packing), each attending to itself alone; else one stream.
+        text=dict(files="", eval_files="", field="", document_masks=False),
+        # Instruction data: each .jsonl line a prompt and a response; the loss and the metrics
+        # count the response's tokens alone (tpu_keras.data.documents), each example packed
+        # apart. truncate: an example longer than a row is cut to it (its end token lost);
         # False: a one-line error naming its file and line.
-        truncate=False,
-        # Instruction data: each .jsonl line a prompt and a response; the loss and the
-        # metrics count the response's tokens alone (tpu_keras.data.documents).
-        instructions=False,
-        prompt_field="prompt",
-        response_field="response",
+        instructions=dict(files="", eval_files="", prompt_field="prompt",
+                          response_field="response", truncate=False),
         # Preference pairs for DPO: each .jsonl line a prompt, a chosen and a rejected
         # response (tpu_keras.data.preferences); the loss is DPO's (train.dpo_beta).
-        preferences=False,
-        chosen_field="chosen",
-        rejected_field="rejected",
-        # Where each text file's token count is kept, made once and read by every host and
-        # restart (tpu_keras.data.token_counts); empty: DIR/token_counts.
-        token_counts="",
-        # How long a host waits without any new count arriving before it stops with an
-        # error naming the host and file it waited for (a host that died while counting).
-        token_counts_wait_seconds=3600.0,
+        preferences=dict(files="", eval_files="", prompt_field="prompt", chosen_field="chosen",
+                         rejected_field="rejected"),
+        # How text, instructions and preferences become tokens.
+        tokens=dict(
+            # 'bytes' | a keras_hub tokenizer class with its vocabulary file (a SentencePiece
+            # proto; a BPE vocab.json with merges) | 'preset': model.preset's tokenizer.
+            tokenizer="bytes",
+            vocabulary="",
+            merges="",
+            context_length=0,  # packed sequences hold context_length + 1 tokens; 0: model's
+            # Where each file's token count is kept, made once and read by every host and
+            # restart (tpu_keras.data.token_counts); empty: DIR/token_counts.
+            counts="",
+            # How long a host waits without any new count arriving before it stops with an
+            # error naming the host and file it waited for (a host that died while counting).
+            counts_wait_seconds=3600.0,
+        ),
     )
 
     # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.
@@ -143,7 +137,7 @@ def defaults() -> ml_collections.ConfigDict:
         clipnorm=1.0,         # clips the global gradient norm; 0: no clipping
         eval_every=200,       # steps between validations
         eval_steps=0,         # 0: the whole eval split
-        steps_per_execution=0,  # steps per host call; 0: auto (TPU: the log interval, else 10)
+        steps_per_execution=0,  # steps per execution; 0: auto (TPU: the log interval, else 10)
         jit_compile=False,    # XLA on the tf engine; the jax engine and TPUs always compile
         precision="auto",     # 'float32' | 'mixed_bfloat16'; auto: bf16 on TPU, else float32
         remat="none",         # 'activations': recompute activation outputs in the backward pass
@@ -205,7 +199,8 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise UserError(f"export.formats has {name!r}, which is not one of {EXPORT_FORMATS}"
                             f"{closest(str(name), EXPORT_FORMATS)}")
     train, log = config.train, config.log
-    _check_preferences(config)
+    _check_dpo_beta(config.train.dpo_beta)
+    data_section.check(config.data, defaults().data)
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "
                         f"{', '.join(map(repr, PRECISIONS))}{closest(train.precision, PRECISIONS)}")
@@ -247,7 +242,10 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
                         "of a run of python -m tpu_keras.train")
     with opener(path) as file, without_type_checks():
         config = defaults()  # JSON has lists where the schema has tuples
-        config.update(json.load(file))
+        written = json.load(file)
+        if "name" in written.get("data", {}) or "text_files" in written.get("data", {}):
+            written["data"] = data_section.migrated(written["data"])  # a run before the parts
+        config.update(written)
     return config
 
 
@@ -279,11 +277,22 @@ def check_types(config, schema=None, prefix: str = "") -> None:
             continue
         expected = schema[key]
         if isinstance(expected, ml_collections.ConfigDict):
+            if not isinstance(value, (dict, ml_collections.ConfigDict)):
+                raise UserError(section_given_a_value(path, value, expected))
             check_types(value, expected, f"{path}.")
         elif not _same_kind(value, expected):
             raise UserError(f"{path} takes {a_type(type(expected))}, not the "
                             f"{type(value).__name__} {value!r}; set it to {a_type(type(expected))}"
                             f" such as {expected!r}")
+
+
+def section_given_a_value(path: str, value, section) -> str:
+    """The message for `path=value` where `path` is a section (a flat key of before, or a
+    section's own name)."""
+    if path.startswith("data.") and data_section.moved(path[len("data."):]):
+        return data_section.moved(path[len("data."):])
+    keys = ", ".join(f"{path}.{k}" for k in section.keys())
+    return f"{path}={value!r}: {path} is a section, not a value; set its keys ({keys})"
 
 
 def _same_kind(value, expected) -> bool:
@@ -296,20 +305,11 @@ def _same_kind(value, expected) -> bool:
     return expected is None or isinstance(value, type(expected))
 
 
-def _check_preferences(config) -> None:
-    beta = config.train.dpo_beta
+def _check_dpo_beta(beta) -> None:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0 \
             or not math.isfinite(beta):
         raise UserError(f"train.dpo_beta={beta!r} must be a number above 0; DPO's beta is how "
                         "strongly the policy is held to the reference, such as 0.1")
-    if config.data.preferences and config.data.instructions:
-        raise UserError("data.preferences and data.instructions are both set; preference pairs "
-                        "(prompt, chosen, rejected) train with DPO, instructions (prompt, response) "
-                        "with cross-entropy: set one")
-    if config.data.document_masks and not (config.data.text_files or config.data.text_field):
-        raise UserError("data.document_masks packs text documents apart, and the data are not text "
-                        "(data.text_files and data.text_field are empty); set one of them, or drop "
-                        "data.document_masks")
 
 
 def a_type(kind: type) -> str:
@@ -327,15 +327,16 @@ _RANGES = (
     ("train.eval_steps", 0, None), ("train.steps_per_execution", 0, None),
     ("checkpoint.every_steps", 1, None), ("checkpoint.keep", 1, None), ("log.every_steps", 1, None),
     ("cluster.virtual_devices", 0, None), ("data.shuffle_buffer", 1, None),
-    ("data.context_length", 0, None),
+    ("data.tokens.context_length", 0, None),
     ("layout.replicate_below", 0, None),
 )
 
 
 def _check_ranges(config):
     for key, low, high in _RANGES:
-        section, name = key.split(".")
-        value = config[section][name]
+        value = config
+        for name in key.split("."):
+            value = value[name]
         wanted = f"a number from {low} to {high}" if high is not None else f"{low} or more"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{key}={value!r} is not a number; set {key} to {wanted}")
@@ -344,12 +345,14 @@ def _check_ranges(config):
 
 
 # Sections whose keys are not fixed by the schema: a builder's arguments, a feature spec.
-_FREE_FORM = ("model", "data.features")
+_FREE_FORM = ("model", "data.tfrecords.features")
 
 
 def _check_keys(config, schema, prefix):
     for key, value in config.items():
         path = f"{prefix}{key}"
+        if key not in schema and prefix == "data." and data_section.moved(key):
+            raise UserError(data_section.moved(key))
         if key not in schema:
             raise UserError(f"unknown config key {path!r}{closest(key, schema.keys())}")
         if path not in _FREE_FORM and isinstance(schema[key], ml_collections.ConfigDict):

@@ -62,4 +62,4 @@ def _given_keys(args) -> list:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

@@ -112,4 +112,4 @@ def _check_length(generator, prompt: str, max_length: int, number: int) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

@@ -51,9 +51,9 @@ def main(argv):
         return
     engine.select(config.engine, config.cluster.virtual_devices)
     cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-    info = cluster_info.describe(cluster, defaults.precision(config.train, cluster))
+    info = cluster_info.describe(cluster, defaults.precision(config.train, cluster.kind))
     print(json.dumps(info) if _JSON.value else cluster_info.format_table(info), flush=True)
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

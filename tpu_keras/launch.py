@@ -227,8 +227,8 @@ def _raise_terminated(signum, frame):
 
 
 def _start_data_service(timeout):
-    """Starts `python -m tpu_keras.data.service`; returns (process, address)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tpu_keras.data.service"],
+    """Starts `python -m tpu_keras.data_service`; returns (process, address)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tpu_keras.data_service"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     ready = {}
@@ -240,7 +240,7 @@ def _start_data_service(timeout):
         _stop([proc])
         proc.wait()
         raise UserError("the local tf.data service did not start; run "
-                        "`python -m tpu_keras.data.service` to see why")
+                        "`python -m tpu_keras.data_service` to see why")
     _log(f"tf.data service at {line[1]}")
     return proc, line[1]
 
@@ -381,4 +381,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

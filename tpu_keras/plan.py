@@ -7,7 +7,7 @@
 
 Parameters, optimizer state and gradients per device are exact; activations
 an estimate; the bytes sent per update are computed from the layout (see
-`planning.memory_plan`). `--auto` tries every mesh and remat setting and
+`planning.slice_plan`). `--auto` tries every mesh and remat setting and
 recommends a layout (`planning.layout_search`); with `--measure` on the TPU
 compiler, it compiles the best few (`--compiled`) and the compiler's
 figures choose. `--measure` compiles the
@@ -35,7 +35,7 @@ from tpu_keras import cli
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine, topology
 from tpu_keras.errors import UserError
-from tpu_keras.planning import layout_search, memory_plan
+from tpu_keras.planning import layout_search, slice_plan
 
 NOTHING_FITS = 1  # the exit status when the config (or, with --auto, every layout) does not fit
 
@@ -68,16 +68,16 @@ def main(argv):
         raise UserError("give --config=configs/<name>.py and --tpu=<slice>, e.g. --tpu=v5p-64")
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
     config_lib.check(_CONFIG.value)
-    compiler = memory_plan.resolve_compiler(_COMPILER.value) if _MEASURE.value else "cpu"
+    compiler = slice_plan.resolve_compiler(_COMPILER.value) if _MEASURE.value else "cpu"
     if _MEASURE.value and compiler == "tpu":  # the slice's own devices, described by libtpu
         engine.select("jax")
     elif _MEASURE.value:  # the real step, on as many fake CPU devices as the slices have
         slices, found = topology.parse_tpu(_TPU.value)
         engine.select("jax", slices * found.devices)
     if not _AUTO.value:
-        result = memory_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
+        result = slice_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                   compiler)
-        print(json.dumps(result, indent=1) if _JSON.value else memory_plan.format_plan(result))
+        print(json.dumps(result, indent=1) if _JSON.value else slice_plan.format_plan(result))
         fits = result["fits"]
     else:
         result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
@@ -90,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

@@ -1,7 +1,7 @@
 """Train a model from a config: `python -m tpu_keras.train --config=configs/x.py --workdir=DIR`.
 
 Running the same command on the same workdir resumes from the latest
-checkpoint. The run itself, stage by stage, is `tpu_keras.training.run`;
+checkpoint. The run itself, stage by stage, is `tpu_keras.training.loop`;
 this module is its command line. A mistake ends as one `error: ...` line
 and exit code 2 (`cli`); a preempted run exits 42 after saving.
 """
@@ -16,7 +16,7 @@ from ml_collections import config_flags
 from tpu_keras import cli
 from tpu_keras.errors import Preempted, UserError
 from tpu_keras.measurement import timings
-from tpu_keras.training import run
+from tpu_keras.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py:tiny")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json, checkpoints, TensorBoard "
@@ -33,7 +33,7 @@ def main(argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
     try:
-        run.train(_CONFIG.value, _WORKDIR.value, started=timings.process_start())
+        loop.train(_CONFIG.value, _WORKDIR.value, started=timings.process_start())
     except UserError as error:
         cli.fail(error, at_once=True)
     except Preempted as preempted:
@@ -43,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

@@ -89,8 +89,8 @@ x = rng.normal(size=(64, 4)).astype("float32")
 saved = make()
 for _ in range(4):  # 4 updates (from random gradients: cheaper than a compiled step)
     saved.optimizer.apply([rng.normal(size=v.shape).astype("float32") for v in saved.trainable_variables])
-saver = checkpoint.open_checkpointer(os.path.join(folder, "run"), saved, cluster)
-saver.save()
+checkpointer = checkpoint.open_checkpointer(os.path.join(folder, "run"), saved, cluster)
+checkpointer.save()
 
 # ----- the other creation order --------------------------------------------------------
 swapped = make(order=("key", "query"))
@@ -118,15 +118,15 @@ if engine_name == "tf":
     old = tf.train.Checkpoint(model=saved, optimizer=saved.optimizer,
                               rng=list(saved.non_trainable_variables))
     old.save_counter
-    old.write(os.path.join(old_dir, f"ckpt-{saver.step}"))
+    old.write(os.path.join(old_dir, f"ckpt-{checkpointer.step}"))
     with open(os.path.join(old_dir, "checkpoint"), "w") as state:
-        state.write(f'model_checkpoint_path: "ckpt-{saver.step}"\n'
-                    f'all_model_checkpoint_paths: "ckpt-{saver.step}"\n')
+        state.write(f'model_checkpoint_path: "ckpt-{checkpointer.step}"\n'
+                    f'all_model_checkpoint_paths: "ckpt-{checkpointer.step}"\n')
 else:
     import orbax.checkpoint as ocp
     manager = ocp.CheckpointManager(os.path.abspath(old_dir), options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False))
-    manager.save(saver.step, args=ocp.args.StandardSave(
+    manager.save(checkpointer.step, args=ocp.args.StandardSave(
         {"model": [v.value for v in saved.variables],
          "optimizer": [v.value for v in saved.optimizer.variables]}), force=True)
     manager.wait_until_finished()

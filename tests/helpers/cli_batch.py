@@ -43,7 +43,7 @@ for name, args in calls.items():
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            cli.run(command.main)
+            cli.start(command.main)
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else int(done.code is not None)
     print("CALL " + json.dumps({"name": name, "code": code, "stdout": out.getvalue(),

@@ -32,8 +32,8 @@ def main(patterns, global_batch, epochs, seeds):
 
 def report(cluster, pattern, global_batch, epochs, seed, run):
     config = config_lib.defaults().data
-    config.update(files=pattern, features={"id": "int64", "x": "float32[2]"},
-                  preprocess="features", inputs="x", targets="id", shuffle_buffer=64)
+    config.tfrecords.update(files=pattern, features={"id": "int64", "x": "float32[2]"})
+    config.update(preprocess="features", inputs="x", targets="id", shuffle_buffer=64)
     dataset, steps = data.build(config, cluster, global_batch, training=True, seed=seed)
     batches = iter(dataset)
     seen = [[[] for _ in range(cluster.replicas_per_host)] for _ in range(epochs)]

@@ -6,7 +6,7 @@ exported, as a run of it does.
 `configs/llama_stdlib.py:lora` (a freshly initialised preset fine-tuned with
 LoRA rank 4) with `model.name='keras_hub:OtterCausalLM'` and
 `model.imports` naming otter_family.py, trained on the tf engine through
-`tpu_keras.training.run.train`. Its exports are read by their own clients:
+`tpu_keras.training.loop.train`. Its exports are read by their own clients:
 transformers (DIR/export/transformers) and PEFT (DIR/export/peft on the base
 the export writes beside it). Prints one line, `FAMILY {json}`: the largest
 logit differences, the adapter's config and the trainable count.
@@ -28,7 +28,7 @@ engine.select("tf")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tpu_keras.training import run  # noqa: E402
+from tpu_keras.training import loop  # noqa: E402
 
 import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
 
@@ -42,7 +42,7 @@ config.data.data_dir = data_dir
 config.model.update(name="keras_hub:OtterCausalLM", imports=(FAMILY_FILE,))
 config.train.update(steps=10, eval_every=10)
 workdir = os.path.join(out, "otter")
-model = run.train(config, workdir).model
+model = loop.train(config, workdir).model
 
 tokens = np.random.default_rng(0).integers(0, 256, (2, 64)).astype("int32")
 expected = keras.ops.convert_to_numpy(model(tokens))

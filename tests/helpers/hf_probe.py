@@ -17,7 +17,7 @@ export with transformers and with the toolkit; `NAME:theta` does the same
 with `model.rope_max_wavelength` set over the checkpoint's; `NAME:lora`
 (LoRA rank 4 on q_proj and v_proj), `NAME:lora_all` (on 'all-linear', with
 rsLoRA's scaling) and
-`NAME:full` train through `tpu_keras.training.run.train` and reload each of
+`NAME:full` train through `tpu_keras.training.loop.train` and reload each of
 DIR/export/'s formats (keras-hub from the preset, transformers and the
 toolkit from the transformers folder, the base checkpoint plus
 lora.weights.h5 where keras-hub's loader can read it, PEFT's `PeftModel` of
@@ -61,7 +61,7 @@ from tpu_keras.config import defaults  # noqa: E402
 from tpu_keras.data import text  # noqa: E402
 from tpu_keras.models import export, families, hub_presets  # noqa: E402
 from tpu_keras.tools import sampling  # noqa: E402
-from tpu_keras.training import evaluation, run, setup  # noqa: E402
+from tpu_keras.training import evaluation, loop, setup  # noqa: E402
 
 import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
 
@@ -106,7 +106,8 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **ba
     family = hf_checkpoints.CHECKPOINTS[name][0]
     config = defaults()
     config.engine = engine_name
-    config.data.update(name="stdlib_bytes/ctx64", preprocess="next_token", data_dir=data_dir)
+    config.data.update(preprocess="next_token", data_dir=data_dir)
+    config.data.tfds.name = "stdlib_bytes/ctx64"
     config.model = dict(name=f"keras_hub:{TASKS[family]}", preset=checkpoint, context_length=64,
                         **backbone)
     if lora_rank:  # every projection with rsLoRA's scaling, lora_alpha / sqrt(r)
@@ -182,11 +183,12 @@ def instruct(name, checkpoint, workdir):
             lines.write(json.dumps({"prompt": f"def f{i}(x):" + " #" * (i % 4),
                                     "response": " return x" + " + 1" * (i * 5 % 9)}) + "\n")
     config = config_for(name, checkpoint)
-    config.data.update(name="", preprocess="", text_files=pairs, eval_text_files=pairs,
-                       instructions=True)  # bytes: ids the checkpoint's embedding holds
+    config.data.update(preprocess="")  # bytes: ids the checkpoint's embedding holds
+    config.data.tfds.name = ""
+    config.data.instructions.update(files=pairs, eval_files=pairs)
     config.export.formats = ("transformers",)
     config.train.eval_steps = 0  # every row
-    run.train(config, workdir)
+    loop.train(config, workdir)
     resolved = config_lib.read_run_config(workdir)
     loss = evaluation.evaluate(resolved, workdir)[config.train.steps]["val_loss"]
     source = text.open_source(resolved.data, training=False)
@@ -223,7 +225,7 @@ def quantized_run(name, checkpoint, mode, first, tokens):
     quantized = [w for w in untrained.weights if w.path.endswith("/kernel") and "int8" in str(w.dtype)]
     before = keras.ops.convert_to_numpy(untrained(tokens))
     workdir = os.path.join(out, name, f"lora_{mode}")
-    history = run.train(config, workdir)
+    history = loop.train(config, workdir)
     trained = history.model
     expected = keras.ops.convert_to_numpy(trained(tokens))
     folder = os.path.join(workdir, "export")
@@ -275,7 +277,7 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
             continue
         workdir = os.path.join(out, name, variant)
         targets = LORA_TARGETS.get(variant, "")
-        trained = run.train(config_for(name, checkpoint, rank, targets), workdir).model
+        trained = loop.train(config_for(name, checkpoint, rank, targets), workdir).model
         expected = keras.ops.convert_to_numpy(trained(tokens))
         folder = os.path.join(workdir, "export")
         checks = {"moved": gap(expected, first),

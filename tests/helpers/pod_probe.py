@@ -2,10 +2,11 @@
 simulated pod, and reports the losses and where the batch rows and weights live.
 
     python tests/helpers/pod_probe.py CONFIG INIT.npz
+    python -m tpu_keras.launch --tpu=v5litepod-16 -- python tests/helpers/pod_probe.py CONFIG INIT.npz
     python -m tpu_keras.launch --tpu=2xv4-16 -- python tests/helpers/pod_probe.py CONFIG INIT.npz
 
 CONFIG is `digits` (the tiny MLP, its hidden kernels split over fsdp=2 on a
-pod). On a pod of several slices the mesh has `mesh.slices` of them. The run's own data
+pod) or `lm` (`configs/lm_stdlib.py:tiny`, the default mesh). On a pod of several slices the mesh has `mesh.slices` of them. The run's own data
 pipeline gives each host a shuffle of its own share of the examples, so
 batches depend on the number of hosts; here every global batch is the same
 numpy rows whatever the layout, and each host feeds the rows of it that its
@@ -35,6 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, "configs")
 import digits  # noqa: E402
+import lm_stdlib  # noqa: E402
 from probe_run import built_from_shared_init  # noqa: E402
 
 from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
@@ -45,13 +47,19 @@ launched = int(os.environ.get("TPU_KERAS_NUM_SLICES", 0) or 0)
 on_a_pod = int(os.environ.get("TPU_KERAS_VIRTUAL_DEVICES", 1)) > 1  # set by the launcher
 
 rng = np.random.default_rng(0)
-assert name == "digits", name
-config, global_batch = digits.get_config("tiny"), 32
-config.layout.replicate_below = 1024  # the hidden kernels (64x256, 256x256) split over fsdp
-if on_a_pod:
-    config.mesh.update(slices=launched or 1, fsdp=2)
-inputs = rng.random((STEPS, global_batch, 8, 8, 1), dtype=np.float32)
-targets = rng.integers(0, 10, (STEPS, global_batch)).astype(np.int32)
+if name == "digits":
+    config, global_batch = digits.get_config("tiny"), 32
+    config.layout.replicate_below = 1024  # the hidden kernels (64x256, 256x256) split over fsdp
+    if on_a_pod:
+        config.mesh.update(slices=launched or 1, fsdp=2)
+    inputs = rng.random((STEPS, global_batch, 8, 8, 1), dtype=np.float32)
+    targets = rng.integers(0, 10, (STEPS, global_batch)).astype(np.int32)
+else:
+    assert name == "lm", name
+    config, global_batch = lm_stdlib.get_config("tiny"), 16
+    context = config.model.context_length
+    tokens = rng.integers(0, 256, (STEPS, global_batch, context + 1)).astype(np.int32)
+    inputs, targets = tokens[..., :-1], tokens[..., 1:]
 config.engine = "jax"
 model, cluster = built_from_shared_init(config, "jax", init_path)
 

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from conftest import run
+from conftest import run_command
 from resume import STEPS, example_ids, finish, read_until, running, seen_over_the_run
 
 
@@ -18,7 +18,7 @@ def probe(name, *launcher, init):
     command = [sys.executable, "tests/helpers/pod_probe.py", name, str(init)]
     if launcher:
         command = [sys.executable, "-m", "tpu_keras.launch", *launcher, "--timeout=400", "--", *command]
-    out = run(command, timeout=450).stdout
+    out = run_command(command, timeout=450).stdout
     return sorted((json.loads(line) for line in re.findall(r"POD (\{.*\})", out)), key=lambda r: r["host"])
 
 
@@ -35,7 +35,7 @@ def assert_trains_like_one_device(one, hosts):
 
 def train_on_a_pod(launcher, workdir, config, *overrides, steps=STEPS, every=STEPS // 2):
     """`python -m tpu_keras.launch LAUNCHER -- python -m tpu_keras.train` for `steps` steps on
-    the jax engine, 5 per host call, a checkpoint every `every` and a validation at the end,
+    the jax engine, 5 per execution, a checkpoint every `every` and a validation at the end,
     logging the loss every 5 steps and every batch's example ids."""
     # The grace outlasts JAX's heartbeat timeout (100 s), the hosts' last way to notice a
     # lost peer when no collective fails first (a loaded 2-core machine once took over 60 s).
@@ -86,7 +86,7 @@ def a_host_killed_then_the_run_resumed(command, workdir, hosts, *, killed, slice
     assert all(_gone(pid) for pid in pids.values()), pids
 
     (workdir / "example_ids").rename(workdir / "example_ids.first")
-    second = run(command, timeout=560).stdout
+    second = run_command(command, timeout=560).stdout
     resumed = re.findall(r"\[host (\d+)\].*resumed from \S+ at step (\d+)", second)
     assert sorted(resumed) == sorted((str(h), str(every)) for h in range(hosts)), second[-3000:]
     fingerprints = dict(re.findall(r"\[host (\d+)\].*weights fingerprint: (\S+)", second))

@@ -23,7 +23,7 @@ def train_from_shared_init(config, engine: str, init_path: str, steps: int):
 
 
 def built_from_shared_init(config, engine: str, init_path: str):
-    """(model, cluster): `config`'s model on `engine`, one step per host call, its initial
+    """(model, cluster): `config`'s model on `engine`, one step per execution, its initial
     weights saved to `init_path` by the first process to run and loaded by later ones."""
     config.train.steps_per_execution = 1
     cluster = tpu_keras.connect(config.cluster, engine=engine, mesh=config.mesh)

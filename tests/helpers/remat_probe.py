@@ -22,7 +22,7 @@ import keras  # noqa: E402
 
 import tpu_keras  # noqa: E402
 from tpu_keras import data  # noqa: E402
-from tpu_keras.planning import memory  # noqa: E402
+from tpu_keras.planning import activations  # noqa: E402
 from tpu_keras.models import registry  # noqa: E402
 from tpu_keras.training.setup import build_model  # noqa: E402
 
@@ -42,7 +42,7 @@ for remat in ("none", "activations"):
         weights = model.get_weights()
     model.set_weights(weights)
     builder, _ = registry.get(config.model)
-    temp = memory.step_temp_bytes(model, builder.loss(), config.train.batch_size)
+    temp = activations.step_temp_bytes(model, builder.loss(), config.train.batch_size)
     train_data, _ = data.build(config.data, cluster, config.train.batch_size, training=True)
     history = model.fit(train_data, steps_per_epoch=1, epochs=5, verbose=0)
     print("REMAT " + json.dumps({"remat": remat, "losses": history.history["loss"],

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, run_command
 
 DIGITS = "configs/digits.py:tiny"
 STEPS = 40
@@ -83,7 +83,7 @@ def killed_after_checkpoint_then_resumed(args, step: int, timeout=300) -> str:
     finally:
         process.kill()
         process.wait()
-    return run(args, timeout=timeout).stdout
+    return run_command(args, timeout=timeout).stdout
 
 
 def committed_steps(workdir):

@@ -76,9 +76,9 @@ def alone(example):
 examples, packed = packed_rows()
 alone_outputs = [[alone(example) for example in row] for row in examples]
 keras_out, keras_grads = outputs_and_gradients()
-routed = splash_attention.install(backbone, interpret=True, shortest=256)
+routed = splash_attention.route_layers(backbone, interpret=True, shortest=256)
 splash_out, splash_grads = outputs_and_gradients()
-segments.install(backbone)
+segments.keep_examples_apart(backbone)
 ids = segments.example_ids(packed, 0)
 with segments.current(ids):  # traced inside: the kernel's segments are the examples
     packed_out = np.asarray(jax.jit(lambda w: backbone.stateless_call(

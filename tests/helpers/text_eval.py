@@ -26,7 +26,8 @@ docs = f"{folder}/docs/*.txt"
 # Evaluation over every token once, on 4 replicas: the toolkit against numpy.
 cluster = tpu_keras.connect({"virtual_devices": 4})
 config = config_lib.defaults()
-config.data.update(text_files=docs, eval_text_files=docs, context_length=15)
+config.data.text.update(files=docs, eval_files=docs)
+config.data.tokens.context_length = 15
 config.model = dict(name="gpt", vocab_size=256, context_length=15, width=32, depth=1, num_heads=2)
 keras.utils.set_random_seed(1)
 with cluster.scope():
@@ -50,13 +51,17 @@ print("EVAL", len(stream), rows, steps, toolkit, nll[real].mean())
 # A TFDS text feature.
 tfds.builder("tiny_text", data_dir=data_dir).download_and_prepare()
 tfds_config = config_lib.defaults().data
-tfds_config.update(name="tiny_text", data_dir=data_dir, text_field="text", context_length=15)
+tfds_config.update(data_dir=data_dir)
+tfds_config.tfds.name = "tiny_text"
+tfds_config.text.field = "text"
+tfds_config.tokens.context_length = 15
 total = sum(len(tiny_text.line(i)) + 1 for i in range(40))
 print("TFDS", data.build(tfds_config, cluster, 8, training=True)[1], total // 16 // 8)
 
 # SentencePiece: a class with its proto, and the same tokenizer saved with a preset.
 by_class = config_lib.defaults()
-by_class.data.update(text_files=docs, tokenizer="SentencePieceTokenizer", vocabulary=spm, context_length=15)
+by_class.data.text.files = docs
+by_class.data.tokens.update(tokenizer="SentencePieceTokenizer", vocabulary=spm, context_length=15)
 source = text.open_source(by_class.data, training=True)
 reference = [len(ids) + 1 for ids in sentencepiece.SentencePieceProcessor(model_file=spm).encode(texts)]
 sequences = np.stack([s["tokens"] for s in source.read(source.files, True).as_numpy_iterator()])
@@ -68,9 +73,10 @@ keras_hub.models.LlamaBackbone(vocabulary_size=1024, num_layers=1, num_query_hea
                                num_key_value_heads=1, intermediate_dim=8).save_to_preset(f"{folder}/preset")
 keras_hub.tokenizers.LlamaTokenizer(proto=spm).save_to_preset(f"{folder}/preset")
 by_preset = config_lib.defaults()
-by_preset.data.update(text_files=docs, tokenizer="preset")
+by_preset.data.text.files = docs
+by_preset.data.tokens.tokenizer = "preset"
 by_preset.model = dict(name="keras_hub:LlamaCausalLM", preset=f"{folder}/preset", context_length=15)
-by_preset.data.update(text.resolve(by_preset))
+by_preset.data.tokens.update(text.resolve(by_preset))
 preset_source = text.open_source(by_preset.data, training=True)
 preset_sequences = np.stack([s["tokens"] for s in preset_source.read(preset_source.files, True).as_numpy_iterator()])
 print("PRESET", preset_source.tokenizer.name, np.array_equal(preset_sequences, sequences))
@@ -83,9 +89,9 @@ pairs = [(f"Question {i}: what is {i} times {i + 1}?\n", f"It is {i * (i + 1)}."
 with open(f"{folder}/pairs.jsonl", "w") as lines:
     lines.writelines(json.dumps({"q": p, "a": r}) + "\n" for p, r in pairs)
 instruct = config_lib.defaults()
-instruct.data.update(text_files=f"{folder}/pairs.jsonl", eval_text_files=f"{folder}/pairs.jsonl",
-                     instructions=True, prompt_field="q", response_field="a",
-                     tokenizer="LlamaTokenizer", vocabulary=spm, context_length=63)
+instruct.data.instructions.update(files=f"{folder}/pairs.jsonl", eval_files=f"{folder}/pairs.jsonl",
+                                  prompt_field="q", response_field="a")
+instruct.data.tokens.update(tokenizer="LlamaTokenizer", vocabulary=spm, context_length=63)
 instruct.model = dict(name="gpt", vocab_size=1024, context_length=63, width=32, depth=1, num_heads=2)
 sp = sentencepiece.SentencePieceProcessor(model_file=spm)
 examples = []  # each pair as packed: its tokens and weights (start, prompt at 0; response, end at 1)

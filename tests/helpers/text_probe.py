@@ -9,7 +9,7 @@ launcher; the test reads the logs.
 Logs go to OUT/<glob index>/{epoch,resumed}/host<h>.txt; token counts are
 shared in OUT/counts. A glob under a folder named 'instructions' is read as
 prompts and responses (data.instructions), one under 'apart' as documents
-packed apart (data.document_masks). Each PROBE line says how many
+packed apart (data.text.document_masks). Each PROBE line says how many
 documents this host tokenized while the pipeline was built: on the first
 build and on the restart. A glob under 'bad' holds a line without its
 response: each host prints the error it stops on (PROBE_ERROR).
@@ -62,10 +62,12 @@ def main(out, patterns, global_batch, context_length):
     cluster = tpu_keras.connect(ml_collections.ConfigDict({"strategy": "auto"}))
     for index, pattern in enumerate(patterns.split(",")):
         config = config_lib.defaults().data
-        config.update(text_files=pattern, text_field="text", context_length=context_length,
-                      shuffle_buffer=16, token_counts=f"{out}/counts",
-                      instructions="/instructions/" in pattern or "/bad/" in pattern,
-                      document_masks="/apart/" in pattern)
+        config.shuffle_buffer = 16
+        config.tokens.update(context_length=context_length, counts=f"{out}/counts")
+        if "/instructions/" in pattern or "/bad/" in pattern:
+            config.instructions.files = pattern
+        else:
+            config.text.update(files=pattern, field="text", document_masks="/apart/" in pattern)
         if "/bad/" in pattern:
             try:
                 data.build(config, cluster, global_batch, training=True)

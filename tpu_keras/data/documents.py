@@ -3,9 +3,9 @@
 `Text`: a document's tokens, then the tokenizer's end token; every token is
 trained on.
 
-`Instructions` (`data.instructions=True`): each line of a .jsonl file holds
-a prompt under `data.prompt_field` and a response under
-`data.response_field`. Its tokens are the tokenizer's start token (where it
+`Instructions` (`data.instructions`): each line of a .jsonl file holds
+a prompt under `data.instructions.prompt_field` and a response under
+`data.instructions.response_field`. Its tokens are the tokenizer's start token (where it
 has one: keras-hub tokenizers' `start_token_id`; the byte tokenizer has
 none), the prompt's, the response's, then the end token. Prompt and response
 are tokenized apart, as a generator sees a prompt alone. Each token carries
@@ -33,7 +33,7 @@ class Text:
 
     @property
     def fields(self) -> dict:
-        return {"data.text_field": ("text", self.field)}
+        return {"data.text.field": ("text", self.field)}
 
     def decode(self, line):
         field = self.field
@@ -63,8 +63,8 @@ class Instructions:
 
     @property
     def fields(self) -> dict:
-        return {"data.prompt_field": ("prompt", self.prompt_field),
-                "data.response_field": ("response", self.response_field)}
+        return {"data.instructions.prompt_field": ("prompt", self.prompt_field),
+                "data.instructions.response_field": ("response", self.response_field)}
 
     def decode(self, line):
         keys = (self.prompt_field, self.response_field)

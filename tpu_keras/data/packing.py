@@ -1,9 +1,9 @@
 """Examples packed apart into rows: whole, by best fit within a bounded window of a file.
 
-A row holds `length` tokens (`data.context_length + 1`: inputs and shifted
+A row holds `length` tokens (`data.tokens.context_length + 1`: inputs and shifted
 targets). Packing "like text" joins every example into one stream and cuts
 it into rows, so an example can straddle two rows and see the ones before
-it. Packed apart (instruction data; text with `data.document_masks`),
+it. Packed apart (instruction data; text with `data.text.document_masks`),
 each window of `WINDOW` consecutive examples of one file is placed into
 rows by best fit decreasing: the longest first, each into the row whose free
 space fits it most tightly, a new row where none does. An example is never
@@ -15,7 +15,7 @@ example ends with the end token). What is not whole:
   document of any length trains, each piece apart, as Llama 3 trained with
   its document masks;
 - an instruction example longer than a row is refused in one line naming
-  its file and line, or, with `data.truncate`, cut to the row and trained
+  its file and line, or, with `data.instructions.truncate`, cut to the row and trained
   alone in it (its end token lost, as TRL's `max_length` cuts).
 
 The first token of every example weighs 0: it is no target of its own
@@ -115,7 +115,7 @@ def check_longest(path: str, line: int, tokens: int, packing: Packing) -> None:
     if tokens > packing.length and not (packing.split_long or packing.truncate):
         raise UserError(
             f"{path}:{line} is an example of {tokens} tokens, longer than a row of "
-            f"data.context_length + 1 = {packing.length} tokens, and examples are packed whole; "
-            f"raise data.context_length (and the model's context_length) to at least "
-            f"{tokens - 1}, shorten that example, or set data.truncate=True to cut such examples "
+            f"data.tokens.context_length + 1 = {packing.length} tokens, and examples are packed whole; "
+            f"raise data.tokens.context_length (and the model's context_length) to at least "
+            f"{tokens - 1}, shorten that example, or set data.instructions.truncate=True to cut such examples "
             "to the row")

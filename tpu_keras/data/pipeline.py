@@ -25,7 +25,7 @@ import os
 from absl import logging
 import tensorflow as tf
 
-from tpu_keras import workdir
+from tpu_keras import data_section, workdir
 from tpu_keras.data import file_shards, iterator_reaper, preferences, sources, text
 from tpu_keras.data.preprocess import PREPROCESSORS
 from tpu_keras.errors import UserError, closest
@@ -68,9 +68,10 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
             f"train.batch_size={global_batch} does not divide across {cluster.num_replicas} "
             f"replicas; use a multiple of {cluster.num_replicas}")
     # Packed text is token sequences: next_token unless the config says otherwise.
-    name = config.preprocess or (preferences.PREPROCESSOR if config.preferences else
-                                 "next_token" if text.is_text(config) else "")
-    if config.preferences and name != preferences.PREPROCESSOR:
+    kind = data_section.kind(config)
+    name = config.preprocess or (preferences.PREPROCESSOR if kind == "preferences" else
+                                 "next_token" if kind in data_section.TOKENIZED else "")
+    if kind == "preferences" and name != preferences.PREPROCESSOR:
         raise UserError(f"data.preprocess={name!r} with data.preferences: preference pairs are "
                         f"read by {preferences.PREPROCESSOR!r}; set data.preprocess to ''")
     if name not in PREPROCESSORS:
@@ -78,9 +79,9 @@ def dataset_fn(config, cluster, global_batch: int, *, training: bool, seed: int 
                         f"{sorted(PREPROCESSORS)}{closest(name, PREPROCESSORS)}")
     preprocess = PREPROCESSORS[name](config)
     service_address = config.service_address or os.environ.get(SERVICE_ENV, "")
-    if config.preferences:
+    if kind == "preferences":
         source = preferences.open_source(config, training)
-    elif text.is_text(config):
+    elif kind in data_section.TOKENIZED:
         source = text.open_source(config, training, (cluster.host_index, cluster.num_processes))
     else:
         source = sources.open_source(config, training)

@@ -1,8 +1,7 @@
-"""Preference pairs for DPO (`data.preferences=True`): a prompt, a chosen and a rejected response.
+"""Preference pairs for DPO (`data.preferences`): a prompt, a chosen and a rejected response.
 
-Each line of the .jsonl files in `data.text_files` (and `data.eval_text_files`)
-is one pair: `data.prompt_field`, `data.chosen_field` and
-`data.rejected_field`. A pair is one example, so it is never split: the
+Each line of the .jsonl files in `data.preferences.files` (and `eval_files`)
+is one pair: its `prompt_field`, `chosen_field` and `rejected_field`. A pair is one example, so it is never split: the
 pipeline shards the files per host and the batch per replica as for any
 source (`data.pipeline`), each pair once per epoch, and a resumed run
 rebuilds its position from the step.
@@ -10,7 +9,7 @@ rebuilds its position from the step.
 Both responses are tokenized as instruction data is (`documents.Instructions`):
 the tokenizer's start token, the prompt, the response, the end token, with
 weight 0 on the start token and the prompt and 1 on the response and its end.
-They are not packed: each becomes one row of `data.context_length + 1`
+They are not packed: each becomes one row of `data.tokens.context_length + 1`
 tokens, padded with weight 0, or cut at that length (a response cut short is
 scored on the tokens that fit). The example is
 
@@ -28,6 +27,7 @@ import os
 
 import tensorflow as tf
 
+from tpu_keras import data_section
 from tpu_keras.data import documents, sources, stdlib_preferences, text, tokenizers
 from tpu_keras.errors import UserError
 
@@ -43,15 +43,15 @@ class Pairs:
 
     @property
     def fields(self) -> dict:
-        return {"data.prompt_field": ("prompt", self.prompt_field),
-                "data.chosen_field": ("chosen response", self.chosen_field),
-                "data.rejected_field": ("rejected response", self.rejected_field)}
+        return {"data.preferences.prompt_field": ("prompt", self.prompt_field),
+                "data.preferences.chosen_field": ("chosen response", self.chosen_field),
+                "data.preferences.rejected_field": ("rejected response", self.rejected_field)}
 
     def problem(self, record: dict) -> str:
         """What is wrong with a pair whose fields are there ('' when nothing is)."""
         if record[self.chosen_field] == record[self.rejected_field]:
-            return (f"has the same text under data.chosen_field={self.chosen_field!r} and "
-                    f"data.rejected_field={self.rejected_field!r}; DPO learns from their "
+            return (f"has the same text under data.preferences.chosen_field={self.chosen_field!r} "
+                    f"and data.preferences.rejected_field={self.rejected_field!r}; DPO learns from their "
                     "difference: fix the pair or drop the line")
         return ""
 
@@ -69,7 +69,8 @@ class Pairs:
 
 
 def recipe(config) -> Pairs:
-    return Pairs(config.prompt_field, config.chosen_field, config.rejected_field)
+    pairs = config.preferences
+    return Pairs(pairs.prompt_field, pairs.chosen_field, pairs.rejected_field)
 
 
 def _prepared(config):
@@ -77,15 +78,15 @@ def _prepared(config):
     beside them) written first where it names them."""
     data_dir = os.path.expanduser(config.data_dir)
     config = text.with_data_dir(config)
-    if any(config[key].startswith(stdlib_preferences.folder(data_dir) + os.sep)
-           for key in ("text_files", "eval_text_files")):
+    if any(config.preferences[key].startswith(stdlib_preferences.folder(data_dir) + os.sep)
+           for key in ("files", "eval_files")):
         stdlib_preferences.prepare(data_dir)
     return config
 
 
 def make_tokenizer(config) -> tokenizers.Tokenizer:
     """The tokenizer of the `data` section, the offline vocabulary written first if named."""
-    return tokenizers.make(_prepared(config))
+    return tokenizers.make(_prepared(config).tokens)
 
 
 def open_source(config, training: bool) -> sources.Source:
@@ -95,10 +96,10 @@ def open_source(config, training: bool) -> sources.Source:
 
 
 def _open(config, training: bool) -> sources.Source:
-    sources.check_choice(config)
+    data_section.kind(config)  # one kind of data
     config = _prepared(config)
-    key = "data.text_files" if training else "data.eval_text_files"
-    pattern = config.text_files if training else config.eval_text_files
+    key = "data.preferences.files" if training else "data.preferences.eval_files"
+    pattern = config.preferences.files if training else config.preferences.eval_files
     if not pattern:
         raise UserError(f"{key} is empty; set it to a glob of .jsonl files of preference pairs")
     paths = sorted(globlib.glob(os.path.expanduser(pattern), recursive=True))
@@ -119,7 +120,7 @@ def preprocessor(config):
     """Decoded pairs -> ({"tokens", "mask"}, 0.0): one pair or a block of them alike."""
     tokenizer = make_tokenizer(config)
     start = recipe(config).prompt_start(tokenizer)
-    length = config.context_length + 1
+    length = config.tokens.context_length + 1
 
     def preprocess(pair):
         single = pair["prompt"].shape.rank == 0

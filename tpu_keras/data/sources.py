@@ -85,13 +85,6 @@ class Source:
         return read.map(decode, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 
-def check_choice(config) -> None:
-    """One kind of source at a time."""
-    if sum(map(bool, (config.name, config.files, config.text_files))) > 1:
-        raise UserError("set one of data.name (a TFDS dataset), data.files (a TFRecord glob) "
-                        "and data.text_files (a text glob), not several")
-
-
 def opened_once(opened: dict, open_source, config, *args):
     """`open_source(config, *args)`, kept in `opened` for the rest of the process, keyed by
     the whole data section and the arguments: opening a text or pairs source reads every
@@ -103,27 +96,28 @@ def opened_once(opened: dict, open_source, config, *args):
 
 
 def open_source(config, training: bool) -> Source:
-    """The train or eval source: `data.name` (TFDS, with its splits) or
-    `data.files` / `data.eval_files` (TFRecord globs). Text is `text.open_source`'s."""
-    check_choice(config)
-    if config.files:
-        pattern = config.files if training else config.eval_files
+    """The train or eval source: `data.tfds` (a TFDS dataset, with its splits) or
+    `data.tfrecords` (TFRecord globs). Text is `text.open_source`'s."""
+    if config.tfrecords.files:
+        records = config.tfrecords
+        pattern = records.files if training else records.eval_files
         if not pattern:
-            raise UserError("data.eval_files is empty; set it to a glob of evaluation "
-                            "TFRecord files (data.files is for training)")
-        return tfrecord_source(pattern, dict(config.features),
-                               "data.files" if training else "data.eval_files")
-    split = config.train_split if training else config.eval_split
-    return tfds_source(config.name, split, os.path.expanduser(config.data_dir),
-                       "data.train_split" if training else "data.eval_split")
+            raise UserError("data.tfrecords.eval_files is empty; set it to a glob of evaluation "
+                            "TFRecord files (data.tfrecords.files is for training)")
+        return tfrecord_source(pattern, dict(records.features),
+                               "data.tfrecords.files" if training else "data.tfrecords.eval_files")
+    split = config.tfds.train_split if training else config.tfds.eval_split
+    return tfds_source(config.tfds.name, split, os.path.expanduser(config.data_dir),
+                       "data.tfds.train_split" if training else "data.tfds.eval_split")
 
 
 def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split",
                 text_field: str = "") -> Source:
     """A TFDS split; with `text_field`, its examples decode to that text feature alone."""
     if not name:
-        raise UserError("data.name and data.files are both empty; set data.name to a TFDS "
-                        "name such as 'stdlib_bytes' or 'digits', or data.files to a glob")
+        raise UserError("the data section names no data; set data.tfds.name to a TFDS name such "
+                        "as 'stdlib_bytes' or 'digits', or the files of another part (data.tfrecords, "
+                        "data.text, data.instructions, data.preferences)")
     try:
         builder = builders.prepare(name, data_dir)
     except tfds.core.registered.DatasetNotFoundError:
@@ -146,8 +140,8 @@ def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split",
         features = builder.info.features
         if text_field not in features or features[text_field].dtype != tf.string:
             texts = sorted(k for k in features if features[k].dtype == tf.string)
-            raise UserError(f"dataset {name!r} has no text feature data.text_field={text_field!r}"
-                            f"{closest(text_field, texts)}; set data.text_field to one of {texts}")
+            raise UserError(f"dataset {name!r} has no text feature data.text.field={text_field!r}"
+                            f"{closest(text_field, texts)}; set data.text.field to one of {texts}")
         decode = lambda record: builder.info.features.deserialize_example(record)[text_field]
     return Source(f"{name}[{split}]", files, decode)
 
@@ -155,20 +149,20 @@ def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split",
 _SPEC = re.compile(r"^(\w+)(?:\[([\d, ]*)\])?$")
 
 
-def tfrecord_source(pattern: str, features: dict, key: str = "data.files") -> Source:
+def tfrecord_source(pattern: str, features: dict, key: str = "data.tfrecords.files") -> Source:
     """TFRecord files of tf.train.Examples; `features` maps names to 'int64', 'float32[4]', ..."""
     paths = sorted(globlib.glob(os.path.expanduser(pattern)))
     if not paths:
         raise UserError(f"{key}={pattern!r} matches no file; set {key} to a glob of existing "
                         "TFRecord files")
     if not features:
-        raise UserError("data.features is empty; map each feature to a type such as "
+        raise UserError("data.tfrecords.features is empty; map each feature to a type such as "
                         "'int64' or 'float32[8,8]'")
     spec = {}
     for key, text in features.items():
         match = _SPEC.match(str(text))
         if not match or match.group(1) not in ("int64", "float32", "string"):
-            raise UserError(f"data.features.{key}={text!r} is not 'int64', 'float32' or "
+            raise UserError(f"data.tfrecords.features.{key}={text!r} is not 'int64', 'float32' or "
                             "'string', optionally with a shape such as 'float32[8,8]'")
         shape = [int(d) for d in match.group(2).split(",")] if match.group(2) else []
         spec[key] = tf.io.FixedLenFeature(shape, tf.dtypes.as_dtype(match.group(1)))
@@ -183,4 +177,4 @@ def _count_records(path: str) -> int:
                                                         lambda n, _: n + 1))
     except tf.errors.DataLossError:
         raise UserError(f"{path} is not a readable TFRecord file (corrupt or truncated); write "
-                        "it again, or leave it out of data.files") from None
+                        "it again, or leave it out of data.tfrecords.files") from None

@@ -1,23 +1,23 @@
 """Text sources: documents, tokenized and packed into sequences of one length.
 
-Documents come from `data.text_files` (a glob of `.txt` files, a document
-each, or `.jsonl` files, a document per line under `data.text_field`) or
-from a TFDS dataset's text feature (`data.name` + `data.text_field`). Each
+Documents come from `data.text.files` (a glob of `.txt` files, a document
+each, or `.jsonl` files, a document per line under `data.text.field`) or
+from a TFDS dataset's text feature (`data.tfds.name` + `data.text.field`). Each
 is a `Source` of files like any other, so the sharding plan, the epochs,
 resume and the padded evaluation (`pipeline`) work on them unchanged.
 
-With `data.instructions`, each .jsonl line is a prompt and a response
+From `data.instructions.files`, each .jsonl line is a prompt and a response
 instead (`documents.Instructions`), whose prompt tokens weigh 0.
 
 `PackedSource` wraps one: it tokenizes blocks of documents inside tf.data
 (`documents`: a document's tokens, then the end token), and packs them into
-rows of `data.context_length + 1` tokens (inputs and shifted targets), a
+rows of `data.tokens.context_length + 1` tokens (inputs and shifted targets), a
 `mask` beside the tokens carrying their weights where not all are 1:
 
 - as one stream (plain text): joined and cut into rows, so no training
   position is padding; evaluation keeps the last partial row, padded, with
   weight 0;
-- apart (instruction data; text with `data.document_masks`): each file's
+- apart (instruction data; text with `data.text.document_masks`): each file's
   examples placed whole into rows by best fit within a window (`packing`),
   the model keeping each to itself (`models.segments`), the rest of a row
   padding with weight 0.
@@ -38,33 +38,30 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from tpu_keras import data_section
 from tpu_keras.data import documents as documents_lib, packing as packing_lib, sources, \
     stdlib_instructions, stdlib_text, token_counts, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
 DOCUMENTS_PER_BLOCK = 32  # documents tokenized together
-DATA_DIR = "{data_dir}"   # in data.text_files / data.vocabulary: data.data_dir
+DATA_DIR = "{data_dir}"   # in the parts' files and data.tokens.vocabulary: data.data_dir
 _OPENED = {}              # (the data section, training) -> its PackedSource
-
-
-def is_text(config) -> bool:
-    return bool(config.text_files or config.text_field)
 
 
 def resolve(config, workdir: str = "") -> dict:
     """What the data section takes from the model and the run, as {key: value} for the
-    `data` keys it fills (none for data that are not text): `data.context_length`
-    (0: `model.context_length`), for `data.tokenizer='preset'` the preset's path, and
-    `data.token_counts` (empty: `workdir`/token_counts)."""
-    if not is_text(config.data):
+    `data.tokens` keys it fills (none for data that are not text): `context_length`
+    (0: `model.context_length`), for `tokenizer='preset'` the preset's path as `vocabulary`,
+    and `counts` (empty: `workdir`/token_counts)."""
+    if not data_section.tokenized(config.data):
         return {}
-    filled = {}
-    if workdir and not config.data.token_counts:
-        filled["token_counts"] = os.path.join(workdir, "token_counts")
-    if not config.data.context_length:
+    tokens, filled = config.data.tokens, {}
+    if workdir and not tokens.counts:
+        filled["counts"] = os.path.join(workdir, "token_counts")
+    if not tokens.context_length:
         filled["context_length"] = int(config.model.get("context_length", 0) or 0)
-    if config.data.tokenizer == tokenizers.PRESET:
+    if tokens.tokenizer == tokenizers.PRESET:
         filled["vocabulary"] = config.model.get("preset", "")
     return filled
 
@@ -72,16 +69,18 @@ def resolve(config, workdir: str = "") -> dict:
 def example_end_token(config) -> int:
     """The token that ends each example of text packed apart (the data tokenizer's end
     token), for the model to keep each example to itself (`models.segments`)."""
-    return tokenizers.make(with_data_dir(config)).eos_id
+    return tokenizers.make(with_data_dir(config).tokens).eos_id
 
 
 def with_data_dir(config):
-    """A copy of the data section with '{data_dir}' in its paths (text files, vocabulary)
-    replaced by `data.data_dir`, expanded."""
+    """A copy of the data section with '{data_dir}' in its paths (the parts' files, the
+    vocabulary) replaced by `data.data_dir`, expanded."""
     data_dir = os.path.expanduser(config.data_dir)
     config = ml_collections.ConfigDict(config.to_dict())
-    for key in ("text_files", "eval_text_files", "vocabulary"):
-        config[key] = config[key].replace(DATA_DIR, data_dir)
+    for part in data_section.TOKENIZED:
+        for key in ("files", "eval_files"):
+            config[part][key] = config[part][key].replace(DATA_DIR, data_dir)
+    config.tokens.vocabulary = config.tokens.vocabulary.replace(DATA_DIR, data_dir)
     return config
 
 
@@ -91,11 +90,11 @@ def check_vocabulary(tokenizer, model_vocabulary: int, config) -> None:
     padding (Qwen 2 pads 151,665 ids to 151,936 rows), not a mismatch."""
     if tokenizer.vocabulary_size > model_vocabulary:
         raise UserError(
-            f"data.tokenizer={config.tokenizer!r} ({tokenizer.name}) has "
+            f"data.tokens.tokenizer={config.tokens.tokenizer!r} ({tokenizer.name}) has "
             f"{tokenizer.vocabulary_size:,} tokens but the model's embedding has "
             f"{model_vocabulary:,}; set the model's vocabulary size (model.vocabulary_size or "
             f"model.vocab_size) to {tokenizer.vocabulary_size}, or use the model's own tokenizer "
-            "(data.tokenizer='preset')")
+            "(data.tokens.tokenizer='preset')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,56 +244,55 @@ def open_source(config, training: bool, hosts: tuple[int, int] = (0, 1)) -> Pack
     run opens each several times (its metrics, evaluation, every resume).
 
     `hosts` is (this process, processes): each counts its share of the files'
-    tokens, once per corpus (`token_counts`); with `data.token_counts`
+    tokens, once per corpus (`token_counts`); with `data.tokens.counts`
     empty, it counts them all.
     """
     return sources.opened_once(_OPENED, _open, config, training, tuple(hosts))
 
 
 def _open(config, training: bool, hosts) -> PackedSource:
-    sources.check_choice(config)
-    if config.context_length < 1:
-        raise UserError("data.context_length is 0 and the model sets no context_length; set "
-                        "data.context_length to the tokens per sequence the model reads")
+    kind = data_section.kind(config)  # 'text' or 'instructions'
+    tokenizing = config.tokens
+    if tokenizing.context_length < 1:
+        raise UserError("data.tokens.context_length is 0 and the model sets no context_length; "
+                        "set data.tokens.context_length to the tokens per sequence the model reads")
     data_dir = os.path.expanduser(config.data_dir)
     config = with_data_dir(config)
+    part = config[kind]
     for offline in (stdlib_text, stdlib_instructions):  # offline corpora, written on first use
-        if any(config[key].startswith(offline.folder(data_dir) + os.sep)
-               for key in ("text_files", "eval_text_files", "vocabulary")):
+        if any(path.startswith(offline.folder(data_dir) + os.sep)
+               for path in (part.files, part.eval_files, config.tokens.vocabulary)):
             offline.prepare(data_dir)
-    tokenizer = tokenizers.make(config)
+    tokenizer = tokenizers.make(config.tokens)
     recipe = document_recipe(config)
-    if config.text_files:
-        key = "data.text_files" if training else "data.eval_text_files"
-        pattern = config.text_files if training else config.eval_text_files
+    if part.files:
+        key = f"data.{kind}.files" if training else f"data.{kind}.eval_files"
+        pattern = part.files if training else part.eval_files
         if not pattern:
-            raise UserError("data.eval_text_files is empty; set it to a glob of evaluation text "
-                            "files (data.text_files is for training)")
+            raise UserError(f"data.{kind}.eval_files is empty; set it to a glob of evaluation "
+                            f"files (data.{kind}.files is for training)")
         documents = files_source(pattern, recipe, key)
-    else:
-        if config.instructions:
-            raise UserError("data.instructions reads .jsonl files: set data.text_files (and "
-                            "data.eval_text_files) to globs of them, and data.name to ''")
-        split = config.train_split if training else config.eval_split
-        documents = sources.tfds_source(config.name, split, data_dir,
-                                        "data.train_split" if training else "data.eval_split",
-                                        text_field=config.text_field)
+    else:  # a TFDS dataset's text feature
+        split = config.tfds.train_split if training else config.tfds.eval_split
+        documents = sources.tfds_source(config.tfds.name, split, data_dir,
+                                        "data.tfds.train_split" if training else "data.tfds.eval_split",
+                                        text_field=config.text.field)
     packing = packing_of(config)
     fingerprint = f"{tokenizer.fingerprint} {recipe}" + (f" {packing}" if packing else "")
     records = token_counts.gather(documents.files, fingerprint,
                                   lambda indices: _count(documents, recipe, tokenizer, indices, packing),
-                                  os.path.expanduser(config.token_counts), *hosts,
-                                  wait_seconds=config.token_counts_wait_seconds)
+                                  os.path.expanduser(tokenizing.counts), *hosts,
+                                  wait_seconds=tokenizing.counts_wait_seconds)
     documents = dataclasses.replace(documents, files=tuple(
         dataclasses.replace(f, take=r["documents"]) if f.take == LINES else f
         for f, r in zip(documents.files, records)))
-    _check_prompts(documents.files, records, config.context_length,
+    _check_prompts(documents.files, records, tokenizing.context_length,
                    tokenizer.start_id is not None)
     if packing is not None:
         for file, record in zip(documents.files, records):
             tokens, line = record["longest_example"]
             packing_lib.check_longest(file.path, line + 1, tokens, packing)
-    source = PackedSource(documents, recipe, tokenizer, config.context_length + 1,
+    source = PackedSource(documents, recipe, tokenizer, tokenizing.context_length + 1,
                           tuple(r["tokens"] for r in records),
                           sum(r["trained_tokens"] for r in records),
                           sum(r["trained_bytes"] for r in records), pad_tail=not training,
@@ -305,23 +303,25 @@ def _open(config, training: bool, hosts) -> PackedSource:
              "tokens padding" if packing else "")
     logging.info("%s: %d documents, %s tokens, %.4f tokens per byte%s%s", source.name,
                  documents.num_examples, f"{sum(source.tokens_per_file):,}",
-                 source.tokens_per_byte, " (of the responses)" if config.instructions else "", apart)
+                 source.tokens_per_byte, " (of the responses)" if kind == "instructions" else "", apart)
     return source
 
 
 def packing_of(config):
     """How the data section packs its examples apart (`packing.Packing`), or None: one stream."""
-    if not (config.instructions or config.document_masks):
+    instructions = data_section.kind(config) == "instructions"
+    if not (instructions or config.text.document_masks):
         return None
-    return packing_lib.Packing(config.context_length + 1, split_long=not config.instructions,
-                               truncate=bool(config.truncate))
+    return packing_lib.Packing(config.tokens.context_length + 1, split_long=not instructions,
+                               truncate=instructions and bool(config.instructions.truncate))
 
 
 def document_recipe(config):
     """What a document is in `config` (the data section): instructions or plain text."""
-    if config.instructions:
-        return documents_lib.Instructions(config.prompt_field, config.response_field)
-    return documents_lib.Text(config.text_field)
+    if data_section.kind(config) == "instructions":
+        return documents_lib.Instructions(config.instructions.prompt_field,
+                                          config.instructions.response_field)
+    return documents_lib.Text(config.text.field)
 
 
 LINES = -1  # a .jsonl file's take until its lines are counted
@@ -343,8 +343,9 @@ def files_source(pattern: str, recipe, key: str) -> sources.Source:
         return sources.Source(pattern, tuple(sources.FileSlice(p, 0, 1) for p in paths),
                               decode=lambda text: text, reader=_whole_file)
     if isinstance(recipe, documents_lib.Text) and not recipe.field:
-        raise UserError(f"{key}={pattern!r} holds .jsonl files; set data.text_field to the key "
-                        "of each line's text (or data.instructions=True for prompts and responses)")
+        raise UserError(f"{key}={pattern!r} holds .jsonl files; set data.text.field to the key "
+                        "of each line's text (or set data.instructions.files instead, for prompts "
+                        "and responses)")
     return sources.Source(pattern, tuple(sources.FileSlice(p, 0, LINES) for p in paths),
                           decode=recipe.decode, reader=tf.data.TextLineDataset)
 
@@ -433,6 +434,6 @@ def _check_prompts(files, records, context_length: int, start: bool) -> None:
             raise UserError(
                 f"{file.path}:{line + 1} has a prompt of {tokens} tokens"
                 f"{' (its start token included)' if start else ''}, longer than "
-                f"data.context_length={context_length}, so its response never follows it in "
-                f"one sequence; raise data.context_length (and the model's context_length) to "
+                f"data.tokens.context_length={context_length}, so its response never follows it in "
+                f"one sequence; raise data.tokens.context_length (and the model's context_length) to "
                 f"at least {tokens}, or shorten that prompt")

@@ -7,7 +7,7 @@ tokenizing pass. Done by every host at every start, that is hours before
 the first step on a pod and a large corpus. Instead each file is counted
 once, by one process (file i by process i mod P, so none counts more than
 its share), and its count written as a small JSON record into one folder
-(`data.token_counts`; a run's default is DIR/token_counts). Every process
+(`data.tokens.counts`; a run's default is DIR/token_counts). Every process
 then reads every record; a restart, or a later run pointed at the same
 folder, finds them all and counts nothing.
 
@@ -115,14 +115,14 @@ def _wait_for(names, folder, processes, files, wait_seconds) -> dict:
                     f"token counts: waited {wait_seconds:g} s for the count of "
                     f"{files[first].path} (and {len(missing) - 1} more file(s)), which host "
                     f"{first % processes} writes into {folder}, and none came; that host "
-                    "stopped (check its log) or does not see this folder: set data.token_counts "
+                    "stopped (check its log) or does not see this folder: set data.tokens.counts "
                     "to a folder every host sees, such as gs://..., and restart (counts made "
-                    "are kept), or raise data.token_counts_wait_seconds for a very large file")
+                    "are kept), or raise data.tokens.counts_wait_seconds for a very large file")
             if time.monotonic() - logged > LOG_EVERY_SECONDS:
                 logged = time.monotonic()
                 hosts = sorted({i % processes for i in missing})
                 logging.info("token counts: waiting %.0f s for %d file(s) that host(s) %s count "
-                             "into %s (data.token_counts must be a folder every host sees, "
+                             "into %s (data.tokens.counts must be a folder every host sees, "
                              "such as gs://...)", logged - started, len(missing), hosts, folder)
             time.sleep(POLL_SECONDS)
 

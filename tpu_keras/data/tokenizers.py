@@ -1,14 +1,14 @@
 """Tokenizers for the text sources: raw bytes, or a keras-hub tokenizer.
 
-`data.tokenizer` names one:
+`data.tokens.tokenizer` names one:
 
 - `bytes`: each UTF-8 byte is its token (vocabulary 256, as `stdlib_bytes`,
   so byte-level models read either source). Byte 0 (NUL, which text files
   do not hold) is the end-of-document token: the vocabulary stays 256.
   There is no start token (a byte model has no id to spare for one).
 - a keras-hub tokenizer class (`SentencePieceTokenizer`, `BytePairTokenizer`,
-  `LlamaTokenizer`, ...) with its vocabulary file in `data.vocabulary` (a
-  SentencePiece proto; a BPE `vocab.json`, with `data.merges`).
+  `LlamaTokenizer`, ...) with its vocabulary file in `data.tokens.vocabulary` (a
+  SentencePiece proto; a BPE `vocab.json`, with `data.tokens.merges`).
 - `preset`: the tokenizer saved with `model.preset`, so the data and the
   model cannot disagree on the vocabulary.
 
@@ -53,44 +53,44 @@ class Tokenizer:
 
 
 def make(config) -> Tokenizer:
-    """The tokenizer `config` (the `data` section) names; a one-line error if it cannot be made."""
+    """The tokenizer `config` (the `data.tokens` part) names; a one-line error if it cannot be made."""
     choice = config.tokenizer
     if choice == BYTES:
         return Tokenizer(BYTES, 256, BYTES_EOS, _bytes)
     keras_hub = _keras_hub(choice)
     if choice == PRESET:
         if not config.vocabulary:
-            raise UserError("data.tokenizer='preset' reads the tokenizer of model.preset, which is "
-                            "empty; set model.preset, or name a tokenizer class and data.vocabulary")
+            raise UserError("data.tokens.tokenizer='preset' reads the tokenizer of model.preset, which is "
+                            "empty; set model.preset, or name a tokenizer class and data.tokens.vocabulary")
         try:
             layer = keras_hub.tokenizers.Tokenizer.from_preset(config.vocabulary)
         except (ValueError, FileNotFoundError, OSError) as error:
             raise UserError(f"model.preset={config.vocabulary!r} has no tokenizer to read "
                             f"({first_line(error, 120)}); save one with "
-                            "tokenizer.save_to_preset, or set data.tokenizer to a class and "
-                            "data.vocabulary") from None
+                            "tokenizer.save_to_preset, or set data.tokens.tokenizer to a class and "
+                            "data.tokens.vocabulary") from None
         return _wrap(f"preset {config.vocabulary}", layer)
     classes = {name: value for name, value in vars(keras_hub.tokenizers).items()
                if isinstance(value, type) and issubclass(value, keras_hub.tokenizers.Tokenizer)}
     if choice not in classes:
-        raise UserError(f"data.tokenizer={choice!r} is not 'bytes', 'preset' or a keras_hub "
+        raise UserError(f"data.tokens.tokenizer={choice!r} is not 'bytes', 'preset' or a keras_hub "
                         f"tokenizer class{closest(choice, classes)}; use one such as "
                         "'SentencePieceTokenizer' or 'LlamaTokenizer'")
     if not config.vocabulary:
-        raise UserError(f"data.tokenizer={choice!r} needs its vocabulary file; set "
-                        "data.vocabulary (a SentencePiece proto, or a BPE vocab.json)")
+        raise UserError(f"data.tokens.tokenizer={choice!r} needs its vocabulary file; set "
+                        "data.tokens.vocabulary (a SentencePiece proto, or a BPE vocab.json)")
     for key in ("vocabulary", "merges"):
         path = config[key]
         if path and not tf.io.gfile.exists(path):
-            raise UserError(f"data.{key}={path!r} does not exist; set it to the tokenizer's file")
+            raise UserError(f"data.tokens.{key}={path!r} does not exist; set it to the tokenizer's file")
     cls = classes[choice]
     parameters = inspect.signature(cls.__init__).parameters
     if "proto" in parameters:
         layer = cls(proto=config.vocabulary)
     elif "merges" in parameters:
         if not config.merges:
-            raise UserError(f"data.tokenizer={choice!r} is a byte-pair tokenizer; set data.merges "
-                            "to its merges.txt beside data.vocabulary")
+            raise UserError(f"data.tokens.tokenizer={choice!r} is a byte-pair tokenizer; set data.tokens.merges "
+                            "to its merges.txt beside data.tokens.vocabulary")
         layer = cls(vocabulary=config.vocabulary, merges=config.merges)
     else:
         layer = cls(vocabulary=config.vocabulary)
@@ -137,6 +137,6 @@ def _keras_hub(choice):
     try:
         import keras_hub
     except ImportError:
-        raise UserError(f"data.tokenizer={choice!r} needs keras-hub: pip install -e \".[hub]\", "
-                        "or use data.tokenizer='bytes'") from None
+        raise UserError(f"data.tokens.tokenizer={choice!r} needs keras-hub: pip install -e \".[hub]\", "
+                        "or use data.tokens.tokenizer='bytes'") from None
     return keras_hub

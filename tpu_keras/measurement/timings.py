@@ -8,13 +8,13 @@ its last step (input iterator teardown), export, and what is left (`other`:
 callbacks, logging). `outside_steps_fraction` is the share of the wall time
 not spent in training steps: what the toolkit costs around the work.
 
-The training steps are the host calls of `fit`, timed by
-`callbacks.FitTimer`. The first host call of each `fit` takes longer than
+The training steps are the executions of `fit`, timed by
+`callbacks.FitTimer`. The first execution of each `fit` takes longer than
 the others: it compiles the train step (or loads it), waits for the
 input pipeline's first batch, and runs the step's first executions, which
 are slower while memory and thread pools warm up. On jax, `compile` is the
-time measured in tracing, lowering and compiling (`compile_cache.Watch`),
-and the rest of that call's excess over the median host call is `warmup`;
+time measured in tracing, lowering and compiling (`compile_cache.CompileCounter`),
+and the rest of that call's excess over the median execution is `warmup`;
 on tf, which does not report its compiles, the whole excess is `compile`.
 Only the process's own exit is missing here; `scripts/benchmark.py --run`
 times it from outside.
@@ -65,7 +65,7 @@ class RunTimings:
         self.seconds = collections.defaultdict(float)
         self.seconds["startup"] = time.time() - self._started  # until the run's code begins
         self.host_calls, self.first_host_calls = [], []  # seconds; the first of each fit apart
-        # What the persistent compilation cache did for the compile: `compile_cache.Watch.report()`.
+        # What the persistent compilation cache did for the compile: `compile_cache.CompileCounter.report()`.
         self.compile_cache = {}
         # Seconds of work that overlapped the phases: {"checkpoint_writes": s, "checkpoint_waits": s}.
         self.background = {}

@@ -31,7 +31,7 @@ The transformers folder is keras-hub's exporter, as the backbone's family
 says (`models.families`: its exporter, its fix of keras-hub's).
 A sharded weight goes from its devices to host memory shard by shard
 (`numpy.asarray` of a jax array assembles the shards on the host), so no
-device holds more than it did in training. keras-hub's savers write local
+device holds more than it did in training. keras-hub's save functions write local
 files; they are written into a temporary folder and copied with
 `tf.io.gfile`, so DIR may be on gs://.
 """
@@ -48,9 +48,7 @@ import tempfile
 
 from absl import logging
 import keras
-from keras import ops
 from keras.src.backend.common import global_state
-import numpy as np
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line

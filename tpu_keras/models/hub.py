@@ -193,10 +193,10 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
             _check_runs(task, backbone_kwargs)
         tokens = keras.Input((context_length,), dtype="int32", name="tokens")
         if example_end_token >= 0:  # examples packed apart in a row (models.segments)
-            if not segments.install(backbone):
+            if not segments.keep_examples_apart(backbone):
                 raise UserError(f"{backbone_cls.__name__}'s attention cannot be kept to one example "
                                 "of a packed row (its family names no attention class); pack "
-                                "text as one stream (data.document_masks=False), or name the "
+                                "text as one stream (data.text.document_masks=False), or name the "
                                 "family's attention (docs/models.md#model-families)")
             logits = segments.ExamplesApart(task, example_end_token, name="examples_apart")(tokens)
         else:

@@ -158,7 +158,7 @@ def is_handle(preset: str) -> bool:
     return not workdir.is_remote(preset) and "/" not in preset and not os.path.exists(preset)
 
 
-# In a run's copy of its preset without the weights (models/kept.py).
+# In a run's copy of its preset without the weights (models/preset_copy.py).
 KEPT_MARKER = "kept.json"
 
 

@@ -4,7 +4,7 @@ Every example the toolkit packs ends with the tokenizer's end token
 (`data.documents`: a document's tokens then the end token; a prompt, its
 response, then the end token), and no example holds one inside. So where a
 row's examples must not see each other (instruction data; text with
-`data.document_masks`), a model told the end token
+`data.text.document_masks`), a model told the end token
 (`model.example_end_token`, which the run sets from the data) finds each
 token's example itself: the example of token i is the number of end tokens
 before it. Attention then stays inside an example, and a model whose
@@ -17,7 +17,7 @@ nothing of their own. A row's padding after its last example is one more
 
 keras-hub models compute attention in their attention layers'
 `_compute_attention(query, key, value, attention_mask, ...)`, with the
-causal and padding mask keras-hub builds; `install` makes those of the
+causal and padding mask keras-hub builds; `keep_examples_apart` makes those of the
 families' attention classes (`Family.attention`) also require the same
 example (`current`, the ids of the call in progress), and the TPU's fused
 kernel takes the ids as its segment ids (`splash_attention`). Rotary
@@ -69,7 +69,7 @@ def _running_max(values):
 
 @contextlib.contextmanager
 def current(ids):
-    """While open, the attention `install` routed keeps to the examples `ids` say."""
+    """While open, the attention `keep_examples_apart` routed keeps to the examples `ids` say."""
     _CURRENT.append(ids)
     try:
         yield
@@ -82,7 +82,7 @@ def current_ids():
     return _CURRENT[-1] if _CURRENT else None
 
 
-def install(model) -> int:
+def keep_examples_apart(model) -> int:
     """Makes the attention layers of `model`'s families keep to one example while `current`
     ids are set (their mask's minimum with `same_example`); returns how many layers."""
     classes = {name for family in families.known() for name in family.attention}
@@ -98,8 +98,8 @@ def install(model) -> int:
 
 class ExamplesApart(keras.layers.Layer):
     """A keras-hub causal LM task called on token ids, its examples apart: the ids of each
-    token's example are `current` while the task runs (its attention, `install`ed, keeps to
-    them), and its padding mask is all ones."""
+    token's example are `current` while the task runs (its attention, routed by
+    `keep_examples_apart`, keeps to them), and its padding mask is all ones."""
 
     def __init__(self, task, end_token: int, **kwargs):
         super().__init__(**kwargs)

@@ -49,10 +49,10 @@ def route(model, cluster) -> int:
         return 0
     first = mesh.devices.flat[0]  # a JAX device, or Keras's name for one ('cpu:0')
     platform = getattr(first, "platform", str(first).split(":")[0].lower())
-    return install(model) if platform == "tpu" else 0
+    return route_layers(model) if platform == "tpu" else 0
 
 
-def install(model, interpret: bool = False, shortest: int = SHORTEST,
+def route_layers(model, interpret: bool = False, shortest: int = SHORTEST,
             one_device: bool = False) -> int:
     """Routes the attention of `model`'s layers of a known family through the kernel, for
     sequences of at least `shortest` tokens; returns how many layers it routed.

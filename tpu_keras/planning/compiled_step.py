@@ -10,7 +10,7 @@ written over a donated argument, and its temporaries (gradients,
 activations, XLA's workspace). Compiling the step at twice the batch too
 gives the activations alone: the temporaries that grow with the batch.
 The compiled program's collectives give the bytes each device sends
-(`planning.collectives`), beside the plan's. With several slices, the
+(`planning.compiled_traffic`), beside the plan's. With several slices, the
 fake devices are grouped into slices as a multislice run lays them out
 (contiguous blocks, the slice outermost in the data axis), and each
 collective whose groups span slices counts what crosses them apart.
@@ -84,13 +84,13 @@ def _analysis(model, config, batch_per_replica: int, slices: int = 1,
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_keras.planning import collectives as collectives_lib, memory
+    from tpu_keras.planning import activations, compiled_traffic
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
     batch_sharding = NamedSharding(keras.distribution.distribution().device_mesh.backend_mesh,
                                    PartitionSpec(BATCH_AXES))
     batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=batch_sharding)
-                  for spec in memory.abstract_inputs(model, rows))
+                  for spec in activations.abstract_inputs(model, rows))
     # What `fit` does first: build the compiled loss and metrics, whose variables are state.
     model._symbolic_build(data_batch=batch)
     state = tuple([v.value for v in variables] for variables in (
@@ -116,7 +116,7 @@ def _analysis(model, config, batch_per_replica: int, slices: int = 1,
     result = {**held, "total": sum(held.values())}
     if not collectives:
         return result
-    count = lambda text: collectives_lib.sent_per_device(text, jax.device_count(), slices)
+    count = lambda text: compiled_traffic.sent_per_device(text, jax.device_count(), slices)
     result["sent_per_step"] = count(compiled.as_text())
     if partitioned:  # on CPU: the partitioner's collectives, before XLA:CPU widens bf16 ones
         before = count(partitioned)

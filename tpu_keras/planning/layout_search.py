@@ -8,7 +8,7 @@ fixed: a candidate takes the largest micro-batch per batch split that fits
 in memory and divides the update's share of each split, and accumulates
 the rest. Of the candidates that fit, the recommendation is the one whose
 communication takes the least estimated time per update
-(`planning.communication`, `planning.network`): fsdp saves memory
+(`planning.planned_traffic`, `planning.network`): fsdp saves memory
 but gathers every weight twice a micro-batch, model parallelism reduces
 activations, and accumulation repeats all of it per micro-batch. On
 several slices (`--tpu=2xv5litepod-256`) every candidate is one slice's
@@ -27,9 +27,9 @@ import math
 from tpu_keras.config import REMAT_MODES
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.planning import compiled_step, memory_plan, tpu_compiler
+from tpu_keras.planning import compiled_step, slice_plan, tpu_compiler
 from tpu_keras.planning.layout_report import format_bytes
-from tpu_keras.planning.memory_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, usable_bytes
+from tpu_keras.planning.slice_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, usable_bytes
 
 
 def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
@@ -38,7 +38,7 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     JSON-ready). With `measure` and `compiler` 'tpu', the TPU compiler compiles the
     `compiled` best-planned candidates and its figures choose (`compiled_choice`); with
     'cpu', XLA:CPU compiles the plan's choice on fake devices (the model is allocated)."""
-    slices, found = memory_plan.tpu_slices(config, slice_name)
+    slices, found = slice_plan.tpu_slices(config, slice_name)
     usable = usable_bytes(found, margin)
     footprint = Footprint(config)
     update_batch = config.train.batch_size * config.train.grad_accum_steps
@@ -163,7 +163,7 @@ def _candidate(footprint, found, slices: int, mesh: dict, remat: str, share: int
         candidate.update(batch_per_replica=batch, grad_accum_steps=steps,
                          per_device=footprint.per_device(mesh, batch, remat),
                          sent_per_step=sent,
-                         network=memory_plan.network_estimate(sent, found, slices))
+                         network=slice_plan.network_estimate(sent, found, slices))
     else:
         candidate["per_device"] = footprint.per_device(mesh, 1, remat)
     return candidate
@@ -179,7 +179,7 @@ def _preference(c: dict):
 
 def _layout(c: dict, slices: int) -> str:
     """'data=8 x fsdp=2, remat none, 4 per batch split x 2 micro-batch(es)'."""
-    return (f"{memory_plan.describe(c['mesh'], slices)}, remat {c['remat']}, "
+    return (f"{slice_plan.describe(c['mesh'], slices)}, remat {c['remat']}, "
             f"{c['batch_per_replica']} per batch split x {c['grad_accum_steps']} micro-batch(es)")
 
 
@@ -196,7 +196,7 @@ def format_compiled(s: dict) -> list[str]:
                       (format_bytes(row["peak"]) if row["peak"] else "?") + ("" if row["fits"]
                                                                              else " NO FIT"),
                       format_bytes(row["plan_sent"]), format_bytes(sent) if sent is not None else "-",
-                      memory_plan.format_seconds(row["plan_seconds"]),
+                      slice_plan.format_seconds(row["plan_seconds"]),
                       f"{row['step_seconds'] * 1e3:.2f} ms" if row["step_seconds"] else "none",
                       "<- chosen" if row["chosen"] else ""))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
@@ -235,7 +235,7 @@ def format_search(s: dict, rows: int = 12) -> str:
                format_bytes(d["gradients"]),
                format_bytes(d["activations"]) + ("*" if mesh["model"] > 1 else ""),
                format_bytes(d["total"]), format_bytes(c["sent_per_step"]["total"]),
-               format_bytes(n["across_slices"]), memory_plan.format_seconds(n["seconds"]))
+               format_bytes(n["across_slices"]), slice_plan.format_seconds(n["seconds"]))
         table.append(row if slices > 1 else row[:-2] + row[-1:])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w)
@@ -279,17 +279,17 @@ def format_search(s: dict, rows: int = 12) -> str:
     lines += ["", f"recommended: {_layout(best, slices)}: {least}",
               f"  {format_bytes(best['per_device']['total'])} per device; sends "
               f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
-              f"  {memory_plan.format_network(best['network'])}"]
+              f"  {slice_plan.format_network(best['network'])}"]
     if s.get("measured", {}).get("backend") == "tpu":
         lines += ["  " + line for line in tpu_compiler.format_measured(best, s["measured"],
                                                                         format_bytes)]
         if "sent_per_step" in s["measured"]:
-            lines += memory_plan.measured_notes(sent, s["measured"])
+            lines += slice_plan.measured_notes(sent, s["measured"])
     elif "measured" in s:
         m = s["measured"]
         lines += [f"  XLA's compiled step on {m['devices']} {m['backend']} device(s) sends "
                   f"{format_bytes(m['sent_per_step']['total'])} per device (plan / XLA = "
                   f"{sent['total'] / max(1, m['sent_per_step']['total']):.2f})"]
-        lines += memory_plan.measured_notes(sent, m)
+        lines += slice_plan.measured_notes(sent, m)
     lines.append(f"  {s['flags']}")
     return "\n".join(lines)

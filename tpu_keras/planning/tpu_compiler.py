@@ -29,7 +29,7 @@ From the compiled program, per device:
   fit, is the same answer: does not fit, with its figures.
 - `as_text()`: each collective, with the bytes one device sends in it and
   whether they cross the chip interconnect (ICI) or, between slices, the
-  data-center network (DCN) (`planning.collectives`). A collective
+  data-center network (DCN) (`planning.compiled_traffic`). A collective
   inside a loop (the accumulation's micro-batches) counts once.
 - `cost_analysis()`: the FLOPs and the compiler's step-time estimate,
   'optimal_seconds'. It is an estimate of the compiler's cost model, and
@@ -182,12 +182,12 @@ def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_keras.planning import memory
+    from tpu_keras.planning import activations
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
     split = NamedSharding(backend_mesh, PartitionSpec(BATCH_AXES))
     batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=split)
-                  for spec in memory.abstract_inputs(model, rows))
+                  for spec in activations.abstract_inputs(model, rows))
     distribution = keras.distribution.distribution()
     with keras.StatelessScope(initialize_variables=False):
         model._symbolic_build(data_batch=batch)  # the compiled loss and metrics, as fit does first
@@ -205,7 +205,7 @@ def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
 
 def _figures(compiled, found, slices: int, devices: int) -> dict:
     """Memory per device, the collectives and the cost analysis of the compiled step."""
-    from tpu_keras.planning import collectives
+    from tpu_keras.planning import compiled_traffic
     analysis = compiled.memory_analysis()
     held = {"arguments": analysis.argument_size_in_bytes,
             "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
@@ -223,8 +223,8 @@ def _figures(compiled, found, slices: int, devices: int) -> dict:
             "scheduled_peak": getattr(analysis, "peak_memory_in_bytes", None),
             "fits": peak <= found.hbm_bytes_per_device,
             "share_of_hbm": round(peak / found.hbm_bytes_per_device, 4),
-            "sent_per_step": collectives.sent_per_device(text, devices, slices),
-            "collectives": collectives.listed(text, devices, slices),
+            "sent_per_step": compiled_traffic.sent_per_device(text, devices, slices),
+            "collectives": compiled_traffic.listed(text, devices, slices),
             "fused_kernels": text.count('custom_call_target="tpu_custom_call"'),
             "flops_per_device": cost.get("flops"),
             "bytes_accessed_per_device": cost.get("bytes accessed"),

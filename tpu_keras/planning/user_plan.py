@@ -4,7 +4,7 @@ The user gives what a run's config would: a function that builds their
 model, its loss and optimizer, their layout rules, the mesh, the TPU slice,
 the batch, remat and accumulation. The function
 becomes a registered builder for the length of the call, and the plan is
-`memory_plan.plan` of the config that names it, so it is the CLI's plan of
+`slice_plan.plan` of the config that names it, so it is the CLI's plan of
 that builder, figure for figure, `measure` (the compiler's check) included. What the
 planner sets for itself (the dtype policy, a `keras.distribution` when it
 measures, the registry entry) is restored before it returns.
@@ -17,14 +17,14 @@ import contextlib
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.parallelism import REPLICATE_BELOW, as_rules
-from tpu_keras.planning import memory_plan
+from tpu_keras.planning import slice_plan
 
 
 class Plan(dict):
     """The plan, as `python -m tpu_keras.plan --json` gives it; printed, as the command prints it."""
 
     def __str__(self) -> str:
-        return memory_plan.format_plan(self)
+        return slice_plan.format_plan(self)
 
 
 def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,
@@ -65,8 +65,8 @@ def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,
     builder = registry.Builder(make=make_model, loss=lambda: loss, metrics=lambda: [],
                                headline="loss", ties=lambda kwargs: list(ties))
     with _restored(), _registered(registry.REGISTRY, name, builder):
-        return Plan(memory_plan.plan(config, tpu, margin, measure,
-                                     memory_plan.resolve_compiler(compiler) if measure else "cpu"))
+        return Plan(slice_plan.plan(config, tpu, margin, measure,
+                                     slice_plan.resolve_compiler(compiler) if measure else "cpu"))
 
 
 @contextlib.contextmanager

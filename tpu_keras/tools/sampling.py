@@ -3,7 +3,7 @@
 `from_run(workdir)` rebuilds a run's model from its `config.json` on this
 machine's first device, restores the newest checkpoint into it (the
 checkpoint's own engine: TensorFlow's or Orbax's format) and pairs it
-with the run's tokenizer (`data.tokenizer`: bytes, a keras-hub tokenizer
+with the run's tokenizer (`data.tokens.tokenizer`: bytes, a keras-hub tokenizer
 or the preset's); `from_preset(path)` reads any keras-hub preset folder
 with its tokenizer, a transformers checkpoint folder too (read as a run reads
 `model.preset`: `models.hub_presets`, the family's keys that keras-hub's
@@ -29,6 +29,7 @@ import dataclasses
 import types
 from typing import Callable
 
+from tpu_keras import data_section
 from tpu_keras.errors import UserError, first_line
 from tpu_keras.training import restored
 
@@ -61,19 +62,21 @@ def load(workdir: str, config):
 
 
 def from_run(workdir: str, config) -> Generator:
-    """The run's model and tokenizer (`data.tokenizer`; bytes for byte-level data)."""
+    """The run's model and tokenizer (`data.tokens.tokenizer`; bytes for byte-level data)."""
     from tpu_keras.data import preferences, text, tokenizers
     run, step = load(workdir, config)
     from tpu_keras.models import export, preference
     model, config = preference.policy_of(run.model), run.config  # a DPO run's language model
-    # (and data.tokenizer='preset': the resolved preset's)
-    data = text.with_data_dir(config.data) if text.is_text(config.data) else types.SimpleNamespace(
+    # (and data.tokens.tokenizer='preset': the resolved preset's)
+    kind = data_section.kind(config.data)
+    tokenized = kind in data_section.TOKENIZED
+    tokens = text.with_data_dir(config.data).tokens if tokenized else types.SimpleNamespace(
         tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
-    tokenizer = tokenizers.make(data)
+    tokenizer = tokenizers.make(tokens)
     # A prompt starts as training started one: instruction data puts the start token first.
-    recipe = (preferences.recipe(config.data) if config.data.preferences
+    recipe = (preferences.recipe(config.data) if kind == "preferences"
               else text.document_recipe(config.data))
-    start = recipe.prompt_start(tokenizer) if text.is_text(config.data) else []
+    start = recipe.prompt_start(tokenizer) if tokenized else []
     context = model.input_shape[1]
     task = export.find_task(model)  # nested where the run packed examples apart
     if task is None:

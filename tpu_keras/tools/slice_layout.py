@@ -13,12 +13,12 @@ and each host feeds its own, so only that is shown.
 from tpu_keras.cluster import libtpu
 from tpu_keras.planning import network
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.planning import memory_plan
+from tpu_keras.planning import slice_plan
 
 
 def describe(config, tpu_type: str) -> dict:
     """The layout of `config`'s mesh on `tpu_type`, JSON-ready."""
-    slices, found = memory_plan.tpu_slices(config, tpu_type)  # the config's slices agree
+    slices, found = slice_plan.tpu_slices(config, tpu_type)  # the config's slices agree
     chips = libtpu.devices(tpu_type)
     mesh = mesh_lib.resolve({**dict(config.mesh), mesh_lib.SLICES: slices}, len(chips),
                             config.engine)

@@ -1,6 +1,6 @@
 """The training loop: step functions, the optimizer, checkpoints, callbacks and the run.
 
-`run.train` is the whole run, stage by stage. `setup.set_up` sets a run up
+`loop.train` is the whole run, stage by stage. `setup.set_up` sets a run up
 (config resolved once by `run_config`, cluster, model, checkpointer) for it,
 for the evaluation job and for export and generate. `distributed_steps(model)`
 gives any Keras model (yours too) the toolkit's train and test steps for its
@@ -25,7 +25,7 @@ def distributed_steps(model, grad_accum_steps: int = 1):
     import keras
     if keras.backend.backend() == "jax":
         from tpu_keras.training import jax_steps
-        return jax_steps.install(model, grad_accum_steps)
+        return jax_steps.distributed_steps(model, grad_accum_steps)
     from tpu_keras.training import tf_steps
-    return tf_steps.install(model, grad_accum_steps)
+    return tf_steps.distributed_steps(model, grad_accum_steps)
 

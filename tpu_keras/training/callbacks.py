@@ -1,5 +1,5 @@
 """What the toolkit hooks into `fit`: one log line and TensorBoard scalars per log
-interval, and the timing of host calls for the run's time breakdown.
+interval, and the timing of executions for the run's time breakdown.
 
 `fit` runs with one Keras "epoch" per log interval, so epoch boundaries are
 where the step, the loss, the last validation and the throughput are known.
@@ -15,7 +15,7 @@ import tensorflow as tf
 class IntervalLogger(keras.callbacks.Callback):
     """Logs step, metrics, learning rate, throughput and MFU at the end of every interval.
 
-    Throughput is timed from the end of the interval's first host call to the
+    Throughput is timed from the end of the interval's first execution to the
     end of its last, so tracing, XLA compilation and validation never count
     as training time.
     """
@@ -28,8 +28,8 @@ class IntervalLogger(keras.callbacks.Callback):
         self._batch, self._tokens = global_batch, tokens_per_example
         self._flops, self._peak = flops_per_example, peak_flops
         self._writer = tf.summary.create_file_writer(summary_dir) if summary_dir else None
-        self._clock = None  # (time, steps done) at the end of the first host call
-        self._last = None   # (time, steps done) at the end of the latest host call
+        self._clock = None  # (time, steps done) at the end of the first execution
+        self._last = None   # (time, steps done) at the end of the latest execution
 
     def on_epoch_begin(self, epoch, logs=None):
         self._clock = self._last = None
@@ -70,12 +70,12 @@ class IntervalLogger(keras.callbacks.Callback):
 
 
 class FitTimer(keras.callbacks.Callback):
-    """Times host calls (the first of each fit apart), validations and fit's return
+    """Times executions (the first of each fit apart), validations and fit's return
     into a `timings.RunTimings`. Put it first: its batch end then times the call alone."""
 
-    def __init__(self, timings, cache_watch=None):
+    def __init__(self, timings, compile_counter=None):
         super().__init__()
-        self._timings, self._cache = timings, cache_watch  # a compile_cache.Watch
+        self._timings, self._cache = timings, compile_counter  # a compile_cache.CompileCounter
         self._first = True
         self._call_start = self._test_start = self._train_end = None
 

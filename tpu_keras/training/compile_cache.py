@@ -85,8 +85,8 @@ def prepare(setting: str, workdir: str, engine_name: str) -> None:
     _tf_folder_in_time = path
 
 
-def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
-    """Turns the cache on for this process (before its steps compile); returns its `Watch`."""
+def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "CompileCounter":
+    """Turns the cache on for this process (before its steps compile); returns its `CompileCounter`."""
     engine = cluster.engine
     path = folder(setting, workdir)
     if engine == "tf" and (not jit_compile or cluster.kind == "tpu"):
@@ -107,14 +107,14 @@ def enable(setting: str, workdir: str, cluster, jit_compile: bool) -> "Watch":
                           -1 if workdir_lib.is_remote(path) else LOCAL_MAX_BYTES)
     if path:
         logging.info("compile cache: %s", path)
-    return Watch(path, engine)
+    return CompileCounter(path, engine)
 
 
-def keep_steps(model, watch: "Watch", config) -> None:
+def keep_steps(model, counter: "CompileCounter", config) -> None:
     """On the jax engine with the cache on, `model`'s train and test steps are kept whole
     (`step_cache`): a rerun of the same config loads them without tracing."""
-    if watch.path and watch.engine == "jax":
-        step_cache.install(model, watch.path, config.to_json_best_effort(sort_keys=True))
+    if counter.path and counter.engine == "jax":
+        step_cache.cache_steps(model, counter.path, config.to_json_best_effort(sort_keys=True))
 
 
 def _writable(path: str) -> bool:
@@ -126,17 +126,17 @@ def _writable(path: str) -> bool:
     return not reason
 
 
-class Watch:
-    """Around the host calls it is told of: how long compiling took, and how many step
+class CompileCounter:
+    """Around the executions it is told of: how long compiling took, and how many step
     programs compiled and how many came from the cache.
 
     jax: the time is measured, as the union of JAX's time spans of tracing,
     lowering and compiling (or fetching) each program and of `step_cache`'s
-    lookups (None where JAX reports no spans: then the first host call's
+    lookups (None where JAX reports no spans: then the first execution's
     excess stands for it, as on tf). The counts are JAX's own events (a
     compile that asked the cache, a hit) and the steps `step_cache` loaded
     whole (each a program from the cache).
-    tf: TensorFlow reports no hits to Python, so a first host call that wrote
+    tf: TensorFlow reports no hits to Python, so a first execution that wrote
     no new entry into a cache that held some counts as served by it.
     """
 

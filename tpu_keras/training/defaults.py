@@ -1,9 +1,9 @@
-"""Per-platform training defaults: precision and steps per host call.
+"""Per-platform training defaults: precision and steps per execution.
 
 The choices `auto` makes, and why (figures: docs/performance.md):
 
 - TPU: `mixed_bfloat16`, since the MXU multiplies bf16 natively and the
-  published peak is a bf16 peak; and one host call per log interval, since a
+  published peak is a bf16 peak; and one execution per log interval, since a
   TPU step is short and every return to Python idles the chips. TPUStrategy
   compiles every step with XLA whatever `train.jit_compile` says.
 - CPU and GPU: float32, since XLA's CPU code runs bf16 no faster than
@@ -19,11 +19,12 @@ CPU_STEPS_PER_EXECUTION = 10
 TPU_STEPS_PER_EXECUTION = 100  # without a log interval to match
 
 
-def precision(train_cfg, cluster) -> str:
-    """The Keras dtype policy name this run trains in (`train.precision` is checked by `config`)."""
+def precision(train_cfg, platform: str) -> str:
+    """The Keras dtype policy name a run trains in on `platform` ('tpu', 'gpu', 'cpu': a
+    cluster's `kind`); `train.precision` is checked by `config`. The planner asks for 'tpu'."""
     if train_cfg.precision != "auto":
         return train_cfg.precision
-    return "mixed_bfloat16" if cluster.kind == "tpu" else "float32"
+    return "mixed_bfloat16" if platform == "tpu" else "float32"
 
 
 def compute_dtype(policy: str) -> str:
@@ -48,5 +49,5 @@ def resolve(config, cluster) -> dict:
     """The `train` keys whose `auto` this platform decides, {precision, steps_per_execution},
     with their values here: the run's resolved config takes them (`training.run_config`),
     so the config written to the workdir says what actually ran."""
-    return {"precision": precision(config.train, cluster),
+    return {"precision": precision(config.train, cluster.kind),
             "steps_per_execution": steps_per_execution(config.train, cluster, config.log.every_steps)}

@@ -38,13 +38,13 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     import tensorflow as tf
     from tpu_keras import data
     from tpu_keras.training import checkpoint
-    cluster, config, model, saver = run.cluster, run.config, run.model, run.saver
+    cluster, config, model, checkpointer = run.cluster, run.config, run.model, run.checkpointer
     eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
                                        training=False, max_eval_steps=config.train.eval_steps)
     writers = []  # the TensorBoard writer, made at the first result (chief only)
 
     def one(at: int) -> dict:
-        saver.restore(at)
+        checkpointer.restore(at)
         metrics = model.evaluate(eval_data, steps=eval_steps, return_dict=True, verbose=0)
         metrics = {f"val_{name}": float(value) for name, value in metrics.items()}
         print(f"step {at} | " + " | ".join(f"{k} {v:.7g}" for k, v in metrics.items()), flush=True)
@@ -58,19 +58,19 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
         return metrics
 
     results = {}
-    saved = _agreed(saver.saved_steps(), cluster)
+    saved = _agreed(checkpointer.saved_steps(), cluster)
     if not watch:
         if step is None and not saved:
-            raise UserError(f"{saver.shared_dir} holds no checkpoint yet; evaluate once the run "
+            raise UserError(f"{checkpointer.shared_dir} holds no checkpoint yet; evaluate once the run "
                             "has saved one, or follow it with --watch")
         at = saved[-1] if step is None else step
         if at not in saved:
-            raise UserError(f"step {at} is not saved in {saver.shared_dir}; the saved steps are "
+            raise UserError(f"step {at} is not saved in {checkpointer.shared_dir}; the saved steps are "
                             f"{', '.join(map(str, saved)) or 'none'}")
         results[at] = one(at)
     else:
         last, final = -1, config.train.steps
-        logging.info("following %s until step %d", saver.shared_dir, final)
+        logging.info("following %s until step %d", checkpointer.shared_dir, final)
         while last < final:
             for at in [s for s in saved if s > last]:
                 try:
@@ -81,7 +81,7 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
                 last = at
             if last < final:
                 time.sleep(poll_seconds)
-                saved = _agreed(saver.saved_steps(), cluster)
+                saved = _agreed(checkpointer.saved_steps(), cluster)
     for writer in writers:
         writer.close()
     return results

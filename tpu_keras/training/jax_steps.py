@@ -7,7 +7,7 @@ gradients are global arrays here, so their norm is the global one with no
 collective of ours. When the norm or the loss is not finite, the new
 weights and optimizer state are dropped for the old ones (`jnp.where`, as
 optax's `apply_if_finite` does): the step count does not advance either,
-which is how the host sees, after a host call of several steps, that one of
+which is how the host sees, after an execution of several steps, that one of
 them was skipped (see `nonfinite`).
 
 With a `keras.optimizers.LossScaleOptimizer` (float16; `compile` wraps the
@@ -30,7 +30,7 @@ one step, one update, whatever k is. The loss tracker counts each batch by
 its weights for such a loss (`_update_metrics_variables`, the train and the
 test step's), so the logged loss and `val_loss` are means over every token.
 
-`install` also hands the jitted steps committed arrays. Under a
+`distributed_steps` also hands the jitted steps committed arrays. Under a
 `keras.distribution` on a one-device mesh (a laptop, one TPU chip or GPU),
 Keras leaves the weights it creates, and the metrics it resets each epoch,
 uncommitted (the put that would commit them moves nothing, so it is
@@ -51,7 +51,7 @@ from tpu_keras.training import token_mean
 from tpu_keras.training.nonfinite import GRAD_NORM
 
 
-def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
+def distributed_steps(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
     """Gives `model` the guarded train step (`grad_accum_steps` micro-batches per update)
     and a loss tracker that counts tokens; returns it."""
     def train_step(self, state, data):

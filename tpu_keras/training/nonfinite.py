@@ -5,7 +5,7 @@ gradient norm is NaN or Inf: the weights, the optimizer state and its step
 count stay as they were. Both are checked because either can stay finite
 while the other is not (a fused CPU kernel can turn a NaN input into a zero
 activation, so the loss is finite while the gradient is NaN). On the tf
-engine the host loop also ends the host call at that step, so
+engine the host loop also ends the execution at that step, so
 `StopOnNonFinite` names it exactly; on the jax engine, whose host loop is
 Keras's own, the step count falling behind the steps run shows which host
 call held it. Nothing is saved after the divergence, so the last checkpoint
@@ -53,7 +53,7 @@ class NonFiniteStep(Exception):
 
 
 class StopOnNonFinite(keras.callbacks.Callback):
-    """Raises `NonFiniteStep` after the host call that held a non-finite step, and
+    """Raises `NonFiniteStep` after the execution that held a non-finite step, and
     `UserError` if the weights are not finite when the run ends."""
 
     def __init__(self, checkpointer, total_steps: int):

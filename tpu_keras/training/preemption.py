@@ -2,7 +2,7 @@
 
 A TPU VM (and a spot VM, and Kubernetes) announces a preemption with
 SIGTERM and kills the process some seconds later. `watch()` turns the
-signal into a flag; `SaveOnPreemption` checks it after every host call,
+signal into a flag; `SaveOnPreemption` checks it after every execution,
 saves a checkpoint of that step and raises `errors.Preempted`, which the
 entry point turns into exit code 42 ("saved; run me again"). Run the same
 command again and training resumes from that step.
@@ -10,7 +10,7 @@ command again and training resumes from that step.
 Every host must stop at the same step - saving is collective under
 MultiWorkerMirroredStrategy, and a host that ran ahead would wait forever
 for its peers - so with several hosts the flag is summed over all hosts
-after every host call, and all stop together when any got the signal.
+after every execution, and all stop together when any got the signal.
 TensorFlow's `PreemptionCheckpointHandler` is not used: it disables itself
 on Cloud TPU VMs and GCE CPU VMs (it logs that it "does not support usage
 with TPU or CPU device on GCP"), exactly where preemptions happen.
@@ -36,7 +36,7 @@ def watch() -> None:
 
 
 class SaveOnPreemption(keras.callbacks.Callback):
-    """After each host call: if any host got SIGTERM, save on every host and raise `Preempted`."""
+    """After each execution: if any host got SIGTERM, save on every host and raise `Preempted`."""
 
     def __init__(self, checkpointer, cluster):
         super().__init__()

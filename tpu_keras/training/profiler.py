@@ -1,6 +1,6 @@
 """A TensorBoard profile of chosen training steps: `log.profile_steps = (first, last)`.
 
-The trace covers the host calls that hold steps `first` to `last` (1-based,
+The trace covers the executions that hold steps `first` to `last` (1-based,
 inclusive, counted over the whole run as the log line counts them): a host
 call runs `train.steps_per_execution` steps at once, so the profile is
 rounded out to whole calls. It is written where TensorBoard's profile
@@ -16,7 +16,7 @@ import keras
 
 
 class ProfileSteps(keras.callbacks.Callback):
-    """Starts the engine's profiler before the first host call that runs a step of
+    """Starts the engine's profiler before the first execution that runs a step of
     `first`..`last`, and stops it after the last such call."""
 
     def __init__(self, checkpointer, first: int, last: int, logdir: str):
@@ -29,7 +29,7 @@ class ProfileSteps(keras.callbacks.Callback):
         self._epoch_start = self._checkpointer.step  # in sync between epochs on jax too
 
     def on_train_batch_begin(self, batch, logs=None):
-        done = self._epoch_start + batch  # steps before this host call
+        done = self._epoch_start + batch  # steps before this execution
         if not self._active and done < self._last and done + self.model.steps_per_execution >= self._first:
             _start(self._logdir)
             self._active = True

@@ -17,14 +17,14 @@ def load(workdir: str, config, step=None, purpose: str = "export"):
     `purpose` names the command in the error for a run with no checkpoint yet.
     """
     run = setup.set_up(config, workdir, one_device=True)
-    saver = run.saver
-    saved = saver.saved_steps()
+    checkpointer = run.checkpointer
+    saved = checkpointer.saved_steps()
     if not saved:
         raise UserError(f"{workdir} has no checkpoint yet; {purpose} once the run has saved one")
     if step is None:
-        return run, saver.restore_latest()
+        return run, checkpointer.restore_latest()
     if step not in saved:
         raise UserError(f"--step={step} is not a checkpoint in {workdir}; its checkpoints are "
                         f"at steps {saved}")
-    saver.restore(step)
+    checkpointer.restore(step)
     return run, step

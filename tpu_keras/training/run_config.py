@@ -14,10 +14,10 @@ Each piece is a pure function of the config that returns values:
 
 - `training.defaults.resolve`: `train.precision` and `train.steps_per_execution`
   for this platform;
-- `models.hub.expand_preset` and `models.kept.use`: `model.preset`, `{workdir}`
+- `models.hub.expand_preset` and `models.preset_copy.use`: `model.preset`, `{workdir}`
   expanded, or the model the run kept once it has a checkpoint;
-- `data.text.resolve`: `data.token_counts`, `data.context_length` and
-  `data.vocabulary` of packed text (after the preset: the tokenizer may be its);
+- `data.text.resolve`: `data.tokens.counts`, `.context_length` and
+  `.vocabulary` of packed text (after the preset: the tokenizer may be its);
 - `data.text.example_end_token`: `model.example_end_token`, the data's end token,
   where examples are packed apart (the model keeps each to itself);
 - `models.registry.absolute_imports`: `model.imports`' files, found from any folder.
@@ -27,10 +27,10 @@ import inspect
 
 import ml_collections
 
-from tpu_keras import config as config_lib
+from tpu_keras import config as config_lib, data_section
 from tpu_keras.data import text
 from tpu_keras.errors import UserError
-from tpu_keras.models import hub, kept, registry
+from tpu_keras.models import hub, preset_copy, registry
 from tpu_keras.training import defaults
 
 
@@ -43,10 +43,11 @@ def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections
     resolved = config_lib.thawed(config)
     resolved.train.update(defaults.resolve(resolved, cluster))
     if "preset" in resolved.model:
-        resolved.model.preset = kept.use(hub.expand_preset(resolved.model.preset, workdir),
+        resolved.model.preset = preset_copy.use(hub.expand_preset(resolved.model.preset, workdir),
                                          workdir, checkpointed)
-    resolved.data.update(text.resolve(resolved, workdir))
-    if text.is_text(resolved.data) and text.packing_of(resolved.data) is not None:
+    resolved.data.tokens.update(text.resolve(resolved, workdir))
+    if data_section.kind(resolved.data) in ("text", "instructions") \
+            and text.packing_of(resolved.data) is not None:
         _check_keeps_examples_apart(resolved.model)
         with resolved.unlocked():  # a key of the model's the run fills in
             resolved.model.example_end_token = text.example_end_token(resolved.data)
@@ -61,10 +62,10 @@ def _check_keeps_examples_apart(model_config) -> None:
     accepted = (builder.arguments if builder.arguments is not None
                 else inspect.signature(builder.make).parameters)
     if "example_end_token" not in accepted:
-        raise UserError(f"the data pack examples apart (data.instructions or data.document_masks), "
+        raise UserError(f"the data pack examples apart (data.instructions or data.text.document_masks), "
                         f"and model {model_config.get('name')!r} takes no example_end_token to keep "
                         "them apart; use a language model of the toolkit's (gpt, a keras-hub causal "
-                        "LM), or set data.document_masks=False")
+                        "LM), or set data.text.document_masks=False")
 
 
 def to_json(resolved: ml_collections.FrozenConfigDict, config) -> str:

@@ -7,7 +7,7 @@ by the chief of a training run, written to WORKDIR/config.json; the model built
 as a run builds it (`build_model`; on packed text with bits per byte:
 `with_text_metrics`); the checkpointer opened. It returns a `RunSetup`.
 
-`training.run.train`, `training.evaluation.evaluate` and `training.restored.load`
+`training.loop.train`, `training.evaluation.evaluate` and `training.restored.load`
 (behind `python -m tpu_keras.export` and `generate`) each start here; what
 differs between them is an argument of `set_up`.
 
@@ -26,7 +26,7 @@ import threading
 
 from absl import logging
 
-from tpu_keras import cluster as cluster_lib, config as config_lib
+from tpu_keras import cluster as cluster_lib, config as config_lib, data_section
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.training import compile_cache
@@ -35,14 +35,14 @@ from tpu_keras.training import compile_cache
 @dataclasses.dataclass
 class RunSetup:
     """What `set_up` made: the run's pieces, ready to train, evaluate or restore."""
-    cluster: object         # tpu_keras.cluster.Cluster
-    config: object          # the resolved config, frozen (training.run_config)
-    builder: object         # the model's registry entry (tpu_keras.models.registry.Builder)
-    model_kwargs: dict      # ... and its keyword arguments
-    model: object           # keras.Model, built and compiled as a run compiles it
-    text_source: object     # packed text's eval source (data.text.PackedSource), or None
-    saver: object           # the checkpointer (training.checkpoint)
-    cache_watch: object     # the compile cache's Watch (training.compile_cache), or None
+    cluster: object          # tpu_keras.cluster.Cluster
+    config: object           # the resolved config, frozen (training.run_config)
+    builder: object          # the model's registry entry (tpu_keras.models.registry.Builder)
+    model_kwargs: dict       # ... and its keyword arguments
+    model: object            # keras.Model, built and compiled as a run compiles it
+    text_source: object      # packed text's eval source (data.text.PackedSource), or None
+    checkpointer: object     # training.checkpoint: TFCheckpointer or OrbaxCheckpointer
+    compile_counter: object  # training.compile_cache.CompileCounter, or None
 
 
 def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = False,
@@ -50,7 +50,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     """The run of `config` in `workdir`, set up on this process's cluster.
 
     `trains`: the training run itself. Its workdir is made, SIGTERM saves a checkpoint
-    from here on, the chief writes config.json and keeps the model (`models.kept`),
+    from here on, the chief writes config.json and keeps the model (`models.preset_copy`),
     Keras is seeded, and the checkpointer keeps `checkpoint.keep` checkpoints. Its
     weights come from a checkpoint once it has one; every other command reads the
     checkpoints of a run, so its weights always do.
@@ -95,7 +95,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     checkpointed = checkpoint.any_saved(workdir) if trains else True
     resolved = run_config.resolve(config, cluster, workdir, checkpointed)
     keras.config.set_dtype_policy(resolved.train.precision)
-    cache_watch = None if one_device else compile_cache.enable(
+    compile_counter = None if one_device else compile_cache.enable(
         resolved.train.compile_cache, workdir, cluster, resolved.train.jit_compile)
     if trains:
         if cluster.is_chief:
@@ -109,10 +109,11 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
     builder, model_kwargs = models.registry.get(resolved.model)
     text_source = None
-    pairs = bool(resolved.data.preferences)  # DPO: the pairs model (`models.preference`)
+    kind = data_section.kind(resolved.data)
+    pairs = kind == "preferences"  # DPO: the pairs model (`models.preference`)
     if pairs:
         builder = preference.builder(builder, resolved.train.dpo_beta)
-    elif not one_device and data.text.is_text(resolved.data):
+    elif not one_device and kind in ("text", "instructions"):
         # Its tokens per byte turn bits per token into bits per byte.
         with phase("data"):
             text_source = data.text.open_source(resolved.data, training=False,
@@ -121,9 +122,9 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     with phase("model"):
         model = build_model(resolved, cluster, builder, pairs=pairs)
     if trains and cluster.is_chief:
-        models.kept.keep(resolved.model, workdir)
-    if cache_watch is not None:
-        compile_cache.keep_steps(model, cache_watch, resolved)
+        models.preset_copy.keep(resolved.model, workdir)
+    if compile_counter is not None:
+        compile_cache.keep_steps(model, compile_counter, resolved)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], resolved.data)
     if pairs and not one_device:
@@ -131,9 +132,10 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
                                    model.policy.output_shape[-1], resolved.data)
     saving = ({"keep": resolved.checkpoint.keep, "asynchronous": resolved.checkpoint.asynchronous}
               if trains else {})
-    saver = checkpoint.open_checkpointer(workdir, model, cluster, **saving)
+    checkpointer = checkpoint.open_checkpointer(workdir, model, cluster, **saving)
     return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
-                    model=model, text_source=text_source, saver=saver, cache_watch=cache_watch)
+                    model=model, text_source=text_source, checkpointer=checkpointer,
+                    compile_counter=compile_counter)
 
 
 def _on_one_device(config):

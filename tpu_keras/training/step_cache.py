@@ -58,7 +58,7 @@ from tpu_keras import workdir
 from tpu_keras.errors import first_line
 
 FOLDER = "steps"
-# JAX monitoring events (compile_cache.Watch counts them): a step loaded whole from this
+# JAX monitoring events (compile_cache.CompileCounter counts them): a step loaded whole from this
 # cache, and the time span of each first call's lookup, load or compile.
 LOADED_EVENT = "/tpu_keras/step_cache/loaded"
 LOOKUP_SPAN = "/tpu_keras/step_cache/lookup"
@@ -73,7 +73,7 @@ _JAX_CONFIG_NOT_IN_PROGRAMS = ("log", "cache", "dump", "pprint", "traceback", "t
                                "transfer_guard")
 
 
-def install(model, cache_dir: str, config_json: str):
+def cache_steps(model, cache_dir: str, config_json: str):
     """Makes `model`'s jitted train and test steps `CachedStep`s kept in `cache_dir/steps/`."""
     from keras.src.backend.jax import trainer as keras_jax_trainer
     folder = _join(cache_dir, FOLDER)

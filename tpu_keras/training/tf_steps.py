@@ -12,7 +12,7 @@ one replica:
 * with `jit_compile=True` it wraps `strategy.run` itself in XLA, which fails
   under a multi-device MirroredStrategy (keras-team/keras#19005).
 
-`install(model)` replaces the three trainer hooks involved with one
+`distributed_steps(model)` replaces the three trainer hooks involved with one
 mechanism that holds for every strategy: build the model's metrics and
 optimizer from one replica's batch before anything is traced, then run the
 host loop in cross-replica context - up to `steps_per_execution` steps that
@@ -20,7 +20,7 @@ stop when the iterator runs dry - and average each scalar over replicas
 with `strategy.reduce(..., axis=None)`. With `jit_compile`, XLA compiles
 each replica's forward and backward pass (on one replica, the whole step),
 so every strategy gets both XLA and many steps per call. The same step
-(`guarded_train_step`) logs the global gradient norm and applies no update
+(`make_guarded_train_step`) logs the global gradient norm and applies no update
 whose gradient or loss is not finite. A loss that is a mean over weights is
 one token mean over every replica and micro-batch (`token_mean`), in the
 step and in the evaluation's `test_step`.
@@ -39,7 +39,7 @@ from tpu_keras.training.nonfinite import GRAD_NORM
 _HOOKS = ("make_train_function", "make_test_function", "_maybe_symbolic_build", "test_step")
 
 
-def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
+def distributed_steps(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
     """Gives `model` step functions that work under any strategy; returns it.
 
     Call it once, on a model built inside `strategy.scope()`, before `fit`.
@@ -55,14 +55,14 @@ def install(model: keras.Model, grad_accum_steps: int = 1) -> keras.Model:
 def make_train_function(self, force=False):
     if self.train_function is None or force:
         # On one replica XLA compiles the whole step, optimizer included; with
-        # more, only each replica's forward and backward pass (see guarded_train_step).
+        # more, only each replica's forward and backward pass (see make_guarded_train_step).
         whole = self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             # A loss-scaling optimizer (float16) checks its gradients and skips
             # steps in Keras's own step: keep it.
             step, first_outputs = self.train_step, self.get_metrics_result
         else:
-            step = guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole,
+            step = make_guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole,
                                       grad_accum_steps=self._tpu_keras_grad_accum_steps)
             first_outputs = lambda: {**self.get_metrics_result(), GRAD_NORM: tf.constant(0.0)}
         self.train_function = _host_loop(self, step, first_outputs, jit_whole_step=whole,
@@ -151,7 +151,7 @@ def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonf
     return steps if model.run_eagerly else tf.function(steps, reduce_retracing=True)
 
 
-def guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
+def make_guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=1):
     """The train step under every strategy: XLA on each replica, and no update from a
     non-finite gradient.
 

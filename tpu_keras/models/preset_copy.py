@@ -1,4 +1,5 @@
-"""The model a run trains, kept in its workdir: its architecture and tokenizer outlive `model.preset`.
+"""The run's copy of its preset, all but the weights: its architecture and tokenizer
+outlive `model.preset`.
 
 A run's `config.json` names `model.preset`, a folder or handle that can
 change or vanish after the run started (a shared folder someone updates,

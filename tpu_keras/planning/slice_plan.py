@@ -7,10 +7,10 @@ on the config's mesh:
 - gradients: one per trainable weight, laid out like it (exact);
 - activations: an estimate, the tensors autodiff keeps for the backward pass
   at the per-replica batch with the config's remat setting
-  (`planning.memory`). With mesh.model > 1, those tensor parallelism
+  (`planning.activations`). With mesh.model > 1, those tensor parallelism
   splits count once per shard (`planning.model_split`); the rest whole.
 - communication: the bytes each device sends per update, from the layout
-  and the model's traced matmuls (`planning.communication`), split into
+  and the model's traced matmuls (`planning.planned_traffic`), split into
   inside the slice (chip interconnect) and across slices (data-center
   network) with an estimated time for each (`planning.network`).
 
@@ -29,11 +29,13 @@ against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 # time: not every caller needs it).
 import functools
 
+from tpu_keras import data_section
 from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import compiled_step, layout_report, network, tpu_compiler
 from tpu_keras.planning.layout_report import format_bytes
+from tpu_keras.training import defaults
 
 
 class Footprint:
@@ -51,9 +53,7 @@ class Footprint:
         import keras
         from tpu_keras import models
         self.config = config
-        # A TPU run's default: bf16 activations (tpu_keras.training.defaults).
-        self.precision = ("mixed_bfloat16" if config.train.precision == "auto"
-                          else config.train.precision)
+        self.precision = defaults.precision(config.train, "tpu")  # the plan is for a TPU slice
         keras.config.set_dtype_policy(self.precision)
         self.builder, self.kwargs = models.registry.get(config.model)
         self.model, self.optimizer = layout_report.abstract_model(config)
@@ -63,7 +63,7 @@ class Footprint:
         """(constant, per example): the activation bytes per device at batch b are
         constant + b x per example. `mesh` (data, fsdp, model) matters through its
         model axis, which splits what tensor parallelism splits."""
-        from tpu_keras.planning import memory
+        from tpu_keras.planning import activations
         model_size = mesh[2]
         if mesh != (1, 1, model_size):
             return self.activation_line(remat, (1, 1, model_size))
@@ -72,7 +72,7 @@ class Footprint:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
             split = {p.path: p.axes.index("model") for p in placements if "model" in p.axes}
         model = self._model_with(remat)
-        one, two = (memory.residual_bytes(self._backward(remat, b), model, split, model_size)
+        one, two = (activations.residual_bytes(self._backward(remat, b), model, split, model_size)
                     for b in (1, 2))
         return 2 * one - two, two - one
 
@@ -87,26 +87,26 @@ class Footprint:
         with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
             model = self.builder.make(**self.kwargs)
         if self.config.engine == "jax":
-            splash_attention.install(model, one_device=True)
+            splash_attention.route_layers(model, one_device=True)
         return model
 
     @functools.lru_cache(maxsize=None)
     def _backward(self, remat: str, batch: int):
-        """`memory.backward_trace` of the `remat` model at `batch`: one trace per remat setting
+        """`activations.backward_trace` of the `remat` model at `batch`: one trace per remat setting
         and batch, whatever the mesh (a trace of a 1B model takes seconds). Its layers
         keep the remat they were made with."""
         import keras
-        from tpu_keras.planning import memory
+        from tpu_keras.planning import activations
         with keras.StatelessScope(initialize_variables=False):
-            return memory.backward_trace(self._model_with(remat), self.builder.loss(), batch)
+            return activations.backward_trace(self._model_with(remat), self.builder.loss(), batch)
 
     @functools.cached_property
     def _traced_weights(self):
         """(the matmuls and lookups that read each weight, the bytes per element each cast
-        weight is used in), from one trace (`communication.weight_uses`)."""
-        from tpu_keras.planning import communication
+        weight is used in), from one trace (`planned_traffic.weight_uses`)."""
+        from tpu_keras.planning import planned_traffic
         itemsizes = {}
-        return communication.weight_uses(self.model, self.builder.loss(), itemsizes), itemsizes
+        return planned_traffic.weight_uses(self.model, self.builder.loss(), itemsizes), itemsizes
 
     @property
     def weight_uses(self):
@@ -147,12 +147,12 @@ class Footprint:
 
     def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1,
                       slices: int = 1) -> dict:
-        """Bytes each device sends per optimizer update (`planning.communication`);
+        """Bytes each device sends per optimizer update (`planning.planned_traffic`);
         `mesh` is one slice's."""
-        from tpu_keras.planning import communication
+        from tpu_keras.planning import planned_traffic
         placements = layout_report.placements(self.config, mesh, self.model)
         trainable = {v.path for v in self.model.trainable_variables}
-        return communication.per_step(placements, trainable, self.weight_uses, mesh,
+        return planned_traffic.per_step(placements, trainable, self.weight_uses, mesh,
                                       batch_per_replica, grad_accum_steps, slices, self.itemsizes)
 
 
@@ -229,7 +229,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     # DPO (data.preferences): an example is a pair, two sequences through the model. Its
     # reference's forward pass keeps nothing for the backward; with LoRA it is the base with
     # the adapters off, otherwise a frozen copy of the weights (models.preference).
-    sequences = 2 if config.data.get("preferences") else 1
+    sequences = 2 if data_section.kind(config.data) == "preferences" else 1
     footprint = Footprint(config)
     remat = config.train.remat
     per_device = footprint.per_device(mesh, per_replica * sequences, remat)

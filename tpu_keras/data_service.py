@@ -1,6 +1,6 @@
 """A local tf.data service (one dispatcher, one worker) for testing and small setups.
 
-    python -m tpu_keras.data.service --port=5050
+    python -m tpu_keras.data_service --port=5050
 
 On a pod the dispatcher and workers run on CPU machines of their own, so
 input work scales beyond the TPU hosts; pipelines reach them through
@@ -38,4 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.start(main)

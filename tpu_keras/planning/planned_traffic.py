@@ -42,7 +42,7 @@ import math
 
 import jax
 
-from tpu_keras.planning import memory, network
+from tpu_keras.planning import activations, network
 from tpu_keras.planning.network import ring
 from tpu_keras.planning.jaxpr_walk import called_program, is_literal, nbytes
 
@@ -64,9 +64,10 @@ def weight_uses(model, loss, itemsizes: dict | None = None) -> list[WeightUse]:
     `itemsizes`, if given, gets each cast weight's path -> the bytes per element of
     the narrowest dtype the program casts it to (a kernel read in bf16: 2)."""
     variables = model.trainable_variables + model.non_trainable_variables
-    traced = jax.make_jaxpr(memory.loss_function(model, loss))(
-        memory.abstract(model.trainable_variables), memory.abstract(model.non_trainable_variables),
-        *memory.abstract_inputs(model, 1))
+    traced = jax.make_jaxpr(activations.loss_function(model, loss))(
+        activations.abstract(model.trainable_variables),
+        activations.abstract(model.non_trainable_variables),
+        *activations.abstract_inputs(model, 1))
     # A weight enters as an input; follow it through casts and transposes to where it is used.
     origins = {var: (v.path, tuple(range(len(v.shape))))
                for var, v in zip(traced.jaxpr.invars, variables)}
@@ -136,10 +137,10 @@ def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: in
         elif p.path in trainable:
             inside, dcn = network.hierarchical("all-reduce", shard, data * fsdp, slices)
             reductions, across = reductions + inside, across + dcn
-    activations = model_axis_bytes(placements, uses, model) * batch_per_replica
+    model_axis = model_axis_bytes(placements, uses, model) * batch_per_replica
     sent = {"fsdp_all_gather": gathers, "fsdp_reduce_scatter": scatters,
             "gradient_all_reduce": reductions, "gradient_all_reduce_across_slices": across,
-            "model_all_reduce": activations}
+            "model_all_reduce": model_axis}
     sent = {key: round(value * grad_accum_steps) for key, value in sent.items()}
     sent["total"] = sum(sent.values())
     return sent

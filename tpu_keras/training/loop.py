@@ -23,6 +23,7 @@ import time
 
 from absl import logging
 
+from tpu_keras import data_section
 from tpu_keras.errors import UserError, first_line
 from tpu_keras.measurement import timings
 from tpu_keras.training import defaults, setup
@@ -46,14 +47,14 @@ def train(config, workdir: str, started: float | None = None):
     from tpu_keras.measurement import flops, peak
     from tpu_keras.models import preference
     from tpu_keras.training import callbacks, checkpoint, nonfinite, preemption, profiler
-    cluster, config, builder, model, saver = run.cluster, run.config, run.builder, run.model, run.saver
-    cache_watch, train_cfg = run.cache_watch, config.train
+    cluster, config, builder, model, checkpointer = run.cluster, run.config, run.builder, run.model, run.checkpointer
+    compile_counter, train_cfg = run.compile_counter, config.train
     logging.info("model: %s", _describe(model, config))
 
     # ----- checkpoints ---------------------------------------------------------
-    saver.save = run_timings.timed("checkpoints", saver.save)
-    saver.restore_latest = run_timings.timed("restore", saver.restore_latest)
-    skipped = nonfinite.load_skipped(saver.shared_dir)
+    checkpointer.save = run_timings.timed("checkpoints", checkpointer.save)
+    checkpointer.restore_latest = run_timings.timed("restore", checkpointer.restore_latest)
+    skipped = nonfinite.load_skipped(checkpointer.shared_dir)
 
     # ----- data ----------------------------------------------------------------
     # Each step reads the examples of one update: grad_accum_steps micro-batches.
@@ -85,7 +86,7 @@ def train(config, workdir: str, started: float | None = None):
         flops_per_example = 2 * (flops_per_example + flops.forward_flops_per_example(policy))
     # Rows packed apart hold padding: throughput and MFU count the real tokens alone.
     real_share = 1.0
-    if data.text.is_text(config.data) and not config.data.preferences:
+    if data_section.kind(config.data) in ("text", "instructions"):
         hosts = (cluster.host_index, cluster.num_processes)  # the training pipeline's own source
         real_share -= data.text.open_source(config.data, True, hosts).padding
     logger = callbacks.IntervalLogger(
@@ -94,27 +95,27 @@ def train(config, workdir: str, started: float | None = None):
         flops_per_example=flops_per_example * real_share,
         peak_flops=peak.peak_flops(cluster, defaults.compute_dtype(train_cfg.precision)),
         summary_dir=os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
-    fit_timer = callbacks.FitTimer(run_timings, cache_watch)  # first: its batch end times the call alone
-    run_callbacks = [fit_timer, logger, nonfinite.StopOnNonFinite(saver, train_cfg.steps),
-                     preemption.SaveOnPreemption(saver, cluster),
-                     checkpoint.SaveEvery(saver, config.checkpoint.every_steps, train_cfg.steps)]
+    fit_timer = callbacks.FitTimer(run_timings, compile_counter)  # first: its batch end times the call alone
+    run_callbacks = [fit_timer, logger, nonfinite.StopOnNonFinite(checkpointer, train_cfg.steps),
+                     preemption.SaveOnPreemption(checkpointer, cluster),
+                     checkpoint.SaveEvery(checkpointer, config.checkpoint.every_steps, train_cfg.steps)]
     if config.log.profile_steps:
-        run_callbacks.append(profiler.ProfileSteps(saver, *config.log.profile_steps,
+        run_callbacks.append(profiler.ProfileSteps(checkpointer, *config.log.profile_steps,
                                                    logdir=os.path.join(workdir, "tensorboard")))
     try:
-        history = _fit_to_the_end(model, config, saver, cluster, train_data, eval_data, eval_steps,
+        history = _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data, eval_steps,
                                   run_callbacks, fit_timer.fit_returned, skipped, peer_errors)
     except _LostPeer:
         raise  # its save in flight waits on the lost host: the run ends without it
     except BaseException:
-        _wait_for_the_last_save(saver, run_timings, failing=True)
+        _wait_for_the_last_save(checkpointer, run_timings, failing=True)
         raise
-    _wait_for_the_last_save(saver, run_timings)
+    _wait_for_the_last_save(checkpointer, run_timings)
 
     final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
     if final:
         headline = f"val_{builder.headline}"
-        logging.info("done at step %d: %s %.4g", saver.step, headline, final.get(headline, float("nan")))
+        logging.info("done at step %d: %s %.4g", checkpointer.step, headline, final.get(headline, float("nan")))
     # Equal on every host of a synchronous run: a cheap check that hosts agree.
     logging.info("weights fingerprint: %.12e", _fingerprint(model))
 
@@ -122,7 +123,7 @@ def train(config, workdir: str, started: float | None = None):
     with run_timings.phase("export"):
         _export(policy, config, workdir, cluster)
     logger.close()
-    run_timings.compile_cache = cache_watch.report()
+    run_timings.compile_cache = compile_counter.report()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
     return history
 
@@ -131,45 +132,45 @@ class _LostPeer(UserError):
     """Another host is gone: the collectives (and Orbax's commit) can no longer complete."""
 
 
-def _fit_to_the_end(model, config, saver, cluster, train_data, eval_data, eval_steps,
+def _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data, eval_steps,
                     run_callbacks, fit_returned, skipped, peer_errors):
     """Resumes and fits until `train.steps`, going back to the last good checkpoint after
     a NaN when `train.on_nonfinite` says so; returns the history."""
     from tpu_keras.training import nonfinite
     train_cfg = config.train
     while True:
-        start_step = saver.restore_latest()
+        start_step = checkpointer.restore_latest()
         if start_step == 0 and train_cfg.on_nonfinite == "restore_and_skip":
-            saver.save()  # something good to go back to
+            checkpointer.save()  # something good to go back to
         try:
             return _fit(model, config, start_step, lambda step: train_data(step, skipped),
                         eval_data, eval_steps, run_callbacks, fit_returned)
         except nonfinite.NonFiniteStep as diverged:
-            skipped = _skip_or_stop(diverged, skipped, train_cfg, saver, cluster)
+            skipped = _skip_or_stop(diverged, skipped, train_cfg, checkpointer, cluster)
         except peer_errors as error:
             if cluster.num_processes == 1 or not _lost_a_peer(error):
                 raise
-            raise _LostPeer(f"lost contact with another host after step {saver.step} "
+            raise _LostPeer(f"lost contact with another host after step {checkpointer.step} "
                             f"({_peer_reason(error)}); the other hosts stop too; start every "
                             "host again with the same command to resume from the last "
                             "checkpoint") from None
 
 
-def _wait_for_the_last_save(saver, run_timings, failing=False):
+def _wait_for_the_last_save(checkpointer, run_timings, failing=False):
     """Returns once the run's last save is committed. A lost one is the run's error, or,
     when the run is already failing (or preempted), one line beside that error."""
     from tpu_keras.training import background
     try:
         with run_timings.phase("checkpoints"):
-            saver.wait()
+            checkpointer.wait()
     except background.SaveLost as lost:
         if not failing:
             raise
         logging.error("%s", lost)
     finally:
-        if saver.writer:
-            run_timings.background = {"checkpoint_writes": saver.writer.background_seconds,
-                                      "checkpoint_waits": saver.writer.waiting_seconds}
+        if checkpointer.writer:
+            run_timings.background = {"checkpoint_writes": checkpointer.writer.background_seconds,
+                                      "checkpoint_waits": checkpointer.writer.waiting_seconds}
 
 
 def _export(model, config, workdir, cluster):
@@ -218,15 +219,15 @@ def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callb
     return history
 
 
-def _skip_or_stop(diverged, skipped, train_cfg, saver, cluster):
+def _skip_or_stop(diverged, skipped, train_cfg, checkpointer, cluster):
     """Applies train.on_nonfinite: returns the batch positions to leave out, or raises."""
     from tpu_keras.data.pipeline import position_of_step
     from tpu_keras.training import nonfinite
     if train_cfg.on_nonfinite == "stop" or len(skipped) >= train_cfg.max_nonfinite_skips:
         limit = (f"after {len(skipped)} skipped batch(es), train.max_nonfinite_skips"
                  if train_cfg.on_nonfinite != "stop" else "train.on_nonfinite='stop'")
-        last = saver.latest_saved_step()
-        kept = (f"the last good checkpoint (step {last}) is kept in {saver.shared_dir}"
+        last = checkpointer.latest_saved_step()
+        kept = (f"the last good checkpoint (step {last}) is kept in {checkpointer.shared_dir}"
                 if last is not None else "nothing was saved")
         raise UserError(f"{diverged} ({limit}); {kept}; lower train.learning_rate or check the "
                         "data, or set train.on_nonfinite='restore_and_skip' to leave such batches out")
@@ -235,7 +236,7 @@ def _skip_or_stop(diverged, skipped, train_cfg, saver, cluster):
                     diverged, positions)
     skipped = sorted(skipped + positions)
     if cluster.is_chief:
-        nonfinite.save_skipped(saver.shared_dir, skipped)
+        nonfinite.save_skipped(checkpointer.shared_dir, skipped)
     return skipped
 
 
@@ -258,13 +259,13 @@ def _peer_reason(error) -> str:
 
 def _describe(model, config) -> str:
     """The model line of the log: name, parameters (and how many train, when some are
-    frozen), precision, steps per host call, and what changes how a step runs."""
+    frozen), precision, steps per execution, and what changes how a step runs."""
     train_cfg, total = config.train, model.count_params()
     trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
     parts = [f"{config.model.name} with {total:,} parameters"
              + (f", {trainable:,} of them trainable ({trainable / max(total, 1):.1%})"
                 if trainable != total else ""),
-             train_cfg.precision, f"{train_cfg.steps_per_execution} steps per host call"]
+             train_cfg.precision, f"{train_cfg.steps_per_execution} steps per execution"]
     if model.jit_compile:
         parts.append("XLA")
     if train_cfg.remat != "none":

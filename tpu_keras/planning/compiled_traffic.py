@@ -1,6 +1,6 @@
 """Bytes each device sends in a compiled program's collectives, read from its HLO text.
 
-The check on `planning.communication`: XLA's SPMD partitioner decides
+The check on `planning.planned_traffic`: XLA's SPMD partitioner decides
 which collectives a sharded step really runs, and it may add some the
 layout did not intend (a weight split where the stream it joins is whole
 makes XLA split the stream, then gather it before every matmul). Each
