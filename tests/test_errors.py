@@ -379,3 +379,24 @@ def test_a_run_written_before_the_parts_reads_in_parts():
     assert data_section.kind(config.data) == "instructions"
     pairs = data_section.migrated({"preferences": True, "text_files": "p/*.jsonl", "prompt_field": "q"})
     assert pairs == {"preferences": {"files": "p/*.jsonl", "prompt_field": "q"}}
+
+
+# Every shipped config and variant, with the part of the data section it reads.
+SHIPPED = {"digits": ("tfds", ["", "mlp", "cnn", "resnet", "tiny"]),
+           "lm_stdlib": ("tfds", ["", "tiny", "wide", "1b"]),
+           "llama_stdlib": ("tfds", ["", "tiny", "lora"]), "llama_stdlib:spm": ("text", [""]),
+           "llama_stdlib:spm_tiny": ("text", [""]),
+           "instruct_stdlib": ("instructions", ["", "tiny"]),
+           "preference_stdlib": ("preferences", ["", "tiny"]),
+           "finetune": ("", ["", "full"])}  # its files come from the command line
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_shipped_config_passes_its_checks_and_reads_one_part(name):
+    from tpu_keras import cli, config as config_lib, data_section
+    kind, variants = SHIPPED[name]
+    module, _, fixed = name.partition(":")
+    for variant in variants:
+        config = cli.load_config(f"configs/{module}.py" + (f":{fixed or variant}" if fixed or variant else ""))
+        config_lib.check(config)
+        assert data_section.kind(config.data) == kind, (name, variant)
