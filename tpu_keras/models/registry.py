@@ -91,27 +91,33 @@ def get(model_config) -> tuple[Builder, dict]:
 def import_all(names) -> None:
     """Imports each of `names` once: a module ('my_models.otter') or a .py file's path."""
     for name in [names] if isinstance(names, str) else names:
-        if name.endswith(".py"):
-            path = os.path.abspath(name)
-            module = f"tpu_keras_imports.{os.path.splitext(os.path.basename(path))[0]}"
-            if module in sys.modules:
-                continue
-            if not os.path.exists(path):
-                raise UserError(f"model.imports has {name!r}, which does not exist (relative paths "
-                                f"start at {os.getcwd()}); give the file's path or a module name")
-            spec = importlib.util.spec_from_file_location(module, path)
-            sys.modules[module] = importlib.util.module_from_spec(spec)
-            try:
-                spec.loader.exec_module(sys.modules[module])
-            except Exception:
-                del sys.modules[module]
-                raise
-            continue
+        import_user_module(name, "model.imports")
+
+
+def import_user_module(name: str, key: str):
+    """The module `name` names, imported once: a module ('my_models.otter') or a .py file's
+    path; a one-line error naming the config `key` where neither is found."""
+    if name.endswith(".py"):
+        path = os.path.abspath(name)
+        module = f"tpu_keras_imports.{os.path.splitext(os.path.basename(path))[0]}"
+        if module in sys.modules:
+            return sys.modules[module]
+        if not os.path.exists(path):
+            raise UserError(f"{key} has {name!r}, which does not exist (relative paths "
+                            f"start at {os.getcwd()}); give the file's path or a module name")
+        spec = importlib.util.spec_from_file_location(module, path)
+        sys.modules[module] = importlib.util.module_from_spec(spec)
         try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            raise UserError(f"model.imports has {name!r}, which cannot be imported ({error}); put "
-                            "its folder on PYTHONPATH, or give the .py file's path") from None
+            spec.loader.exec_module(sys.modules[module])
+        except Exception:
+            del sys.modules[module]
+            raise
+        return sys.modules[module]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        raise UserError(f"{key} has {name!r}, which cannot be imported ({error}); put "
+                        "its folder on PYTHONPATH, or give the .py file's path") from None
 
 
 def absolute_imports(names) -> tuple[str, ...]:

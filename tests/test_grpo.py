@@ -1,0 +1,133 @@
+"""GRPO's objective against numpy, written here from the papers' and TRL's formulas: the
+group advantages (and Dr.GRPO's, unscaled), the clipped ratio's loss under each of TRL's
+loss types, the k3 KL and the clip fraction, within 1e-5; a prompt's tokens weigh exactly
+0, and a group whose rewards are all equal gives no gradient."""
+
+import json
+import re
+import sys
+
+import numpy as np
+
+from conftest import run_command
+
+GROUP, LOW, HIGH, BETA, LONGEST = 4, 0.2, 0.28, 0.04, 7
+
+
+def batch(path):
+    """3 prompts x 4 completions of up to 7 tokens after a 3-token prompt: the mask is 0 on
+    the prompt and past each completion's end. The second group's rewards are all equal."""
+    rng = np.random.default_rng(0)
+    rows, length = 3 * GROUP, 3 + LONGEST
+    rewards = rng.normal(size=rows).astype(np.float32)
+    rewards[GROUP:2 * GROUP] = 0.5
+    ends = 3 + rng.integers(1, LONGEST + 1, rows)
+    mask = ((np.arange(length) >= 3) & (np.arange(length) < ends[:, None])).astype(np.float32)
+    old = rng.normal(-2.0, 0.5, (rows, length)).astype(np.float32)
+    logp = (old + rng.normal(0, 0.3, (rows, length))).astype(np.float32)  # some ratios past the clip
+    ref = (old + rng.normal(0, 0.2, (rows, length))).astype(np.float32)
+    np.savez(path, rewards=rewards, logp=logp, old=old, ref=ref, mask=mask, group_size=GROUP,
+             epsilon_low=LOW, epsilon_high=HIGH, beta=BETA, max_new_tokens=LONGEST)
+    return dict(rewards=rewards.astype(np.float64), logp=logp.astype(np.float64),
+                old=old.astype(np.float64), ref=ref.astype(np.float64), mask=mask.astype(np.float64))
+
+
+def numpy_grpo(b, scale=True, beta=BETA):
+    grouped = b["rewards"].reshape(-1, GROUP)
+    advantage = grouped - grouped.mean(1, keepdims=True)
+    if scale:
+        advantage = advantage / (grouped.std(1, ddof=1, keepdims=True) + 1e-4)
+    advantage = advantage.reshape(-1, 1)
+    ratio = np.exp(b["logp"] - b["old"])
+    objective = np.minimum(ratio * advantage, np.clip(ratio, 1 - LOW, 1 + HIGH) * advantage)
+    kl = np.exp(b["ref"] - b["logp"]) - (b["ref"] - b["logp"]) - 1
+    per_token = -objective + beta * kl
+    mask = b["mask"]
+    losses = {"dapo": (per_token * mask).sum() / mask.sum(),
+              "grpo": ((per_token * mask).sum(1) / mask.sum(1)).mean(),
+              "dr_grpo": (per_token * mask).sum() / (len(mask) * LONGEST)}
+    clipped = ((ratio < 1 - LOW) & (advantage < 0)) | ((ratio > 1 + HIGH) & (advantage > 0))
+    return {"advantages": advantage[:, 0], "losses": losses, "kl": (kl * mask).sum() / mask.sum(),
+            "clip_fraction": (clipped * mask).sum() / mask.sum()}
+
+
+def test_the_objective_equals_numpy_and_weighs_prompts_and_equal_groups_zero(tmp_path):
+    b = batch(tmp_path / "batch.npz")
+    out = run_command([sys.executable, "tests/helpers/grpo_probe.py", str(tmp_path / "batch.npz")]).stdout
+    got = json.loads(re.search(r"^GRPO (.*)$", out, re.M).group(1))
+    want = numpy_grpo(b)
+    np.testing.assert_allclose(got["advantages_scaled_True"], want["advantages"], atol=1e-5)
+    unscaled = numpy_grpo(b, scale=False)
+    np.testing.assert_allclose(got["advantages_scaled_False"], unscaled["advantages"], atol=1e-5)
+    for loss_type, value in want["losses"].items():
+        assert abs(got[f"loss_{loss_type}"] - value) <= 1e-5 * max(1.0, abs(value)), (loss_type, got, value)
+    assert abs(got["loss_dr_grpo_unscaled"] - unscaled["losses"]["dr_grpo"]) <= 1e-5
+    assert abs(got["kl"] - want["kl"]) <= 1e-5 and want["kl"] > 0
+    assert abs(got["clip_fraction"] - want["clip_fraction"]) <= 1e-5
+    assert 0 < want["clip_fraction"] < 0.5  # the batch has clipped tokens, and unclipped ones
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        gradient = np.array(got[f"grad_{loss_type}"])
+        assert np.all(gradient[:, :3] == 0), loss_type  # the prompt's tokens weigh exactly 0
+        assert np.all(gradient[b["mask"] == 0] == 0), loss_type  # ... and the padding
+    # With beta 0, the group whose rewards are all equal gives no gradient at all; the
+    # others do. (With beta > 0 its KL term still pulls it to the reference.)
+    no_kl = np.array(got["grad_no_kl"])
+    assert np.all(no_kl[GROUP:2 * GROUP] == 0)
+    assert np.abs(no_kl[:GROUP]).sum() > 0 and np.abs(no_kl[2 * GROUP:]).sum() > 0
+    assert np.abs(np.array(got["grad_dapo"])[GROUP:2 * GROUP]).sum() > 0
+
+
+REWARDS = '''
+def is_four(prompts, completions, answer):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+def short(prompts, completions, **fields):
+    return [-len(c) / 10 for c in completions]
+
+def too_few(prompts, completions, **fields):
+    return [1.0]
+
+def not_finite(prompts, completions, **fields):
+    return [float("nan")] * len(completions)
+
+def words(prompts, completions, **fields):
+    return "good"
+'''
+
+CALLS = '''
+import json, sys
+from tpu_keras.errors import UserError
+from tpu_keras.models import rewards
+folder = sys.argv[1]
+prompts, completions = ["2+2="] * 3, ["4", " 4 ", "five"]
+total, each = rewards.score(rewards.load([f"{folder}/my_rewards.py:is_four", f"{folder}/my_rewards.py:short"],
+                                         [2.0, 1.0]), prompts, completions, {"answer": ["4"] * 3})
+print("SCORE " + json.dumps({"total": total.tolist(), "each": {k: v.tolist() for k, v in each.items()}}))
+for case, names in {"missing_module": ["no_such_rewards:f"], "missing_function": [f"{folder}/my_rewards.py:nope"],
+                    "not_module_function": ["is_four"], "too_few": [f"{folder}/my_rewards.py:too_few"],
+                    "not_finite": [f"{folder}/my_rewards.py:not_finite"], "words": [f"{folder}/my_rewards.py:words"],
+                    "weights": [f"{folder}/my_rewards.py:short"] * 2}.items():
+    try:
+        rewards.score(rewards.load(names, [1.0] if case == "weights" else (), key="grpo.rewards"),
+                      prompts, completions, {})
+        print("ERROR", case, "none")
+    except UserError as error:
+        print("ERROR", case, error)
+'''
+
+
+def test_reward_functions_sum_with_weights_and_each_bad_one_is_one_line(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    out = run_command([sys.executable, "-c", CALLS, str(tmp_path)]).stdout
+    got = json.loads(re.search(r"^SCORE (.*)$", out, re.M).group(1))
+    np.testing.assert_allclose(got["total"], [2 - 0.1, 2 - 0.3, 0 - 0.4], atol=1e-6)
+    assert list(got["each"]) == [f"{tmp_path}/my_rewards.py:is_four", f"{tmp_path}/my_rewards.py:short"]
+    errors = dict(line.split(" ", 2)[1:] for line in out.splitlines() if line.startswith("ERROR "))
+    assert "no_such_rewards:f" in errors["missing_module"] and "cannot be imported" in errors["missing_module"]
+    assert "has no function 'nope'" in errors["missing_function"]
+    assert "is not 'module:function'" in errors["not_module_function"]
+    assert "returned 1 value(s) for 3 completions" in errors["too_few"]
+    assert "returned nan for completion 0" in errors["not_finite"]
+    assert "returned str" in errors["words"] and "one float per completion" in errors["words"]
+    assert "1 reward weight(s) for the 2 reward function(s) of grpo.rewards" in errors["weights"]
+    assert all("\n" not in message for message in errors.values())
