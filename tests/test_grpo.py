@@ -131,3 +131,17 @@ def test_reward_functions_sum_with_weights_and_each_bad_one_is_one_line(tmp_path
     assert "returned str" in errors["words"] and "one float per completion" in errors["words"]
     assert "1 reward weight(s) for the 2 reward function(s) of grpo.rewards" in errors["weights"]
     assert all("\n" not in message for message in errors.values())
+
+
+def test_the_group_model_holds_no_second_copy_under_lora_and_its_loss_is_the_token_mean():
+    out = run_command([sys.executable, "tests/helpers/grpo_model_probe.py"]).stdout
+    got = json.loads(re.search(r"^GROUP (.*)$", out, re.M).group(1))
+    assert got["shape"] == [8, 12, 2]
+    assert got["policy_gap"] <= 1e-6 and got["reference_gap"] <= 1e-6, got  # the base, adapters off
+    assert got["policy_vs_base"] > 1e-3, got  # ... which the trained adapters do change
+    assert got["loss_gap_0.0"] <= 1e-6 and got["loss_gap_0.04"] <= 1e-6, got  # Keras's weighted mean
+    lora = got["lora"]  # the reference is the policy's own base: no weight of its own
+    assert lora["weights"] == lora["policy_weights"] and lora["trainable"] == lora["factors"] > 0, lora
+    full = got["full"]  # a full fine-tune: a frozen copy beside the policy
+    assert full["weights"] == 2 * full["policy_weights"] and full["trainable"] == full["policy_weights"], full
+    assert got["no_reference"] == {"shape": [8, 12, 1], "weights": full["policy_weights"]}, got

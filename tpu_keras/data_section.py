@@ -136,12 +136,11 @@ def check(data, defaults) -> None:
 
 
 def _differs(value, default) -> bool:
+    return _plain(value) != _plain(default)
+
+
+def _plain(value):
+    """A value as JSON would hold it: a ConfigDict as a dict, a tuple as a list."""
     if isinstance(value, ml_collections.ConfigDict):
-        value = value.to_dict()
-    if isinstance(value, (tuple, list)):
-        value = list(value)
-    if isinstance(default, ml_collections.ConfigDict):
-        default = default.to_dict()
-    if isinstance(default, (tuple, list)):
-        default = list(default)
-    return value != default
+        return value.to_dict()
+    return list(value) if isinstance(value, (tuple, list)) else value

@@ -34,9 +34,19 @@ mask: a prompt's tokens weigh exactly 0), reduced as TRL's `loss_type` says:
   constant.
 
 Everything is `keras.ops` on arrays, so both engines and a mesh run it.
+`GroupModel` gives a language model's per-token log-probabilities of sampled
+completions, the policy's and the reference's, and `GRPOLoss` is the `dapo`
+loss over them as a Keras loss with the completion mask as its sample
+weight: the toolkit's steps then take one token mean over replicas, hosts
+and micro-batches (`training.token_mean`), as for its other losses. The
+reference is DPO's (`models.preference`): with LoRA the base, the adapters
+switched off for a second forward pass, so no second copy of the weights;
+for a full fine-tune a frozen copy; none when beta is 0.
 """
 
 import keras
+
+from tpu_keras.models import lora
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 STD_EPSILON = 1e-4  # TRL's, added to the group's std
@@ -91,3 +101,63 @@ def token_mean(values, mask):
     mask = keras.ops.cast(mask, "float32")
     return keras.ops.divide_no_nan(keras.ops.sum(keras.ops.cast(values, "float32") * mask),
                                    keras.ops.sum(mask))
+
+
+class GroupModel(keras.Model):
+    """Per-token log-probabilities of sampled sequences (token ids [rows, L + 1] in): [rows, L, 2]
+    (policy, reference), or [rows, L, 1] without a reference (beta 0). `reference`, for a
+    policy without LoRA layers, is a frozen copy of its starting weights."""
+
+    def __init__(self, policy, reference=None, with_reference: bool = True, **kwargs):
+        super().__init__(name=kwargs.pop("name", f"{policy.name}_group"), **kwargs)
+        self.policy, self.with_reference = policy, with_reference
+        self.adapters = lora.adapted_layers(policy)
+        if with_reference and not self.adapters and reference is None:
+            raise ValueError("a policy without LoRA layers needs a reference copy")
+        self.reference = None if self.adapters or not with_reference else reference
+        if self.reference is not None:
+            self.reference.trainable = False
+        self.built = True
+
+    def call(self, tokens, training=None):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        policy = log_probs(self.policy(inputs, training=training), targets)
+        if not self.with_reference:
+            return keras.ops.expand_dims(policy, -1)
+        if self.reference is not None:
+            reference = log_probs(self.reference(inputs, training=False), targets)
+        else:
+            with lora.switched_off(self.adapters):
+                reference = log_probs(self.policy(inputs, training=False), targets)
+        return keras.ops.stack([policy, keras.ops.stop_gradient(reference)], axis=-1)
+
+    def compute_output_spec(self, tokens, training=None):
+        return keras.KerasTensor((tokens.shape[0], tokens.shape[1] - 1, 1 + self.with_reference),
+                                 "float32")
+
+
+def log_probs(logits, targets):
+    """[rows, L] log-probabilities of `targets` under `logits` [rows, L, vocabulary]."""
+    return -keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
+
+
+class GRPOLoss(keras.losses.Loss):
+    """The `dapo` loss of `GroupModel`'s output (with its reference when beta > 0). `y_true`
+    [rows, L, 2] holds, on every token, the sampling policy's log-probability and the
+    completion's advantage; the sample weight is the completion mask, so Keras's weighted
+    mean is the token mean."""
+
+    def __init__(self, epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
+                 name="grpo_loss"):
+        super().__init__(name=name, reduction="mean_with_sample_weight")
+        self.epsilon_low, self.epsilon_high, self.beta = epsilon_low, epsilon_high, beta
+
+    def call(self, y_true, y_pred):
+        reference = y_pred[..., 1] if self.beta else None
+        loss, _, _ = per_token(y_pred[..., 0], y_true[..., 0], reference, y_true[:, 0, 1],
+                               self.epsilon_low, self.epsilon_high, self.beta)
+        return loss
+
+    def get_config(self):
+        return {"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high,
+                "beta": self.beta, "name": self.name}

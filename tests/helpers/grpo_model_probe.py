@@ -1,0 +1,58 @@
+"""`GroupModel` and `GRPOLoss` (`tpu_keras.models.grpo`) on the tiny gpt, jax engine: prints
+`GROUP {json}` with how far the model's log-probabilities are from the policy's and the
+base's computed directly, the Keras loss against `reduce`'s, and what each kind of
+reference holds (LoRA: nothing of its own; a full fine-tune: a frozen copy; beta 0: none).
+"""
+
+import json
+import os
+
+os.environ["KERAS_BACKEND"] = "jax"
+
+from tpu_keras.cluster import engine  # noqa: E402
+
+engine.select("jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tpu_keras.models import gpt, grpo, lora  # noqa: E402
+
+GPT = dict(vocab_size=64, context_length=12, width=32, depth=1, num_heads=2)
+rng = np.random.default_rng(0)
+keras.utils.set_random_seed(0)
+tokens = rng.integers(0, 64, (8, 13)).astype("int32")
+mask = np.ones((8, 12), "float32")
+mask[:, :3] = 0  # the prompt
+mask[::2, 9:] = 0  # completions that stopped early
+policy = gpt.gpt(**GPT, lora_rank=2)
+for layer in lora.adapted_layers(policy):  # B starts at 0: move it, so the policy is not the base
+    layer.lora_b.assign(rng.normal(0, 0.5, layer.lora_b.shape).astype("float32"))
+group = grpo.GroupModel(policy)
+out = keras.ops.convert_to_numpy(group(tokens))
+direct = keras.ops.convert_to_numpy(grpo.log_probs(policy(tokens[:, :-1]), tokens[:, 1:]))
+with lora.switched_off(lora.adapted_layers(policy)):
+    base = keras.ops.convert_to_numpy(grpo.log_probs(policy(tokens[:, :-1]), tokens[:, 1:]))
+old = direct + rng.normal(0, 0.3, direct.shape).astype("float32")
+advantage = np.repeat(rng.normal(size=(8, 1)), 12, axis=1).astype("float32")
+y_true = np.stack([old, advantage], -1)
+report = {"shape": list(out.shape), "policy_gap": float(np.abs(out[..., 0] - direct).max()),
+          "reference_gap": float(np.abs(out[..., 1] - base).max()),
+          "policy_vs_base": float(np.abs(direct - base).max())}
+for beta in (0.0, 0.04):
+    keras_loss = grpo.GRPOLoss(0.2, 0.28, beta)(y_true, out, sample_weight=mask)
+    per_token, _, _ = grpo.per_token(out[..., 0], old, out[..., 1] if beta else None, advantage[:, 0],
+                                     0.2, 0.28, beta)
+    report[f"loss_gap_{beta}"] = float(abs(keras_loss - grpo.reduce(per_token, mask, "dapo", 9)))
+report["lora"] = {"weights": len(group.weights), "policy_weights": len(policy.weights),
+                  "trainable": len(group.trainable_weights), "factors": 2 * len(lora.adapted_layers(policy))}
+full = gpt.gpt(**GPT)
+copy = gpt.gpt(**GPT)
+for target, source in zip(copy.weights, full.weights):
+    target.assign(source)
+frozen = grpo.GroupModel(full, copy)
+report["full"] = {"weights": len(frozen.weights), "policy_weights": len(full.weights),
+                  "trainable": len(frozen.trainable_weights)}
+alone = grpo.GroupModel(full, with_reference=False)
+report["no_reference"] = {"shape": list(keras.ops.shape(alone(tokens))), "weights": len(alone.weights)}
+print("GROUP " + json.dumps(report), flush=True)
