@@ -1,5 +1,6 @@
 """Bad input ends in one line that says what to change, a non-zero exit and no traceback."""
 
+import json
 import re
 import shutil
 import sys
@@ -362,7 +363,7 @@ def test_every_flat_data_key_of_before_names_its_new_place():
             config_lib.check(config)
 
 
-def test_a_run_written_before_the_parts_reads_in_parts():
+def test_a_run_written_before_the_parts_reads_in_parts(tmp_path):
     """A workdir's config.json from before the parts (evaluate, export and generate read it)."""
     from tpu_keras import config as config_lib, data_section
     flat = {"name": "", "instructions": True, "text_files": "t/*.jsonl", "eval_text_files": "v/*.jsonl",
@@ -379,6 +380,10 @@ def test_a_run_written_before_the_parts_reads_in_parts():
     assert data_section.kind(config.data) == "instructions"
     pairs = data_section.migrated({"preferences": True, "text_files": "p/*.jsonl", "prompt_field": "q"})
     assert pairs == {"preferences": {"files": "p/*.jsonl", "prompt_field": "q"}}
+    (tmp_path / "config.json").write_text(json.dumps({"data": flat}))  # as such a run wrote it
+    read = config_lib.read_run_config(str(tmp_path))
+    assert read.data.instructions.files == "t/*.jsonl" and read.data.tokens.counts == "/w/token_counts"
+    assert data_section.kind(read.data) == "instructions"
 
 
 # Every shipped config and variant, with the part of the data section it reads.

@@ -243,7 +243,7 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     with opener(path) as file, without_type_checks():
         config = defaults()  # JSON has lists where the schema has tuples
         written = json.load(file)
-        if "name" in written.get("data", {}) or "text_files" in written.get("data", {}):
+        if any(key in data_section.MOVED for key in written.get("data", {})):
             written["data"] = data_section.migrated(written["data"])  # a run before the parts
         config.update(written)
     return config

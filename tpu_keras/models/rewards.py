@@ -51,7 +51,7 @@ def load(names, weights=(), key: str = "rewards") -> tuple[Reward, ...]:
         try:
             module = registry.import_user_module(where, f"{key} ({name!r})")
         except UserError:
-            raise
+            raise  # not found: already one line
         except Exception as error:  # whatever the user's module raised as it was imported
             raise UserError(f"{key} has {name!r}, whose module raised {type(error).__name__} "
                             f"as it was imported: {error}") from None
