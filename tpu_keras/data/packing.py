@@ -117,5 +117,5 @@ def check_longest(path: str, line: int, tokens: int, packing: Packing) -> None:
             f"{path}:{line} is an example of {tokens} tokens, longer than a row of "
             f"data.tokens.context_length + 1 = {packing.length} tokens, and examples are packed whole; "
             f"raise data.tokens.context_length (and the model's context_length) to at least "
-            f"{tokens - 1}, shorten that example, or set data.instructions.truncate=True to cut such examples "
-            "to the row")
+            f"{tokens - 1}, shorten that example, or set data.instructions.truncate=True to cut "
+            "such examples to the row")

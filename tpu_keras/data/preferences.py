@@ -1,8 +1,8 @@
 """Preference pairs for DPO (`data.preferences`): a prompt, a chosen and a rejected response.
 
 Each line of the .jsonl files in `data.preferences.files` (and `eval_files`)
-is one pair: its `prompt_field`, `chosen_field` and `rejected_field`. A pair is one example, so it is never split: the
-pipeline shards the files per host and the batch per replica as for any
+is one pair: its `prompt_field`, `chosen_field` and `rejected_field`. A
+pair is one example, so it is never split: the pipeline shards the files per host and the batch per replica as for any
 source (`data.pipeline`), each pair once per epoch, and a resumed run
 rebuilds its position from the step.
 

@@ -89,8 +89,8 @@ def make(config) -> Tokenizer:
         layer = cls(proto=config.vocabulary)
     elif "merges" in parameters:
         if not config.merges:
-            raise UserError(f"data.tokens.tokenizer={choice!r} is a byte-pair tokenizer; set data.tokens.merges "
-                            "to its merges.txt beside data.tokens.vocabulary")
+            raise UserError(f"data.tokens.tokenizer={choice!r} is a byte-pair tokenizer; set "
+                            "data.tokens.merges to its merges.txt beside data.tokens.vocabulary")
         layer = cls(vocabulary=config.vocabulary, merges=config.merges)
     else:
         layer = cls(vocabulary=config.vocabulary)

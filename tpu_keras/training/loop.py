@@ -47,7 +47,8 @@ def train(config, workdir: str, started: float | None = None):
     from tpu_keras.measurement import flops, peak
     from tpu_keras.models import preference
     from tpu_keras.training import callbacks, checkpoint, nonfinite, preemption, profiler
-    cluster, config, builder, model, checkpointer = run.cluster, run.config, run.builder, run.model, run.checkpointer
+    cluster, config, builder, model = run.cluster, run.config, run.builder, run.model
+    checkpointer = run.checkpointer
     compile_counter, train_cfg = run.compile_counter, config.train
     logging.info("model: %s", _describe(model, config))
 
@@ -115,7 +116,8 @@ def train(config, workdir: str, started: float | None = None):
     final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
     if final:
         headline = f"val_{builder.headline}"
-        logging.info("done at step %d: %s %.4g", checkpointer.step, headline, final.get(headline, float("nan")))
+        logging.info("done at step %d: %s %.4g", checkpointer.step, headline,
+                     final.get(headline, float("nan")))
     # Equal on every host of a synchronous run: a cheap check that hosts agree.
     logging.info("weights fingerprint: %.12e", _fingerprint(model))
 
