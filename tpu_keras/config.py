@@ -33,6 +33,8 @@ REMAT_MODES = ("none", "activations")
 EXPORT_FORMATS = ("saved_model", "keras_hub", "transformers", "lora", "peft")
 # 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.defaults).
 PRECISIONS = ("auto", "float32", "mixed_bfloat16")
+# How GRPO averages its token losses (TRL's loss_type; tpu_keras.models.grpo).
+GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 
 
 _TYPE_CHECKS = [True]  # off only inside `without_type_checks()`
@@ -103,6 +105,10 @@ def defaults() -> ml_collections.ConfigDict:
         # response (tpu_keras.data.preferences); the loss is DPO's (train.dpo_beta).
         preferences=dict(files="", eval_files="", prompt_field="prompt", chosen_field="chosen",
                          rejected_field="rejected"),
+        # Prompts for GRPO: each .jsonl line a prompt (under prompt_field) that the policy
+        # completes inside the run; the line's other fields go to the reward functions
+        # (grpo.rewards) beside the prompts and completions (docs/fine_tuning.md, "GRPO").
+        prompts=dict(files="", eval_files="", prompt_field="prompt"),
         # How text, instructions and preferences become tokens.
         tokens=dict(
             # 'bytes' | a keras_hub tokenizer class with its vocabulary file (a SentencePiece
@@ -154,6 +160,30 @@ def defaults() -> ml_collections.ConfigDict:
         dpo_beta=0.1,
     )
 
+    # GRPO (data.prompts): the policy samples a group of completions of each prompt, reward
+    # functions score them, and each completion's advantage is its reward against its
+    # group's (tpu_keras.models.grpo). The names are TRL's GRPOConfig's, with its meanings.
+    config.grpo = dict(
+        num_generations=8,          # G: completions per prompt; train.batch_size counts completions
+        max_completion_length=64,   # new tokens per completion, its stop token included
+        temperature=1.0,            # sampling, and the log-probabilities the loss compares
+        top_p=1.0,                  # nucleus sampling; 1: the whole vocabulary
+        stop="",                    # text of one token that ends a completion, besides the end token
+        # 'module:function' or 'file.py:function' names: fn(prompts=, completions=, **fields)
+        # returns one float per completion; their weighted sum is the reward.
+        rewards=(),
+        reward_weights=(),          # one per reward function; (): 1 each
+        scale_rewards=True,         # divide by the group's std; False: Dr.GRPO
+        epsilon=0.2,                # the ratio's clip range below 1 (and above, unless epsilon_high)
+        epsilon_high=0.0,           # the range above 1; 0: epsilon (DAPO's clip-higher: 0.28)
+        beta=0.0,                   # the KL term's weight; 0: no reference model is held
+        loss_type="dapo",           # 'dapo' | 'grpo' | 'dr_grpo': how the token losses are averaged
+        num_iterations=1,           # optimisation steps on each batch of samples
+        # Write each batch's prompts, completions, rewards and advantages to
+        # DIR/completions/BATCH-hostH.jsonl (TRL logs them as a table).
+        log_completions=False,
+    )
+
     config.checkpoint = dict(
         every_steps=200,
         keep=3,
@@ -201,6 +231,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     train, log = config.train, config.log
     _check_dpo_beta(config.train.dpo_beta)
     data_section.check(config.data, defaults().data)
+    _check_grpo(config)
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "
                         f"{', '.join(map(repr, PRECISIONS))}{closest(train.precision, PRECISIONS)}")
@@ -312,6 +343,55 @@ def _check_dpo_beta(beta) -> None:
                         "strongly the policy is held to the reference, such as 0.1")
 
 
+def _check_grpo(config) -> None:
+    """GRPO's settings: read by a run of data.prompts alone, on the jax engine, its batch in
+    whole groups and its intervals in whole batches of samples."""
+    grpo, train, kind = config.grpo, config.train, data_section.kind(config.data)
+    if kind != "prompts":
+        changed = [key for key, value in grpo.items()
+                   if data_section.differs(value, defaults().grpo[key])]
+        if changed and kind:
+            raise UserError(f"grpo.{changed[0]} is set, but this run reads data.{kind}, so grpo "
+                            "would be ignored; drop it, or set data.prompts.files to train with GRPO")
+        return
+    if config.engine != "jax":
+        raise UserError("GRPO (data.prompts) samples inside the run on the jax engine; set "
+                        "engine='jax'")
+    if not grpo.rewards:
+        raise UserError("grpo.rewards is empty; name the reward functions, such as "
+                        "('my_rewards:is_correct',) or ('rewards.py:is_correct',)")
+    if grpo.reward_weights and len(grpo.reward_weights) != len(grpo.rewards):
+        raise UserError(f"grpo.reward_weights has {len(grpo.reward_weights)} weights for "
+                        f"{len(grpo.rewards)} reward functions; give one per function, or ()")
+    if isinstance(grpo.num_generations, bool) or not isinstance(grpo.num_generations, int) \
+            or grpo.num_generations < 2:
+        raise UserError(f"grpo.num_generations={grpo.num_generations!r}: GRPO compares each "
+                        "completion with the others of its prompt, so a group needs 2 or more; "
+                        "set it to such as 8")
+    if train.batch_size % grpo.num_generations:
+        raise UserError(f"train.batch_size={train.batch_size} is not a multiple of "
+                        f"grpo.num_generations={grpo.num_generations}: a batch holds whole groups "
+                        "(train.batch_size counts completions, as TRL's does)")
+    if grpo.loss_type not in GRPO_LOSS_TYPES:
+        raise UserError(f"grpo.loss_type={grpo.loss_type!r} is not one of {GRPO_LOSS_TYPES}"
+                        f"{closest(grpo.loss_type, GRPO_LOSS_TYPES)}")
+    if not 0 < grpo.top_p <= 1 or not grpo.temperature > 0:
+        raise UserError(f"grpo.top_p={grpo.top_p!r} and grpo.temperature={grpo.temperature!r}: "
+                        "set top_p above 0 and at most 1, and temperature above 0")
+    for name in ("checkpoint.every_steps", "log.every_steps", "train.eval_every", "train.steps"):
+        section, key = name.split(".")
+        if config[section][key] % grpo.num_iterations:
+            raise UserError(f"{name}={config[section][key]} must be a multiple of "
+                            f"grpo.num_iterations={grpo.num_iterations}: a batch of samples is "
+                            "trained on that many times before the next is sampled")
+    if train.on_nonfinite != "stop":
+        raise UserError("train.on_nonfinite='restore_and_skip' leaves out a batch of the data, and "
+                        "GRPO's batches are sampled by the policy; set train.on_nonfinite='stop'")
+    if train.steps_per_execution > 1:
+        raise UserError(f"train.steps_per_execution={train.steps_per_execution}: GRPO samples "
+                        "between updates, so each execution is one step; set it to 0 or 1")
+
+
 def a_type(kind: type) -> str:
     """'an int', 'a float', 'a tuple': a type's name as a sentence says it."""
     name = kind.__name__
@@ -329,6 +409,9 @@ _RANGES = (
     ("cluster.virtual_devices", 0, None), ("data.shuffle_buffer", 1, None),
     ("data.tokens.context_length", 0, None),
     ("layout.replicate_below", 0, None),
+    ("grpo.max_completion_length", 1, None), ("grpo.temperature", 0, None),
+    ("grpo.epsilon", 0, 1), ("grpo.epsilon_high", 0, None), ("grpo.beta", 0, None),
+    ("grpo.num_iterations", 1, None),
 )
 
 

@@ -7,6 +7,7 @@ Each kind of data has a part of its own, and a key belongs to one part:
     data.text          plain text documents (.txt, .jsonl), or a TFDS dataset's text feature
     data.instructions  .jsonl prompts and responses (the loss counts the responses)
     data.preferences   .jsonl prompts with a chosen and a rejected response (DPO)
+    data.prompts       .jsonl prompts the policy completes, scored by reward functions (GRPO)
     data.tokens        how text becomes tokens: tokenizer, context length, token counts
 
 The keys left at the top of the section (`data_dir`, `preprocess`, the shuffle and the
@@ -22,10 +23,10 @@ import ml_collections
 from tpu_keras.errors import UserError
 
 # What each part reads, by the key that names its files (or dataset).
-KINDS = ("tfds", "tfrecords", "text", "instructions", "preferences")
+KINDS = ("tfds", "tfrecords", "text", "instructions", "preferences", "prompts")
 WHERE = {"tfds": "name", "tfrecords": "files", "text": "files", "instructions": "files",
-         "preferences": "files"}
-TOKENIZED = ("text", "instructions", "preferences")
+         "preferences": "files", "prompts": "files"}
+TOKENIZED = ("text", "instructions", "preferences", "prompts")
 
 # The flat keys of before the parts, and their places now. The files of text data moved
 # to the part of their kind (`migrated` tells which from the old flags).
@@ -127,15 +128,16 @@ def check(data, defaults) -> None:
     for part in (*KINDS, "tokens"):
         if part in read:
             continue
-        changed = [key for key, value in data[part].items() if _differs(value, defaults[part][key])]
+        changed = [key for key, value in data[part].items() if differs(value, defaults[part][key])]
         if changed:
             raise UserError(f"data.{part}.{changed[0]} is set, but this run reads data.{what}, so "
                             f"data.{part} would be ignored; drop it, or "
                             + (f"set data.{part}.{WHERE[part]} to read that kind of data instead"
-                               if part in WHERE else "read text, instructions or preferences"))
+                               if part in WHERE else "read text, instructions, preferences or prompts"))
 
 
-def _differs(value, default) -> bool:
+def differs(value, default) -> bool:
+    """Whether a config value is not its default, compared as JSON would hold them."""
     return _plain(value) != _plain(default)
 
 

@@ -35,15 +35,23 @@ with lora.switched_off(lora.adapted_layers(policy)):
     base = keras.ops.convert_to_numpy(grpo.log_probs(policy(tokens[:, :-1]), tokens[:, 1:]))
 old = direct + rng.normal(0, 0.3, direct.shape).astype("float32")
 advantage = np.repeat(rng.normal(size=(8, 1)), 12, axis=1).astype("float32")
-y_true = np.stack([old, advantage], -1)
+y_true = np.stack([old, advantage, mask], -1)
 report = {"shape": list(out.shape), "policy_gap": float(np.abs(out[..., 0] - direct).max()),
           "reference_gap": float(np.abs(out[..., 1] - base).max()),
-          "policy_vs_base": float(np.abs(direct - base).max())}
+          "policy_vs_base": float(np.abs(direct - base).max()), "loss_gaps": {}}
 for beta in (0.0, 0.04):
-    keras_loss = grpo.GRPOLoss(0.2, 0.28, beta)(y_true, out, sample_weight=mask)
     per_token, _, _ = grpo.per_token(out[..., 0], old, out[..., 1] if beta else None, advantage[:, 0],
                                      0.2, 0.28, beta)
-    report[f"loss_gap_{beta}"] = float(abs(keras_loss - grpo.reduce(per_token, mask, "dapo", 9)))
+    for loss_type in grpo.LOSS_TYPES:  # each through the sample weights the run gives Keras
+        keras_loss = grpo.GRPOLoss(0.2, 0.28, beta, loss_type=loss_type, max_completion_length=9)(
+            y_true, out, sample_weight=grpo.sample_weights(mask, loss_type))
+        report["loss_gaps"][f"{loss_type}_{beta}"] = float(
+            abs(keras_loss - grpo.reduce(per_token, mask, loss_type, 9)))
+# One step per batch of samples: the loss takes the policy's own log-probabilities as old.
+on_policy, _, _ = grpo.per_token(out[..., 0], out[..., 0], None, advantage[:, 0], 0.2, 0.28, 0.0)
+report["loss_gaps"]["on_policy"] = float(abs(
+    grpo.GRPOLoss(0.2, 0.28, on_policy=True)(y_true, out, sample_weight=mask)
+    - grpo.reduce(on_policy, mask, "dapo", 9)))
 report["lora"] = {"weights": len(group.weights), "policy_weights": len(policy.weights),
                   "trainable": len(group.trainable_weights), "factors": 2 * len(lora.adapted_layers(policy))}
 full = gpt.gpt(**GPT)

@@ -95,8 +95,15 @@ def weights(workdir, step=STEPS):
     """{name: array} of the checkpoint of `step`: TensorFlow's format, or Orbax's (jax engine)."""
     orbax_dir = workdir / "checkpoints" / str(step) / "default"
     if orbax_dir.is_dir():
+        import jax
         import orbax.checkpoint as ocp
-        tree = ocp.StandardCheckpointer().restore(str(orbax_dir))
+        checkpointer = ocp.StandardCheckpointer()
+        saved = checkpointer.metadata(str(orbax_dir))
+        saved = getattr(getattr(saved, "item_metadata", saved), "tree", saved)
+        # Onto this process's one device, whatever mesh saved it.
+        here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        tree = checkpointer.restore(str(orbax_dir), jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=here), saved))
         return {f"{group}/{key}": np.asarray(value) for group, values in tree.items()
                 for key, value in (values.items() if isinstance(values, dict) else enumerate(values))}
     import tensorflow as tf

@@ -39,8 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_keras import data_section
-from tpu_keras.data import documents as documents_lib, packing as packing_lib, sources, \
-    stdlib_instructions, stdlib_text, token_counts, tokenizers
+from tpu_keras.data import arithmetic, documents as documents_lib, packing as packing_lib, \
+    sources, stdlib_instructions, stdlib_text, token_counts, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -259,7 +259,7 @@ def _open(config, training: bool, hosts) -> PackedSource:
     data_dir = os.path.expanduser(config.data_dir)
     config = with_data_dir(config)
     part = config[kind]
-    for offline in (stdlib_text, stdlib_instructions):  # offline corpora, written on first use
+    for offline in (stdlib_text, stdlib_instructions, arithmetic):  # offline, written on first use
         if any(path.startswith(offline.folder(data_dir) + os.sep)
                for path in (part.files, part.eval_files, config.tokens.vocabulary)):
             offline.prepare(data_dir)

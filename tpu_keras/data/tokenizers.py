@@ -97,6 +97,17 @@ def make(config) -> Tokenizer:
     return _wrap(f"{choice}({os.path.basename(config.vocabulary)})", layer)
 
 
+def decode(tokenizer: Tokenizer, ids) -> str:
+    """The text of token ids. Bytes: an id past them (a model's larger vocabulary) reads as
+    U+FFFD, as do bytes that are not UTF-8."""
+    if tokenizer.layer is None:
+        return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode(
+            "utf-8", errors="replace")
+    value = tokenizer.layer.detokenize(tf.constant(list(ids), tf.int32))
+    value = value.numpy() if hasattr(value, "numpy") else value
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def _bytes(texts):
     """Every document's UTF-8 bytes, as one ragged batch (one decode for the block)."""
     values = tf.io.decode_raw(tf.strings.reduce_join(texts), tf.uint8)

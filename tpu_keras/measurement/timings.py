@@ -19,6 +19,10 @@ on tf, which does not report its compiles, the whole excess is `compile`.
 Only the process's own exit is missing here; `scripts/benchmark.py --run`
 times it from outside.
 
+GRPO's runs (`training.grpo_loop`) add `sampling`, the policy completing
+prompts (its first call compiles the sampler; evaluation's sampling counts
+here too), and `rewards`, the reward functions scoring the completions.
+
 `checkpoints` is the time the loop blocked on saves: copying the state to
 host memory and, with asynchronous saves, waiting for a write still in
 flight (at the next save, or at the end of the run). The writes themselves
@@ -38,8 +42,8 @@ from tpu_keras import workdir
 
 
 # Phases in the order a run meets them; the log line keeps it.
-PHASES = ("startup", "data", "cluster", "model", "restore", "compile", "warmup", "steps", "validation",
-          "checkpoints", "fit_teardown", "export", "other")
+PHASES = ("startup", "data", "cluster", "model", "restore", "compile", "warmup", "steps", "sampling",
+          "rewards", "validation", "checkpoints", "fit_teardown", "export", "other")
 
 
 def process_start() -> float:
@@ -69,6 +73,7 @@ class RunTimings:
         self.compile_cache = {}
         # Seconds of work that overlapped the phases: {"checkpoint_writes": s, "checkpoint_waits": s}.
         self.background = {}
+        self.always_shown = {"compile"}  # in the time line even when under 0.05 s
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -111,7 +116,7 @@ class RunTimings:
                      report["wall_seconds"], 100 * report["outside_steps_fraction"],
                      " | ".join(f"{name} {value:.1f}" + _note(name, report)
                                 for name, value in report["seconds"].items()
-                                if value >= 0.05 or name == "compile" or _note(name, report)))
+                                if value >= 0.05 or name in self.always_shown or _note(name, report)))
         if path:
             workdir.write_whole(path, json.dumps(report, indent=2))
         return report

@@ -43,21 +43,54 @@ HEADLINE = "reward_accuracy"
 COLUMNS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
 
 
-class PairsModel(keras.Model):
-    """A language model's scores of preference pairs: [batch, 4] sums of log-probabilities
-    (`COLUMNS`). `policy` is the wrapped model (tokens [batch, L] -> logits); `reference`,
-    for a policy without LoRA layers, a frozen copy of its starting weights."""
+class PolicyWrapper(keras.Model):
+    """A language model (`policy`: tokens [rows, L] -> logits) wrapped for an objective that
+    holds it to a reference, the model as training started: with LoRA layers its base (the
+    adapters switched off for a second pass: no second copy), else `reference`, a frozen
+    copy of its starting weights; none when `with_reference` is False (GRPO's beta 0).
+    DPO's `PairsModel` and GRPO's `GroupModel` share it."""
 
-    def __init__(self, policy, reference=None, **kwargs):
-        super().__init__(name=kwargs.pop("name", f"{policy.name}_pairs"), **kwargs)
-        self.policy = policy
+    def __init__(self, policy, reference=None, with_reference: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.policy, self.with_reference = policy, with_reference
         self.adapters = lora.adapted_layers(policy)
-        if not self.adapters and reference is None:
+        if with_reference and not self.adapters and reference is None:
             raise ValueError("a policy without LoRA layers needs a reference copy")
-        self.reference = None if self.adapters else reference
+        self.reference = None if self.adapters or not with_reference else reference
         if self.reference is not None:
             self.reference.trainable = False
         self.built = True
+
+    def on_reference(self, score):
+        """`score(model)` on the reference (its gradient stopped)."""
+        if self.reference is not None:
+            return keras.ops.stop_gradient(score(self.reference))
+        with lora.switched_off(self.adapters):
+            return keras.ops.stop_gradient(score(self.policy))
+
+    def get_config(self):
+        """The policy's config and the reference's kind: what the step cache keys a step by."""
+        return {"name": self.name, "policy": keras.saving.serialize_keras_object(self.policy),
+                "frozen_reference": self.reference is not None,
+                "with_reference": self.with_reference}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        policy = config.pop("policy")
+        make = lambda: keras.saving.deserialize_keras_object(policy)
+        reference = make() if config.pop("frozen_reference", False) else None
+        return cls(make(), reference, **config)
+
+
+class PairsModel(PolicyWrapper):
+    """A language model's scores of preference pairs: [batch, 4] sums of log-probabilities
+    (`COLUMNS`)."""
+
+    def __init__(self, policy, reference=None, **kwargs):
+        kwargs.pop("with_reference", None)
+        super().__init__(policy, reference, name=kwargs.pop("name", f"{policy.name}_pairs"),
+                         **kwargs)
 
     def call(self, inputs, training=None):
         tokens, mask = inputs["tokens"], keras.ops.cast(inputs["mask"], "float32")
@@ -68,12 +101,8 @@ class PairsModel(keras.Model):
         weights = keras.ops.reshape(mask, (-1, length + 1))[:, 1:]
         inputs_, targets = flat[:, :-1], flat[:, 1:]
         policy = self._scores(self.policy, inputs_, targets, weights, training)
-        if self.reference is not None:
-            reference = self._scores(self.reference, inputs_, targets, weights, False)
-        else:
-            with lora.switched_off(self.adapters):
-                reference = self._scores(self.policy, inputs_, targets, weights, False)
-        reference = keras.ops.stop_gradient(reference)
+        reference = self.on_reference(
+            lambda model: self._scores(model, inputs_, targets, weights, False))
         both = keras.ops.stack([policy, reference], axis=-1)  # [2 * batch, 2]
         # [batch, (chosen, rejected), (policy, reference)] -> COLUMNS' order
         pairs = keras.ops.reshape(both, (-1, 2, 2))
@@ -85,23 +114,13 @@ class PairsModel(keras.Model):
         log_probs = -keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
         return keras.ops.sum(log_probs * weights, axis=-1)
 
-    def get_config(self):
-        """The policy's config and the reference's kind: what the step cache keys a step by."""
-        return {"name": self.name, "policy": keras.saving.serialize_keras_object(self.policy),
-                "frozen_reference": self.reference is not None}
-
-    @classmethod
-    def from_config(cls, config):
-        make = lambda: keras.saving.deserialize_keras_object(config["policy"])
-        return cls(make(), make() if config.get("frozen_reference") else None, name=config["name"])
-
     def compute_output_spec(self, inputs, training=None):
         return keras.KerasTensor((inputs["tokens"].shape[0], 4), "float32")
 
 
 def policy_of(model):
-    """The language model inside a `PairsModel`; any other model as it is."""
-    return model.policy if isinstance(model, PairsModel) else model
+    """The language model inside a `PolicyWrapper` (DPO's, GRPO's); any other model as it is."""
+    return model.policy if isinstance(model, PolicyWrapper) else model
 
 
 def rewards(scores, beta: float):

@@ -153,15 +153,10 @@ def _ids_generator(tokenizer, start: list, context: int, extend) -> Generator:
     that `mask` leaves open filled, or stopped after an id of `stop_ids`."""
     import numpy as np
     import tensorflow as tf
+    from tpu_keras.data import tokenizers
 
     def encode(prompt):
         return start + [int(i) for i in tokenizer.tokenize(tf.constant([prompt]))[0].numpy()]
-
-    def decode(ids):
-        if tokenizer.layer is None:  # bytes; an id past them (a model's larger vocabulary): U+FFFD
-            return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode(
-                "utf-8", errors="replace")
-        return _string(tokenizer.layer.detokenize(tf.constant(ids, tf.int32)))
 
     def generate(prompts, max_length, sampler):
         encoded = [encode(prompt) for prompt in prompts]
@@ -176,7 +171,7 @@ def _ids_generator(tokenizer, start: list, context: int, extend) -> Generator:
             new = [int(t) for t in row[len(ids):]]
             if tokenizer.eos_id in new:
                 new = new[:new.index(tokenizer.eos_id)]
-            texts.append(decode(ids[len(start):] + new))
+            texts.append(tokenizers.decode(tokenizer, ids[len(start):] + new))
         return texts
     return Generator(context, encode, generate)
 

@@ -56,7 +56,7 @@ class IntervalLogger(keras.callbacks.Callback):
                     # Model FLOPs utilization: the share of the peak the model's matmuls use.
                     scalars["mfu"] = scalars["model_flops_per_second"] / self._peak
         logging.info("step %d/%d | %s", step, self._total,
-                     " | ".join(f"{k} {_fmt(v)}" for k, v in scalars.items()))
+                     " | ".join(f"{k} {format_number(v)}" for k, v in scalars.items()))
         if self._writer:
             with self._writer.as_default(step=step):
                 for name, value in scalars.items():
@@ -120,7 +120,7 @@ def _is_number(value):
     return True
 
 
-def _fmt(value):
+def format_number(value):
     if abs(value) >= 1e7:
         return f"{value:.3g}"
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"

@@ -15,6 +15,8 @@ The choices `auto` makes, and why (figures: docs/performance.md):
 
 import math
 
+from tpu_keras import data_section
+
 CPU_STEPS_PER_EXECUTION = 10
 TPU_STEPS_PER_EXECUTION = 100  # without a log interval to match
 
@@ -49,5 +51,7 @@ def resolve(config, cluster) -> dict:
     """The `train` keys whose `auto` this platform decides, {precision, steps_per_execution},
     with their values here: the run's resolved config takes them (`training.run_config`),
     so the config written to the workdir says what actually ran."""
-    return {"precision": precision(config.train, cluster.kind),
-            "steps_per_execution": steps_per_execution(config.train, cluster, config.log.every_steps)}
+    per_execution = steps_per_execution(config.train, cluster, config.log.every_steps)
+    if data_section.kind(config.data) == "prompts":  # GRPO samples between any two updates
+        per_execution = 1
+    return {"precision": precision(config.train, cluster.kind), "steps_per_execution": per_execution}

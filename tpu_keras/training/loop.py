@@ -15,7 +15,6 @@ imported inside `train`, after `setup` has selected the engine.
 # engine.select); JAX (optional: absent on a plain install; the tf engine runs without
 # JAX); NumPy (start-up time: not every caller needs it).
 import functools
-import math
 import os
 import re
 import sys
@@ -26,11 +25,12 @@ from absl import logging
 from tpu_keras import data_section
 from tpu_keras.errors import UserError, first_line
 from tpu_keras.measurement import timings
-from tpu_keras.training import defaults, setup
+from tpu_keras.training import defaults, finish, setup
 
 
 def train(config, workdir: str, started: float | None = None):
-    """Runs (or resumes) one training run; returns the final Keras history.
+    """Runs (or resumes) one training run; returns the final Keras history (GRPO's: the last
+    evaluation's figures, `training.grpo_loop`).
 
     `started` (a `time.time()`) is when the run began, for its time breakdown;
     the command line passes the process's start, so imports count too.
@@ -50,7 +50,12 @@ def train(config, workdir: str, started: float | None = None):
     cluster, config, builder, model = run.cluster, run.config, run.builder, run.model
     checkpointer = run.checkpointer
     compile_counter, train_cfg = run.compile_counter, config.train
-    logging.info("model: %s", _describe(model, config))
+    logging.info("model: %s", setup.describe(model, config))
+    if data_section.kind(config.data) == "prompts":  # GRPO: the policy samples inside the run
+        from tpu_keras.training import grpo_loop
+        evaluated = grpo_loop.train_with_grpo(run, workdir, run_timings)
+        _finish_timings(run_timings, compile_counter, workdir, cluster)
+        return evaluated
 
     # ----- checkpoints ---------------------------------------------------------
     checkpointer.save = run_timings.timed("checkpoints", checkpointer.save)
@@ -109,9 +114,9 @@ def train(config, workdir: str, started: float | None = None):
     except _LostPeer:
         raise  # its save in flight waits on the lost host: the run ends without it
     except BaseException:
-        _wait_for_the_last_save(checkpointer, run_timings, failing=True)
+        finish.wait_for_the_last_save(checkpointer, run_timings, failing=True)
         raise
-    _wait_for_the_last_save(checkpointer, run_timings)
+    finish.wait_for_the_last_save(checkpointer, run_timings)
 
     final = {k: v[-1] for k, v in history.history.items() if k.startswith("val_")}
     if final:
@@ -119,15 +124,19 @@ def train(config, workdir: str, started: float | None = None):
         logging.info("done at step %d: %s %.4g", checkpointer.step, headline,
                      final.get(headline, float("nan")))
     # Equal on every host of a synchronous run: a cheap check that hosts agree.
-    logging.info("weights fingerprint: %.12e", _fingerprint(model))
+    logging.info("weights fingerprint: %.12e", finish.fingerprint(model))
 
     # ----- export --------------------------------------------------------------
     with run_timings.phase("export"):
-        _export(policy, config, workdir, cluster)
+        finish.export(policy, config, workdir, cluster)
     logger.close()
+    _finish_timings(run_timings, compile_counter, workdir, cluster)
+    return history
+
+
+def _finish_timings(run_timings, compile_counter, workdir, cluster):
     run_timings.compile_cache = compile_counter.report()
     run_timings.finish(os.path.join(workdir, "timings.json") if cluster.is_chief else None)
-    return history
 
 
 class _LostPeer(UserError):
@@ -156,40 +165,6 @@ def _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data,
                             f"({_peer_reason(error)}); the other hosts stop too; start every "
                             "host again with the same command to resume from the last "
                             "checkpoint") from None
-
-
-def _wait_for_the_last_save(checkpointer, run_timings, failing=False):
-    """Returns once the run's last save is committed. A lost one is the run's error, or,
-    when the run is already failing (or preempted), one line beside that error."""
-    from tpu_keras.training import background
-    try:
-        with run_timings.phase("checkpoints"):
-            checkpointer.wait()
-    except background.SaveLost as lost:
-        if not failing:
-            raise
-        logging.error("%s", lost)
-    finally:
-        if checkpointer.writer:
-            run_timings.background = {"checkpoint_writes": checkpointer.writer.background_seconds,
-                                      "checkpoint_waits": checkpointer.writer.waiting_seconds}
-
-
-def _export(model, config, workdir, cluster):
-    """DIR/export/ (tpu_keras.models.export), on the chief. A format the model's family has
-    no exporter for is a warning: the run itself succeeded, and the others are written."""
-    from tpu_keras.models import export
-    chosen = export.formats(config, export.find_task(model))
-    if cluster.engine == "jax" and cluster.num_processes > 1 and set(chosen) - {"saved_model"}:
-        # Another host's shards are out of the chief's reach; the export command reads
-        # them from the final checkpoint instead, into one host's memory.
-        logging.warning("export: %s from a run on %d hosts: run python -m tpu_keras.export "
-                        "--workdir=%s on one host", ", ".join(chosen), cluster.num_processes, workdir)
-        chosen = tuple(name for name in chosen if name == "saved_model")
-    if not cluster.is_chief or not chosen:
-        return
-    for problem in export.write(model, config, os.path.join(workdir, "export"), chosen):
-        logging.warning("export: %s", problem)
 
 
 def _fit(model, config, start_step, train_data, eval_data, eval_steps, run_callbacks, fit_returned):
@@ -257,27 +232,3 @@ def _peer_reason(error) -> str:
     """The first line of a collective's error, without TensorFlow's function-node prefix."""
     text = re.sub(r"\{\{[^}]*\}\}\s*", "", str(error)).strip()
     return f"{type(error).__name__}: {first_line(text, 160) if text else ''}"
-
-
-def _describe(model, config) -> str:
-    """The model line of the log: name, parameters (and how many train, when some are
-    frozen), precision, steps per execution, and what changes how a step runs."""
-    train_cfg, total = config.train, model.count_params()
-    trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
-    parts = [f"{config.model.name} with {total:,} parameters"
-             + (f", {trainable:,} of them trainable ({trainable / max(total, 1):.1%})"
-                if trainable != total else ""),
-             train_cfg.precision, f"{train_cfg.steps_per_execution} steps per execution"]
-    if model.jit_compile:
-        parts.append("XLA")
-    if train_cfg.remat != "none":
-        parts.append(f"remat {train_cfg.remat}")
-    if train_cfg.grad_accum_steps > 1:
-        parts.append(f"{train_cfg.grad_accum_steps} micro-batches of {train_cfg.batch_size} per update")
-    return ", ".join(parts)
-
-
-def _fingerprint(model) -> float:
-    """The sum of all weights, computed where they live (sharded jax arrays span hosts)."""
-    import keras
-    return sum(float(keras.ops.convert_to_numpy(keras.ops.sum(w.value))) for w in model.weights)

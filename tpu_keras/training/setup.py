@@ -21,6 +21,7 @@ imports Keras or TensorFlow is imported inside the functions below, after
 # JAX); NumPy (start-up time: not every caller needs it).
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 
@@ -30,6 +31,11 @@ from tpu_keras import cluster as cluster_lib, config as config_lib, data_section
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.training import compile_cache
+
+
+# The objectives a kind of data trains with, beside the builder's own loss: DPO on
+# preference pairs, GRPO on prompts.
+OBJECTIVES = {"preferences": "dpo", "prompts": "grpo"}
 
 
 @dataclasses.dataclass
@@ -79,7 +85,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     import tensorflow as tf
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.data import preferences
-    from tpu_keras.models import preference
+    from tpu_keras.models import grpo, preference
     from tpu_keras.training import checkpoint, preemption, run_config
 
     if trains:
@@ -110,9 +116,11 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     builder, model_kwargs = models.registry.get(resolved.model)
     text_source = None
     kind = data_section.kind(resolved.data)
-    pairs = kind == "preferences"  # DPO: the pairs model (`models.preference`)
-    if pairs:
+    objective = OBJECTIVES.get(kind, "")
+    if objective == "dpo":  # the pairs model (`models.preference`)
         builder = preference.builder(builder, resolved.train.dpo_beta)
+    elif objective == "grpo":  # the group model (`models.grpo`)
+        builder = grpo.builder(builder, resolved.grpo)
     elif not one_device and kind in ("text", "instructions"):
         # Its tokens per byte turn bits per token into bits per byte.
         with phase("data"):
@@ -120,14 +128,14 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
                                                 hosts=(cluster.host_index, cluster.num_processes))
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with phase("model"):
-        model = build_model(resolved, cluster, builder, pairs=pairs)
+        model = build_model(resolved, cluster, builder, objective=objective)
     if trains and cluster.is_chief:
         models.preset_copy.keep(resolved.model, workdir)
     if compile_counter is not None:
         compile_cache.keep_steps(model, compile_counter, resolved)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], resolved.data)
-    if pairs and not one_device:
+    if objective == "dpo" and not one_device:
         data.text.check_vocabulary(preferences.make_tokenizer(resolved.data),
                                    model.policy.output_shape[-1], resolved.data)
     saving = ({"keep": resolved.checkpoint.keep, "asynchronous": resolved.checkpoint.asynchronous}
@@ -154,20 +162,20 @@ def with_text_metrics(builder, tokens_per_byte: float):
         bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
 
 
-def build_model(config, cluster, builder=None, pairs: bool = False):
+def build_model(config, cluster, builder=None, objective: str = ""):
     """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
 
     `builder` replaces the registry's for `config.model` (packed text's metrics:
-    `with_text_metrics`; DPO's loss: `models.preference.builder`). `pairs`: the
-    model scores preference pairs for DPO (`models.preference.PairsModel`); without
-    LoRA layers its reference is a second, frozen copy of the model, made here with
-    the model's layout and starting weights.
+    `with_text_metrics`; DPO's and GRPO's losses). `objective` 'dpo' wraps the model
+    in DPO's pairs model (`models.preference.PairsModel`), 'grpo' in GRPO's group model
+    (`models.grpo.GroupModel`); either holds the reference (`PolicyWrapper`), which
+    without LoRA layers is a second, frozen copy of the model, made here with the
+    model's layout and starting weights (none for GRPO with beta 0).
 
     On jax this first sets the process's `keras.distribution` from the
     model's layout rules, so that Keras lays each weight out as it creates
     it; on tf every weight is replicated and the rules are only checked.
     """
-    import keras
     from tpu_keras import models
     from tpu_keras.training import optimization
     if builder is None:
@@ -183,16 +191,44 @@ def build_model(config, cluster, builder=None, pairs: bool = False):
         if routed := splash_attention.route(model, cluster):
             logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
     placer.check(model.weights)
-    if pairs:
-        from tpu_keras.models import lora, preference
+    if objective:
+        from tpu_keras.models import grpo, lora, preference
+        with_reference = objective == "dpo" or config.grpo.beta > 0
         reference = None
-        if not lora.adapted_layers(model):  # a full fine-tune: a frozen copy to score against
-            with cluster.scope():
-                reference = models.build(config.model, remat=config.train.remat)
-                for copy, weight in zip(reference.weights, model.weights):
-                    copy.assign(keras.ops.copy(weight.value))  # a buffer of its own (jax donates)
-            logging.info("DPO reference: a frozen copy of the model's %s starting weights",
-                         f"{reference.count_params():,}")
-        model = preference.PairsModel(model, reference)
+        if with_reference and not lora.adapted_layers(model):  # a full fine-tune
+            reference = _frozen_copy(config, cluster, model)
+            logging.info("%s reference: a frozen copy of the model's %s starting weights",
+                         objective.upper(), f"{reference.count_params():,}")
+        model = (preference.PairsModel(model, reference) if objective == "dpo" else
+                 grpo.GroupModel(model, reference, with_reference, config.grpo.temperature))
     optimization.compile_model(model, builder, config.train, cluster)
     return model
+
+
+def _frozen_copy(config, cluster, model):
+    """A second model of the config, laid out as `model` and holding its weights."""
+    import keras
+    from tpu_keras import models
+    with cluster.scope():
+        reference = models.build(config.model, remat=config.train.remat)
+        for copy, weight in zip(reference.weights, model.weights):
+            copy.assign(keras.ops.copy(weight.value))  # a buffer of its own (jax donates)
+    return reference
+
+
+def describe(model, config) -> str:
+    """The model line of the log: name, parameters (and how many train, when some are
+    frozen), precision, steps per execution, and what changes how a step runs."""
+    train_cfg, total = config.train, model.count_params()
+    trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
+    parts = [f"{config.model.name} with {total:,} parameters"
+             + (f", {trainable:,} of them trainable ({trainable / max(total, 1):.1%})"
+                if trainable != total else ""),
+             train_cfg.precision, f"{train_cfg.steps_per_execution} steps per execution"]
+    if model.jit_compile:
+        parts.append("XLA")
+    if train_cfg.remat != "none":
+        parts.append(f"remat {train_cfg.remat}")
+    if train_cfg.grad_accum_steps > 1:
+        parts.append(f"{train_cfg.grad_accum_steps} micro-batches of {train_cfg.batch_size} per update")
+    return ", ".join(parts)
