@@ -57,6 +57,22 @@ def inputs(tmp_path_factory):
                                                 '{"prompt": "a", "chosen": "b"}\n')
     (folder / "prefs_same.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "b"}\n')
     (folder / "long.jsonl").write_text('{"prompt": "%s", "response": "b"}\n' % ("x" * 100))
+    # GRPO: llama_stdlib:tiny on the jax engine completing sums, scored by rewards.py.
+    (folder / "sums.jsonl").write_text("".join('{"prompt": "%d+%d=", "answer": "%d"}\n' % (a, a, 2 * a)
+                                               for a in range(8)))
+    (folder / "rewards.py").write_text(
+        "def count(prompts, completions, **fields):\n    return [len(c) for c in completions]\n\n\n"
+        "def too_few(prompts, completions, **fields):\n    return [1.0]\n\n\n"
+        "def not_finite(prompts, completions, **fields):\n"
+        "    return [float('nan')] * len(completions)\n")
+    (folder / "grpo.py").write_text(derived.format(module="llama_stdlib", body=(
+        "    config.engine = 'jax'\n"
+        "    config.data.tfds.name, config.data.preprocess = '', ''\n"
+        f"    config.data.prompts.files = {str(folder / 'sums.jsonl')!r}\n"
+        f"    config.grpo.update(num_generations=2, max_completion_length=4, rewards=("
+        f"{str(folder / 'rewards.py') + ':count'!r},))\n"
+        "    config.train.update(batch_size=4, steps=2, eval_every=2, steps_per_execution=0)\n"
+        "    config.checkpoint.every_steps, config.log.every_steps = 2, 2\n")))
     (folder / "long_response.jsonl").write_text('{"prompt": "a", "response": "b"}\n'
                                                 '{"prompt": "a", "response": "%s"}\n' % ("y" * 100))
     return folder
@@ -214,6 +230,21 @@ CASES = [
                                "--config.data.preferences.eval_files={inputs}/prefs_same.jsonl", DATA],
                  ["DPO (data.preferences) trains a language model", "keras_hub:LlamaCausalLM"],
                  id="dpo-on-a-model-that-is-not-a-language-model"),
+    # GRPO (data.prompts): what the config tells before an engine starts (the rest below).
+    pytest.param("{inputs}/grpo.py", ["--config.grpo.num_generations=1"],
+                 ["grpo.num_generations=1", "a group needs 2 or more"], id="grpo-group-of-one"),
+    pytest.param("{inputs}/grpo.py", ["--config.train.batch_size=6", "--config.grpo.num_generations=4"],
+                 ["train.batch_size=6 is not a multiple of grpo.num_generations=4", "whole groups"],
+                 id="grpo-batch-of-part-groups"),
+    pytest.param("{inputs}/grpo.py", ["--config.grpo.num_iterations=3"],
+                 ["checkpoint.every_steps=2 must be a multiple of grpo.num_iterations=3"],
+                 id="grpo-iterations-off-the-checkpoint-grid"),
+    pytest.param(LM_TINY, ["--config.grpo.beta=0.1", DATA],
+                 ["grpo.beta is set, but this run reads data.tfds", "set data.prompts.files"],
+                 id="grpo-setting-on-other-data"),
+    pytest.param("{inputs}/grpo.py", ["--config.engine=tf"],
+                 ["GRPO (data.prompts) samples inside the run on the jax engine", "engine='jax'"],
+                 id="grpo-on-the-tf-engine"),
     pytest.param(LM_TINY, ["--config.data.text.field=text", DATA],
                  ["'stdlib_bytes/ctx64' has no text feature data.text.field='text'"],
                  id="tfds-without-the-text-feature"),
@@ -314,6 +345,34 @@ def test_bad_input_is_one_line_that_says_what_to_change(request, tmp_path, fille
     assert_one_line_error(result, *fragments)
 
 
+# GRPO's mistakes found once the run has its model and data: (overrides, fragments), in one
+# process on the jax engine.
+GRPO_CASES = {
+    "reward-cannot-be-imported": (["--config.grpo.rewards=('no_such_rewards:score',)"],
+                                  ["grpo.rewards ('no_such_rewards:score') has 'no_such_rewards', which cannot be imported"]),
+    "reward-returns-too-few": (["--config.grpo.rewards=('{inputs}/rewards.py:too_few',)"],
+                               ["reward function", "too_few returned 1 value(s) for 4 completions"]),
+    "reward-not-finite": (["--config.grpo.rewards=('{inputs}/rewards.py:not_finite',)"],
+                          ["reward function", "not_finite returned", "nan"]),
+    "prompt-longer-than-the-context-leaves": (  # a context of 64 tokens; '0+0=' is 4
+        ["--config.grpo.max_completion_length=61"],
+        ["the prompt of", "sums.jsonl line 1 is 4 tokens, longer than the 3 the context leaves "
+         "beside grpo.max_completion_length=61"]),
+}
+
+
+def test_grpo_bad_input_is_one_line_that_says_what_to_change(filled, tmp_path):
+    calls = {}
+    for name, (overrides, _) in GRPO_CASES.items():
+        config, overrides = filled("{inputs}/grpo.py", overrides)
+        calls[name] = train_args(config, tmp_path / name, *overrides)
+    refused = run_in_one_process("tpu_keras.train", calls)
+    for name, (_, fragments) in GRPO_CASES.items():
+        result = refused[name]
+        assert result.returncode == 2, (name, (result.stdout + result.stderr)[-3000:])
+        assert_one_line_error(result, *fragments)
+
+
 @pytest.mark.parametrize("command, fragment", [
     (["tpu_keras.info", "--bogus"], "Unknown command line flag 'bogus'"),
     (["tpu_keras.plan"], "give --config=configs/<name>.py and --tpu=<slice>"),
@@ -393,6 +452,7 @@ SHIPPED = {"digits": ("tfds", ["", "mlp", "cnn", "resnet", "tiny"]),
            "llama_stdlib:spm_tiny": ("text", [""]),
            "instruct_stdlib": ("instructions", ["", "tiny"]),
            "preference_stdlib": ("preferences", ["", "tiny"]),
+           "grpo_stdlib": ("prompts", ["", "tiny"]), "grpo_stdlib:sft": ("instructions", [""]),
            "finetune": ("", ["", "full"])}  # its files come from the command line
 
 

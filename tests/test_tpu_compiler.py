@@ -32,6 +32,13 @@ def compiled():
         "llama_splash": ["--config=configs/llama_stdlib.py", "--config.engine=jax",
                          "--config.model.context_length=512", "--tpu=v5litepod-8", "--measure",
                          "--json"],
+        # GRPO's step (the group model) on a mesh that splits the weights: LoRA, whose
+        # reference is the base, and a full fine-tune, which holds a frozen copy.
+        "grpo_lora": ["--config=configs/grpo_stdlib.py", "--tpu=v5litepod-4", "--measure", "--json"],
+        "grpo_full": ["--config=configs/grpo_stdlib.py", "--tpu=v5litepod-4", "--measure", "--json",
+                      "--config.model.lora_rank=0"],
+        "grpo_full_beta_0": ["--config=configs/grpo_stdlib.py", "--tpu=v5litepod-4", "--measure",
+                             "--json", "--config.model.lora_rank=0", "--config.grpo.beta=0"],
         # A keras-hub task with neither a preset nor its architecture.
         "no_architecture": ["--config=configs/finetune.py", "--tpu=v5litepod-8"],
     }, timeout=600)
@@ -210,3 +217,23 @@ def test_nothing_sent_on_either_side_names_no_differing_collective():
                                                          {"sent_per_step": nothing})
     assert "differs_most" in tpu_compiler.sent_terms({"sent_per_step": {"total": 8, "model_all_reduce": 8}},
                                                      {"sent_per_step": {"total": 0}})
+
+
+@pytest.mark.slow
+def test_a_grpo_plan_counts_the_sampler_and_a_copy_only_without_lora_and_compiles_the_group_step(
+        compiled):
+    lora, full, alone = (json.loads(compiled[name].stdout)
+                         for name in ("grpo_lora", "grpo_full", "grpo_full_beta_0"))
+    assert lora["num_generations"] == 8 and "reference" not in lora["per_device"]
+    # 32 completions per replica, 2 layers, key and value, 16 positions, 2 heads over
+    # model=2, 16 per head, bf16; and one step's logits, 32 x 256 float32.
+    assert lora["per_device"]["sampling"] == 32 * 2 * 2 * 16 * 1 * 16 * 2 + 32 * 256 * 4
+    assert full["per_device"]["reference"] == full["per_device"]["parameters"] > 0
+    assert full["per_device"]["total"] >= full["per_device"]["parameters"] * 2
+    assert lora["measured"]["fits"] and full["measured"]["fits"], (lora["measured"], full["measured"])
+    assert "GRPO: each step trains on 64 completions" in slice_plan.format_plan(lora)
+    # The frozen copy is an argument of the compiled step with beta > 0 alone (the compiler
+    # pads small weights to its tiles, so at least the plan's bytes).
+    assert "reference" not in alone["per_device"]
+    assert full["measured"]["arguments"] - alone["measured"]["arguments"] >= \
+        full["per_device"]["reference"]

@@ -31,7 +31,14 @@ from tpu_keras.planning.jaxpr_walk import Producers, aval, is_literal, nbytes
 
 
 def abstract_inputs(model, batch: int):
-    """Shapes of one batch: the model's input, and integer labels for a sparse loss."""
+    """Shapes of one batch: the model's input, and integer labels for a sparse loss; for
+    GRPO's group model, its sampled tokens, `y_true` and the sample weights."""
+    from tpu_keras.models import grpo
+    if isinstance(model, grpo.GroupModel):
+        length = model.policy.inputs[0].shape[1]
+        return (jax.ShapeDtypeStruct((batch, length + 1), "int32"),
+                jax.ShapeDtypeStruct((batch, length, 3), "float32"),
+                jax.ShapeDtypeStruct((batch, length), "float32"))
     inputs, outputs = model.inputs[0], model.outputs[0]
     x = jax.ShapeDtypeStruct((batch, *inputs.shape[1:]), inputs.dtype)
     y = jax.ShapeDtypeStruct((batch, *outputs.shape[1:-1]), "int32")

@@ -74,8 +74,15 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
 
 
 def _built(config):
+    """The model compiled as the run compiles it; GRPO's wrapped in its group model, whose
+    step (the policy's pass, the reference's, the clipped loss) is what a GRPO run compiles."""
+    from tpu_keras import data_section, models
     cluster = cluster_lib.connect(config.cluster, engine="jax", mesh=config.mesh)
-    return setup.build_model(config, cluster)
+    objective = "grpo" if data_section.kind(config.data) == "prompts" else ""
+    builder = None
+    if objective:
+        builder = setup.objective_builder(models.registry.get(config.model)[0], objective, config)
+    return setup.build_model(config, cluster, builder, objective=objective)
 
 
 def _analysis(model, config, batch_per_replica: int, slices: int = 1,

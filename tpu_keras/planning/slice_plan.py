@@ -228,15 +228,20 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     per_replica = global_batch // splits
     # DPO (data.preferences): an example is a pair, two sequences through the model. Its
     # reference's forward pass keeps nothing for the backward; with LoRA it is the base with
-    # the adapters off, otherwise a frozen copy of the weights (models.preference).
-    sequences = 2 if data_section.kind(config.data) == "preferences" else 1
+    # the adapters off, otherwise a frozen copy of the weights (models.preference). GRPO
+    # (data.prompts): an example is a completion; the reference is DPO's, none with beta 0.
+    kind = data_section.kind(config.data)
+    sequences = 2 if kind == "preferences" else 1
     footprint = Footprint(config)
     remat = config.train.remat
     per_device = footprint.per_device(mesh, per_replica * sequences, remat)
     reference = 0
-    if sequences == 2 and not config.model.get("lora_rank"):
+    if (kind == "preferences" or (kind == "prompts" and config.grpo.beta > 0)) \
+            and not config.model.get("lora_rank"):
         reference = per_device["parameters"]
         per_device = {**per_device, "reference": reference, "total": per_device["total"] + reference}
+    if kind == "prompts":
+        per_device = _with_sampling(per_device, footprint, config, mesh, per_replica)
     largest = footprint.largest_batch(mesh, remat, usable - reference) // sequences
     sent = footprint.sent_per_step(mesh, per_replica * sequences, config.train.grad_accum_steps,
                                    slices)
@@ -248,6 +253,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "usable_bytes_per_device": usable, "precision": footprint.precision, "remat": remat,
         "global_batch": global_batch, "per_replica_batch": per_replica,
         "sequences_per_example": sequences,
+        "num_generations": config.grpo.num_generations if kind == "prompts" else None,
         "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
         "fits": per_device["total"] <= usable,
@@ -263,6 +269,17 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
                                                    footprint.state_bytes,
                                                    slices)
     return result
+
+
+def _with_sampling(per_device: dict, footprint, config, mesh: dict, rows: int) -> dict:
+    """GRPO's per-device bytes with the sampler's cache: the larger of it and the training
+    step's gradients and activations counts, as the two never run at once."""
+    from tpu_keras.planning import sampling_cache
+    context = config.model.get("context_length") or config.data.tokens.context_length
+    itemsize = 2 if "bfloat16" in footprint.precision else 4
+    cache = sampling_cache.cache_bytes(footprint.model, rows, context, mesh["model"], itemsize)
+    step = per_device["gradients"] + per_device["activations"]
+    return {**per_device, "sampling": cache, "total": per_device["total"] + max(0, cache - step)}
 
 
 MARGIN_NOTE = ("HBM is what the devices report usable, not the published capacity; --margin "
@@ -333,11 +350,22 @@ def format_plan(p: dict) -> str:
                      "forward pass keeps nothing for the backward, and " +
                      ("it is a frozen copy of the weights" if "reference" in d else
                       "it is the base with the adapters off, so it adds no weights"))
+    if "sampling" in d:
+        lines.append(f"GRPO: each step trains on {p['global_batch']:,} completions, "
+                     f"grpo.num_generations={p['num_generations']} per prompt, sampled by the "
+                     "policy first; the reference " +
+                     ("is a frozen copy of the weights" if "reference" in d else
+                      "adds no weights (LoRA's base with the adapters off, or none with beta 0)"))
     lines += ["", "per device"]
     labels = {"parameters": "parameters", "optimizer": "optimizer state",
               "gradients": "gradients", "activations": "activations"}
     if "reference" in d:
-        labels["reference"], note["reference"] = "reference", "exact: DPO's frozen copy"
+        labels["reference"] = "reference"
+        note["reference"] = f"exact: {'GRPO' if 'sampling' in d else 'DPO'}'s frozen copy"
+    if "sampling" in d:
+        labels["sampling"] = "sampler cache"
+        note["sampling"] = ("estimate: the KV cache and logits of the per-replica completions; "
+                            "sampling and the step alternate, so the total counts the larger")
     for key, label in labels.items():
         lines.append(f"  {label:<16} {format_bytes(d[key]):>11}  {note[key]}")
     lines.append(f"  {'total':<16} {format_bytes(d['total']):>11}")

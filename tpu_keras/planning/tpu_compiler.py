@@ -46,6 +46,7 @@ import importlib.metadata
 import re
 import time
 
+from tpu_keras import data_section
 from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError, first_line
@@ -154,6 +155,8 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
         routed = (splash_attention.route(model, cluster)
                   if attention == "auto" and step == "toolkit" else 0)
         placer.check(model.weights)
+        if data_section.kind(config.data) == "prompts":  # GRPO's step: the group model's
+            model, builder = _group_model(model, builder, config)
         for variable in model.weights:
             # What Keras does as it initialises a variable: take its layout from the
             # distribution. The optimizer's slots then take their weight's layout.
@@ -164,6 +167,20 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
         else:
             optimization.compile_model(model, builder, config.train, cluster, optimizer)
     return model, config, device_mesh.backend_mesh, routed
+
+
+def _group_model(policy, builder, config):
+    """GRPO's group model around `policy` (with a frozen copy for a full fine-tune with
+    beta above 0, as the run holds one), and its builder."""
+    from tpu_keras import models
+    from tpu_keras.models import grpo, lora
+    from tpu_keras.training import setup
+    with_reference = config.grpo.beta > 0
+    reference = None
+    if with_reference and not lora.adapted_layers(policy):
+        reference = models.build(config.model, remat=config.train.remat)
+    model = grpo.GroupModel(policy, reference, with_reference, config.grpo.temperature)
+    return model, setup.objective_builder(builder, "grpo", config)
 
 
 def _compile_as_keras_does(model, builder, train_config, optimizer):
@@ -241,7 +258,12 @@ def _estimate(result: dict, model, config, found, devices: int) -> dict:
     count instead, rematerialised ones included, and 'mfu_of' says so."""
     from tpu_keras.measurement import flops
     examples = config.train.batch_size  # one micro-batch: what the compiler's figures cover
-    model_flops = flops.training_flops_per_example(model) * examples or None
+    from tpu_keras.models import preference
+    policy = preference.policy_of(model)  # GRPO's: its policy's update, and its reference's pass
+    per_example = flops.training_flops_per_example(policy)
+    if policy is not model and model.with_reference:
+        per_example += flops.forward_flops_per_example(policy)
+    model_flops = per_example * examples or None
     counted, of = model_flops, "model FLOPs"
     if not counted and result.get("flops_per_device"):
         counted, of = result["flops_per_device"] * devices, "the compiler's FLOPs"

@@ -85,7 +85,6 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     import tensorflow as tf
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.data import preferences
-    from tpu_keras.models import grpo, preference
     from tpu_keras.training import checkpoint, preemption, run_config
 
     if trains:
@@ -117,10 +116,8 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     text_source = None
     kind = data_section.kind(resolved.data)
     objective = OBJECTIVES.get(kind, "")
-    if objective == "dpo":  # the pairs model (`models.preference`)
-        builder = preference.builder(builder, resolved.train.dpo_beta)
-    elif objective == "grpo":  # the group model (`models.grpo`)
-        builder = grpo.builder(builder, resolved.grpo)
+    if objective:  # DPO's pairs model, GRPO's group model
+        builder = objective_builder(builder, objective, resolved)
     elif not one_device and kind in ("text", "instructions"):
         # Its tokens per byte turn bits per token into bits per byte.
         with phase("data"):
@@ -144,6 +141,15 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
                     model=model, text_source=text_source, checkpointer=checkpointer,
                     compile_counter=compile_counter)
+
+
+def objective_builder(builder, objective: str, config):
+    """The language model's registry `Builder` turned to `objective` ('dpo', 'grpo'): its
+    loss and metrics (`models.preference.builder`, `models.grpo.builder`)."""
+    from tpu_keras.models import grpo, preference
+    if objective == "dpo":
+        return preference.builder(builder, config.train.dpo_beta)
+    return grpo.builder(builder, config.grpo)
 
 
 def _on_one_device(config):
