@@ -166,7 +166,8 @@ def test_grpo_stdlib_raises_the_reward_on_a_mesh_resumes_the_same_and_its_adapte
     reference = train(f"{GRPO}:tiny", tmp_path / "grpo", *args).stdout
     assert "cluster: jax mesh data=1 x fsdp=2 x model=2" in reference, reference[-3000:]
     rewards = [float(r) for r in re.findall(r"\| val_reward (\S+)", reference)]
-    assert len(rewards) == 3 and rewards[-1] >= rewards[0] + 0.04, reference[-3000:]
+    # Six seeds gave step 0 a spread (std) of 0.007, and rises of 0.044 to 0.087 by step 40.
+    assert len(rewards) == 3 and rewards[-1] >= rewards[0] + 0.03, reference[-3000:]
     for name in ("reward", "reward_std", "reward_correct", "reward_close", "kl", "clip_fraction",
                  "completion_length", "sampling_tokens_per_second", "loss"):
         assert re.search(rf"step 40/40 \|.* {name} -?\d", reference), name

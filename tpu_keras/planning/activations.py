@@ -22,6 +22,8 @@ tpu_keras.plan --measure`: the TPU compiler, `planning.tpu_compiler`, or
 XLA:CPU, `planning.compiled_step`).
 """
 
+# Imported inside functions: Keras, through models.grpo (the engine must be selected first:
+# engine.select).
 import math
 
 import jax
