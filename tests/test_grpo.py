@@ -151,19 +151,38 @@ def test_the_group_model_holds_no_second_copy_under_lora_and_its_loss_is_the_tok
 
 
 GRPO = "configs/grpo_stdlib.py"
+# A run's log lines of steps and evaluations, without the sampler's throughput (a timing).
+LOGGED = re.compile(r"(step \d+/40 \|.*)$", re.M)
+
+
+def logged(output: str) -> list:
+    return [re.sub(r" \| sampling_tokens_per_second [^|]*", "", line) for line in LOGGED.findall(output)]
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, data_dir):
+    """(folder, output): the warm start (SFT) in FOLDER/arithmetic_sft, where the GRPO config
+    reads its preset from beside its own workdir, and the tiny GRPO run in FOLDER/grpo, with
+    its completions logged."""
+    folder = tmp_path_factory.mktemp("grpo")
+    train(f"{GRPO}:sft", folder / "arithmetic_sft", f"--config.data.data_dir={data_dir}")
+    output = train(f"{GRPO}:tiny", folder / "grpo", *GRPO_ARGS.format(data_dir=data_dir).split()).stdout
+    return folder, output
+
+
+GRPO_ARGS = "--config.data.data_dir={data_dir} --config.grpo.log_completions=True"
 
 
 @pytest.mark.slow
 def test_grpo_stdlib_raises_the_reward_on_a_mesh_resumes_the_same_and_its_adapter_loads_in_peft(
-        data_dir, tmp_path):
+        grpo_runs, data_dir):
     """The example end to end: the warm start (SFT), then GRPO with LoRA on fsdp 2 x model 2.
     The mean evaluation reward rises; a run killed after its step-20 checkpoint samples the
     same completions and logs the same losses when resumed; the base is held once; the
-    PEFT adapter on transformers gives the run's logits."""
-    data = f"--config.data.data_dir={data_dir}"
-    train(f"{GRPO}:sft", tmp_path / "arithmetic_sft", data)
-    args = (data, "--config.grpo.log_completions=True")
-    reference = train(f"{GRPO}:tiny", tmp_path / "grpo", *args).stdout
+    evaluation job gives the run's reward; the PEFT adapter on transformers gives the run's
+    logits."""
+    folder, reference = grpo_runs
+    args = GRPO_ARGS.format(data_dir=data_dir).split()
     assert "cluster: jax mesh data=1 x fsdp=2 x model=2" in reference, reference[-3000:]
     rewards = [float(r) for r in re.findall(r"\| val_reward (\S+)", reference)]
     # Six seeds gave step 0 a spread (std) of 0.007, and rises of 0.044 to 0.087 by step 40.
@@ -174,25 +193,46 @@ def test_grpo_stdlib_raises_the_reward_on_a_mesh_resumes_the_same_and_its_adapte
     assert re.search(r"time: .*\| sampling \d.*\| rewards \d", reference), reference[-1500:]
 
     # LoRA: the checkpoint holds the base once, and the optimizer state of the factors alone.
-    saved = weights(tmp_path / "grpo", step=40)
+    saved = weights(folder / "grpo", step=40)
     sizes = lambda group: sum(v.size for k, v in saved.items() if k.startswith(group) and v.ndim)
     model_size = int(re.search(r"with ([\d,]+) parameters", reference).group(1).replace(",", ""))
     factors = int(re.search(r"([\d,]+) of them trainable", reference).group(1).replace(",", ""))
     assert sizes("model_by_path/") == model_size and sizes("optimizer_by_path/") == 2 * factors
 
     command = [sys.executable, "-m", "tpu_keras.train", f"--config={GRPO}:tiny",
-               f"--workdir={tmp_path / 'killed'}", *args]
+               f"--workdir={folder / 'killed'}", *args]
     resumed = killed_after_checkpoint_then_resumed(command, step=20)
     assert resumed_step(resumed) == 20, resumed[-2000:]
-    same = lambda out: [re.sub(r" \| sampling_tokens_per_second [^|]*", "", line) for line in
-                        re.findall(r"^.*(step [34]0/40 \|.*)$", out, re.M)]
-    assert same(resumed) == same(reference) and len(same(resumed)) == 3, (same(resumed), same(reference))
+    after = lambda out: [line for line in logged(out) if re.match(r"step [34]0/", line)]
+    assert after(resumed) == after(reference) and len(after(resumed)) == 3, (resumed[-3000:], reference)
     for batch in range(20, 40):
         name = f"{batch:06d}-host0.jsonl"
-        assert (tmp_path / "killed" / "completions" / name).read_text() == \
-            (tmp_path / "grpo" / "completions" / name).read_text(), name
-    assert_same_weights(tmp_path / "killed", tmp_path / "grpo", step=40)
+        assert (folder / "killed" / "completions" / name).read_text() == \
+            (folder / "grpo" / "completions" / name).read_text(), name
+    assert_same_weights(folder / "killed", folder / "grpo", step=40)
 
-    out = run_command([sys.executable, "tests/helpers/grpo_peft_probe.py", str(tmp_path / "grpo")]).stdout
+    # The evaluation job samples and scores as the run's own evaluation did.
+    evaluated = run_command([sys.executable, "-m", "tpu_keras.evaluate",
+                             f"--workdir={folder / 'grpo'}"]).stdout
+    again = float(re.search(r"^step 40 \|.* val_reward (\S+)", evaluated, re.M).group(1))
+    assert again == pytest.approx(rewards[-1], abs=5e-4), (evaluated[-500:], rewards)
+
+    out = run_command([sys.executable, "tests/helpers/grpo_peft_probe.py", str(folder / "grpo")]).stdout
     got = json.loads(re.search(r"^PEFT (.*)$", out, re.M).group(1))
     assert got["step"] == 40 and got["gap"] <= 1e-4 and got["adapter_moves_logits"] > 1e-2, got
+
+
+@pytest.mark.slow
+def test_grpo_on_two_hosts_samples_scores_and_trains_as_one_host_does(grpo_runs, data_dir):
+    """The tiny run again over two processes of two devices each (the same fsdp 2 x model 2
+    mesh): each host samples and scores its own prompts' groups, and every logged figure
+    (rewards, loss, KL, gradient norm, evaluations) equals the one-process run's."""
+    folder, reference = grpo_runs
+    out = run_command([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
+                       "--timeout=500", "--", sys.executable, "-m", "tpu_keras.train",
+                       f"--config={GRPO}:tiny", f"--workdir={folder / 'two_hosts'}",
+                       "--config.cluster.virtual_devices=0", f"--config.data.data_dir={data_dir}"],
+                      timeout=600).stdout
+    assert "over 2 process(es)" in out, out[-3000:]
+    host0 = logged("\n".join(line for line in out.splitlines() if line.startswith("[host 0]")))
+    assert host0 == logged(reference) and len(host0) == 7, (host0, logged(reference))

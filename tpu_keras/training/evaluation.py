@@ -4,8 +4,8 @@
 run set itself up) on this job's cluster and mesh, which may differ from
 training's: a checkpoint is restored onto whatever layout the model has
 here. It restores checkpoints and runs the same `model.evaluate` that the
-run's validation runs, so the metrics at a step equal the run's own
-validation at that step. Each result
+run's validation runs (a GRPO run's: the same sampling and rewards), so the
+metrics at a step equal the run's own validation at that step. Each result
 is printed and written to `WORKDIR/tensorboard/eval/` at its step, under
 the run's own names (`val_loss`, ...), so TensorBoard draws both in one
 chart.
@@ -24,6 +24,7 @@ import time
 
 from absl import logging
 
+from tpu_keras import data_section
 from tpu_keras.errors import UserError
 from tpu_keras.training import setup
 
@@ -39,14 +40,20 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     from tpu_keras import data
     from tpu_keras.training import checkpoint
     cluster, config, model, checkpointer = run.cluster, run.config, run.model, run.checkpointer
-    eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
-                                       training=False, max_eval_steps=config.train.eval_steps)
+    if data_section.kind(config.data) == "prompts":  # GRPO: completions sampled and scored
+        measure = _grpo_evaluation(config, cluster, model, workdir)
+    else:
+        eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
+                                           training=False, max_eval_steps=config.train.eval_steps)
+
+        def measure():
+            metrics = model.evaluate(eval_data, steps=eval_steps, return_dict=True, verbose=0)
+            return {f"val_{name}": float(value) for name, value in metrics.items()}
     writers = []  # the TensorBoard writer, made at the first result (chief only)
 
     def one(at: int) -> dict:
         checkpointer.restore(at)
-        metrics = model.evaluate(eval_data, steps=eval_steps, return_dict=True, verbose=0)
-        metrics = {f"val_{name}": float(value) for name, value in metrics.items()}
+        metrics = measure()
         print(f"step {at} | " + " | ".join(f"{k} {v:.7g}" for k, v in metrics.items()), flush=True)
         if cluster.is_chief and not writers:
             writers.append(tf.summary.create_file_writer(os.path.join(workdir, "tensorboard", "eval")))
@@ -85,6 +92,18 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     for writer in writers:
         writer.close()
     return results
+
+
+def _grpo_evaluation(config, cluster, model, workdir: str):
+    """GRPO's evaluation as its run evaluates: every prompt of data.prompts.eval_files
+    completed with evaluation's one random stream, the mean rewards (`training.grpo_loop`)."""
+    from tpu_keras.measurement import timings
+    from tpu_keras.training import grpo_loop
+    batches = grpo_loop.Batches(config, cluster, model.policy)
+    if not batches.evaluating:
+        raise UserError(f"the GRPO run in {workdir} has no data.prompts.eval_files to evaluate "
+                        "on; give them, as --config.data.prompts.eval_files=GLOB")
+    return lambda: batches.evaluate(timings.RunTimings(time.time()))
 
 
 def _agreed(steps: list, cluster) -> list:

@@ -290,7 +290,7 @@ def _global_means(stats: dict, hosts: int) -> dict:
     if hosts == 1:
         return stats
     from jax.experimental import multihost_utils
-    names = sorted(k for k in stats if k != "advantage")
+    names = [k for k in stats if k != "advantage"]  # in the same order on every host
     means = multihost_utils.process_allgather(np.array([stats[k] for k in names])).mean(axis=0)
     return {**dict(zip(names, means.tolist())), "advantage": stats["advantage"]}
 
@@ -299,7 +299,7 @@ def _global_sums(sums: dict, hosts: int) -> dict:
     if hosts == 1:
         return sums
     from jax.experimental import multihost_utils
-    names = sorted(sums)
+    names = list(sums)
     totals = multihost_utils.process_allgather(np.array([sums[k] for k in names])).sum(axis=0)
     return dict(zip(names, totals.tolist()))
 
