@@ -236,3 +236,46 @@ def test_grpo_on_two_hosts_samples_scores_and_trains_as_one_host_does(grpo_runs,
     assert "over 2 process(es)" in out, out[-3000:]
     host0 = logged("\n".join(line for line in out.splitlines() if line.startswith("[host 0]")))
     assert host0 == logged(reference) and len(host0) == 7, (host0, logged(reference))
+
+
+GPT_GRPO = """import sys
+sys.path.insert(0, 'configs')
+import lm_stdlib
+
+
+def get_config(arg=None):
+    config = lm_stdlib.get_config('tiny')
+    config.engine = 'jax'
+    config.data.tfds.name, config.data.preprocess = '', ''
+    config.data.prompts.update(files={sums!r}, eval_files={sums!r})
+    config.model.context_length = 16
+    config.grpo.update(num_generations=4, max_completion_length=6, rewards=({rewards!r},),
+                       beta=0.04, num_iterations=2, loss_type='grpo', top_p=0.9,
+                       log_completions=True)
+    config.train.update(batch_size=8, steps=4, eval_every=4, steps_per_execution=0)
+    config.checkpoint.every_steps, config.log.every_steps = 4, 2
+    return config
+"""
+
+
+def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path):
+    """The gpt builder (no KV cache: the sampler reads the whole sequence), a full fine-tune
+    with beta > 0 (a frozen copy is the reference), two updates per batch of samples (the
+    sampling policy's log-probabilities computed first), TRL's 'grpo' loss type, top-p."""
+    (tmp_path / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
+                                                 for a in range(8)))
+    (tmp_path / "rewards.py").write_text(
+        "def digits(prompts, completions, answer, **fields):\n"
+        "    return [sum(c.isdigit() for c in text) for text in completions]\n")
+    (tmp_path / "gpt_grpo.py").write_text(GPT_GRPO.format(sums=str(tmp_path / "sums.jsonl"),
+                                                          rewards=f"{tmp_path / 'rewards.py'}:digits"))
+    out = train(str(tmp_path / "gpt_grpo.py"), tmp_path / "run").stdout
+    assert "GRPO reference: a frozen copy of the model's" in out, out[-3000:]
+    for step in (2, 4):  # two updates per batch: the second's ratio moves off 1
+        assert re.search(rf"step {step}/4 \| clip_fraction \S+ \| grad_norm \S+ \| kl \S+ \| "
+                         r"loss -?\d", out), out[-3000:]
+    assert re.search(r"step 4/4 \| val_reward \d", out), out[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "completions" / "000001-host0.jsonl")
+             .read_text().splitlines()]
+    assert len(lines) == 8 and {line["prompt"] for line in lines} <= {f"{a}+{a}=" for a in range(8)}
+    assert all(abs(sum(line["advantage"] for line in lines[g:g + 4])) < 1e-4 for g in (0, 4))

@@ -357,6 +357,11 @@ def _check_grpo(config) -> None:
     if config.engine != "jax":
         raise UserError("GRPO (data.prompts) samples inside the run on the jax engine; set "
                         "engine='jax'")
+    for key in ("service_address", "log_example_ids"):
+        if config.data[key]:
+            raise UserError(f"data.{key} does not apply to data.prompts: GRPO's batches are "
+                            "sampled inside the run; drop it (grpo.log_completions writes what "
+                            "each batch held)")
     if not grpo.rewards:
         raise UserError("grpo.rewards is empty; name the reward functions, such as "
                         "('my_rewards:is_correct',) or ('rewards.py:is_correct',)")

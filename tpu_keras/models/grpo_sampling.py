@@ -13,8 +13,9 @@ groups whole) and continues every row with keras-hub's samplers
 The program is the policy's stateless call under `jax.jit`, its weights
 passed in as they are laid out (sharded by the run's layout, LoRA factors
 included), the rows split over the mesh's batch axes as a training batch is.
-It compiles once: every batch has the same shape (the context's length),
-and the random stream is an input, not a Python value.
+It compiles once: every batch has the same shape (the longest prompt of the
+run's files and one completion, at most the context), and the random stream
+is an input, not a Python value.
 
 The random stream: the sampler's seed state is set, for each batch of
 samples, to (`seed`, batch index), so the same run samples the same
@@ -73,10 +74,13 @@ class GroupSampler:
     """`sampler(prompts, seed, index)`: each prompt's group of completions (`Samples`)."""
 
     def __init__(self, policy, *, num_generations: int, max_new: int, stop_ids, pad_id: int,
-                 temperature: float, top_p: float):
+                 temperature: float, top_p: float, longest_prompt: int):
         self.policy, self.num_generations, self.max_new = policy, num_generations, max_new
         self.stop_ids, self.pad_id = tuple(int(i) for i in stop_ids), pad_id
         self.context = policy.input_shape[1]
+        # The sampler runs until every row has stopped or the buffer is full: a buffer of the
+        # longest prompt and one completion, not of the whole context, bounds its steps.
+        self.length = min(self.context, longest_prompt + max_new)
         self.sampler = make_sampler(temperature, top_p)
         self.task = export.find_task(policy)
         if self.task is not None:
@@ -88,7 +92,7 @@ class GroupSampler:
         """Samples `num_generations` completions of each of `prompts` (token id lists), with
         the random stream of batch `index` of the run of `seed`."""
         rows = [ids for ids in prompts for _ in range(self.num_generations)]
-        tokens = np.full((len(rows), self.context), self.pad_id, "int32")
+        tokens = np.full((len(rows), self.length), self.pad_id, "int32")
         given = np.zeros(tokens.shape, bool)
         for row, ids in enumerate(rows):
             tokens[row, :len(ids)], given[row, :len(ids)] = ids, True
@@ -105,16 +109,18 @@ class GroupSampler:
                 return self.task.generate_step({"token_ids": tokens, "padding_mask": given},
                                                stop_token_ids=self.stop_ids)["token_ids"]
 
-            def next_logits(tokens, cache, index):
-                logits = self.policy(tokens, training=False)
+            def next_logits(tokens, cache, index):  # the model reads its whole context
+                padded = keras.ops.pad(tokens, [[0, 0], [0, self.context - self.length]],
+                                       constant_values=self.pad_id)
+                logits = self.policy(padded, training=False)
                 return keras.ops.take(logits, index - 1, axis=1), None, cache
             start = keras.ops.min(keras.ops.sum(keras.ops.cast(given, "int32"), axis=1))
             return self.sampler(next_logits, tokens, index=start, mask=given,
                                 stop_token_ids=self.stop_ids, model=self.policy)
 
     def _cut(self, tokens: np.ndarray, prompt_lengths: np.ndarray) -> Samples:
-        """Each completion cut after its first stop token or `max_new` tokens, padding after it;
-        one more column of padding, so that every target of the context has a token."""
+        """Each completion cut after its first stop token or `max_new` tokens, padding after it,
+        and to the context's length and one more token, so that every target has a token."""
         lengths, stopped = np.zeros(len(tokens), "int32"), np.zeros(len(tokens), bool)
         for row, start in enumerate(prompt_lengths):
             new = tokens[row, start:start + self.max_new]
@@ -122,7 +128,8 @@ class GroupSampler:
             lengths[row] = ends[0] + 1 if len(ends) else len(new)
             stopped[row] = bool(len(ends))
             tokens[row, start + lengths[row]:] = self.pad_id
-        tokens = np.concatenate([tokens, np.full((len(tokens), 1), self.pad_id, "int32")], axis=1)
+        padding = np.full((len(tokens), self.context + 1 - self.length), self.pad_id, "int32")
+        tokens = np.concatenate([tokens, padding], axis=1)
         return Samples(tokens, prompt_lengths, lengths, stopped)
 
 

@@ -137,7 +137,9 @@ class Batches:
         self.sampler = grpo_sampling.GroupSampler(
             policy, num_generations=grpo.num_generations, max_new=grpo.max_completion_length,
             stop_ids=stop_ids, pad_id=next(i for i in range(3) if i not in stop_ids),
-            temperature=grpo.temperature, top_p=grpo.top_p)
+            temperature=grpo.temperature, top_p=grpo.top_p,
+            longest_prompt=max(len(t) for t in self.prompts.tokens + (
+                self.eval_prompts.tokens if self.eval_prompts else [])))
         self._sampled_before = False  # the first sampling compiles: kept out of the throughput
 
     @property
