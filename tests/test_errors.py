@@ -354,6 +354,8 @@ GRPO_CASES = {
                                ["reward function", "too_few returned 1 value(s) for 4 completions"]),
     "reward-not-finite": (["--config.grpo.rewards=('{inputs}/rewards.py:not_finite',)"],
                           ["reward function", "not_finite returned", "nan"]),
+    "stop-of-two-tokens": (["--config.grpo.stop=ab"],
+                           ["grpo.stop='ab' is 2 tokens of bytes", "the text of one token"]),
     "prompt-longer-than-the-context-leaves": (  # a context of 64 tokens; '0+0=' is 4
         ["--config.grpo.max_completion_length=61"],
         ["the prompt of", "sums.jsonl line 1 is 4 tokens, longer than the 3 the context leaves "

@@ -250,7 +250,7 @@ def get_config(arg=None):
     config.data.prompts.update(files={sums!r}, eval_files={sums!r})
     config.model.context_length = 16
     config.grpo.update(num_generations=4, max_completion_length=6, rewards=({rewards!r},),
-                       beta=0.04, num_iterations=2, loss_type='grpo', top_p=0.9,
+                       beta=0.04, num_iterations=2, loss_type='grpo', top_p=0.9, stop=' ',
                        log_completions=True)
     config.train.update(batch_size=8, steps=4, eval_every=4, steps_per_execution=0)
     config.checkpoint.every_steps, config.log.every_steps = 4, 2
@@ -261,7 +261,8 @@ def get_config(arg=None):
 def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path):
     """The gpt builder (no KV cache: the sampler reads the whole sequence), a full fine-tune
     with beta > 0 (a frozen copy is the reference), two updates per batch of samples (the
-    sampling policy's log-probabilities computed first), TRL's 'grpo' loss type, top-p."""
+    sampling policy's log-probabilities computed first), TRL's 'grpo' loss type, top-p and a
+    stop token."""
     (tmp_path / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
                                                  for a in range(8)))
     (tmp_path / "rewards.py").write_text(
@@ -278,4 +279,5 @@ def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path
     lines = [json.loads(line) for line in (tmp_path / "run" / "completions" / "000001-host0.jsonl")
              .read_text().splitlines()]
     assert len(lines) == 8 and {line["prompt"] for line in lines} <= {f"{a}+{a}=" for a in range(8)}
+    assert not any(" " in line["completion"] for line in lines)  # grpo.stop ends a completion
     assert all(abs(sum(line["advantage"] for line in lines[g:g + 4])) < 1e-4 for g in (0, 4))
