@@ -70,6 +70,27 @@ def make_sampler(temperature: float, top_p: float):
     return keras_hub.samplers.RandomSampler(temperature=temperature, seed=0)
 
 
+class LogProbs:
+    """`log_probs(tokens)`: the policy's per-token log-probabilities of sampled sequences
+    ([rows, context + 1] -> [rows, context], this host's rows), from the group model's first
+    column in one jitted program over the mesh: the sampling policy's, which a batch trained
+    on more than once (`grpo.num_iterations`) holds its ratio to. (Keras's `predict_on_batch`
+    returns every host's rows, which one host cannot read off a mesh that spans hosts.)"""
+
+    def __init__(self, model):
+        self.model = model
+        self._compiled = jax.jit(self._log_probs)
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        values = ([v.value for v in self.model.trainable_variables],
+                  [v.value for v in self.model.non_trainable_variables])
+        return local_rows(self._compiled(*values, on_the_mesh(tokens)))
+
+    def _log_probs(self, trainable, non_trainable, tokens):
+        out, _ = self.model.stateless_call(trainable, non_trainable, tokens, training=False)
+        return out[..., 0]
+
+
 class GroupSampler:
     """`sampler(prompts, seed, index)`: each prompt's group of completions (`Samples`)."""
 
@@ -99,8 +120,8 @@ class GroupSampler:
         state = self.sampler.variables[0]
         seed_state = np.array([seed, index], dtype=keras.backend.standardize_dtype(state.dtype))
         out = self._compiled([v.value for v in self._variables], seed_state,
-                             _on_the_mesh(tokens), _on_the_mesh(given))
-        return self._cut(_local_rows(out), np.array([len(ids) for ids in rows]))
+                             on_the_mesh(tokens), on_the_mesh(given))
+        return self._cut(local_rows(out), np.array([len(ids) for ids in rows]))
 
     def _sample(self, values, seed_state, tokens, given):
         mapping = list(zip(self._variables, values)) + [(self.sampler.variables[0], seed_state)]
@@ -133,7 +154,7 @@ class GroupSampler:
         return Samples(tokens, prompt_lengths, lengths, stopped)
 
 
-def _on_the_mesh(array: np.ndarray):
+def on_the_mesh(array: np.ndarray):
     """This host's rows as one global array, split over the batch axes as a training batch is
     (`keras.distribution`'s data layout), or as it is without a distribution."""
     distribution = keras.distribution.distribution()
@@ -143,7 +164,7 @@ def _on_the_mesh(array: np.ndarray):
     return jax.make_array_from_process_local_data(layout.backend_layout, array)
 
 
-def _local_rows(array) -> np.ndarray:
+def local_rows(array) -> np.ndarray:
     """This host's rows of a global array split by rows (every row once, in order)."""
     if jax.process_count() == 1:
         return np.array(array)

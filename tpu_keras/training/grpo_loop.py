@@ -141,6 +141,7 @@ class Batches:
             longest_prompt=max(len(t) for t in self.prompts.tokens + (
                 self.eval_prompts.tokens if self.eval_prompts else [])))
         self._sampled_before = False  # the first sampling compiles: kept out of the throughput
+        self._log_probs = None  # grpo_sampling.LogProbs, made where num_iterations > 1
 
     @property
     def evaluating(self) -> bool:
@@ -186,7 +187,9 @@ class Batches:
         mask = samples.mask()
         old = np.zeros_like(mask)
         if self.grpo.num_iterations > 1:  # the ratio's denominator, before the first update
-            old = np.asarray(model.predict_on_batch(samples.tokens))[..., 0]
+            if self._log_probs is None:
+                self._log_probs = grpo_sampling.LogProbs(model)
+            old = self._log_probs(samples.tokens)
         y_true = np.stack([old, np.broadcast_to(advantage[:, None], mask.shape), mask], axis=-1)
         return samples.tokens, y_true.astype("float32"), grpo_lib.sample_weights(
             mask, self.grpo.loss_type)
