@@ -35,13 +35,14 @@ mask: a prompt's tokens weigh exactly 0), reduced as TRL's `loss_type` says:
 
 Everything is `keras.ops` on arrays, so both engines and a mesh run it.
 `GroupModel` gives a language model's per-token log-probabilities of sampled
-completions, the policy's and the reference's, and `GRPOLoss` is the `dapo`
-loss over them as a Keras loss with the completion mask as its sample
-weight: the toolkit's steps then take one token mean over replicas, hosts
-and micro-batches (`training.token_mean`), as for its other losses. The
-reference is DPO's (`models.preference`): with LoRA the base, the adapters
-switched off for a second forward pass, so no second copy of the weights;
-for a full fine-tune a frozen copy; none when beta is 0.
+completions, the policy's and the reference's, and `GRPOLoss` is the loss
+over them as a Keras loss whose sample weights (`sample_weights`) make
+Keras's weighted mean each loss type's reduction; for `dapo` they are the
+completion mask, so the toolkit's steps take one token mean over replicas,
+hosts and micro-batches (`training.token_mean`), as for its other losses.
+The reference is DPO's (`models.preference.PolicyWrapper`): with LoRA the
+base, the adapters switched off for a second forward pass, so no second copy
+of the weights; for a full fine-tune a frozen copy; none when beta is 0.
 """
 
 import dataclasses
