@@ -231,6 +231,10 @@ def test_a_grpo_plan_counts_the_sampler_and_a_copy_only_without_lora_and_compile
     assert full["per_device"]["reference"] == full["per_device"]["parameters"] > 0
     assert full["per_device"]["total"] >= full["per_device"]["parameters"] * 2
     assert lora["measured"]["fits"] and full["measured"]["fits"], (lora["measured"], full["measured"])
+    # The sampling program is compiled for the slice too, and holds at least the plan's cache.
+    assert lora["measured"]["sampling"]["fits"]
+    assert lora["measured"]["sampling"]["temporaries"] >= lora["per_device"]["sampling"]
+    assert "GRPO's sampling program, compiled too" in slice_plan.format_plan(lora)
     assert "GRPO: each step trains on 64 completions" in slice_plan.format_plan(lora)
     # The frozen copy is an argument of the compiled step with beta > 0 alone (the compiler
     # pads small weights to its tiles, so at least the plan's bytes).

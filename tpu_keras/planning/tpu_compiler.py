@@ -116,6 +116,10 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
             result.update(_figures(compiled, found, slices, len(chips)))
             result["splash_attention_layers"] = routed
             result.update(_estimate(result, model, config, found, len(chips)))
+            if data_section.kind(config.data) == "prompts":  # GRPO's other program
+                result["sampling"] = _sampling_figures(model, config, backend_mesh, batch_per_replica,
+                                                       found)
+                result["fits"] = result["fits"] and result["sampling"]["fits"]
         result["seconds"] = {"build": round(built - started, 1),
                              "compile": round(time.perf_counter() - built, 1)}
         return result
@@ -181,6 +185,50 @@ def _group_model(policy, builder, config):
         reference = models.build(config.model, remat=config.train.remat)
     model = grpo.GroupModel(policy, reference, with_reference, config.grpo.temperature)
     return model, setup.objective_builder(builder, "grpo", config)
+
+
+def _sampling_figures(model, config, backend_mesh, batch_per_replica: int, found) -> dict:
+    """GRPO's sampling program (`models.grpo_sampling`), compiled for the slice as the run
+    compiles it: the policy's weights as laid out, the batch's completions split over the
+    batch axes, a buffer of the context. Its memory per device, beside the step's: the two
+    programs run one after the other, so each must fit alone."""
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_keras.models import grpo_sampling
+    grpo = config.grpo
+    with keras.StatelessScope(initialize_variables=False):
+        sampler = grpo_sampling.GroupSampler(
+            model.policy, num_generations=grpo.num_generations, max_new=grpo.max_completion_length,
+            stop_ids=[0], pad_id=1, temperature=grpo.temperature, top_p=grpo.top_p,
+            longest_prompt=model.policy.input_shape[1])  # the longest a prompt may be
+    distribution = keras.distribution.distribution()
+
+    def abstract(variable):
+        layout = variable._layout or distribution.get_variable_layout(variable)
+        return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype,
+                                    sharding=getattr(layout, "backend_layout", layout))
+
+    rows = batch_per_replica * batch_splits(config.mesh)
+    split = NamedSharding(backend_mesh, PartitionSpec(BATCH_AXES))
+    tokens, given = (jax.ShapeDtypeStruct((rows, sampler.length), dtype, sharding=split)
+                     for dtype in ("int32", "bool"))
+    seed = jax.ShapeDtypeStruct((2,), keras.backend.standardize_dtype(sampler.sampler.variables[0].dtype),
+                                sharding=NamedSharding(backend_mesh, PartitionSpec()))
+    try:
+        compiled = sampler._compiled.lower([abstract(v) for v in sampler._variables], seed, tokens,
+                                           given).compile()
+    except Exception as error:  # JaxRuntimeError; the compiler's out-of-memory is an answer
+        if OOM not in str(error):
+            raise UserError(f"the {name()} could not compile GRPO's sampler: "
+                            f"{first_line(error, 300)}") from None
+        return {"fits": False, "out_of_memory": first_line(error, 300)}
+    analysis = compiled.memory_analysis()
+    held = {"arguments": analysis.argument_size_in_bytes,
+            "outputs": analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
+            "temporaries": analysis.temp_size_in_bytes}
+    peak = sum(held.values()) + analysis.generated_code_size_in_bytes
+    return {**held, "peak": peak, "fits": peak <= found.hbm_bytes_per_device}
 
 
 def _compile_as_keras_does(model, builder, train_config, optimizer):
@@ -434,6 +482,15 @@ def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
         lines.append(f"  {'attention':<16} {'splash':>11}  the TPU's fused kernel in "
                      f"{m['splash_attention_layers']} layers ({m['fused_kernels']} kernel calls "
                      "in the program)")
+    if "sampling" in m:
+        sampled = m["sampling"]
+        lines.append(f"  {'sampler':<16} " + (
+            f"{format_bytes(sampled['peak']):>11}  GRPO's sampling program, compiled too: its peak "
+            f"({format_bytes(sampled['temporaries'])} of temporaries, the KV cache among them; "
+            f"the plan's cache: {format_bytes(d.get('sampling', 0))}); "
+            + ("fits" if sampled["fits"] else "does NOT fit")
+            if "peak" in sampled else f"{'-':>11}  GRPO's sampling program does not fit: "
+                                      f"{sampled['out_of_memory']}"))
     if m["step_seconds"] is not None:
         mfu = (f", MFU {m['mfu']:.1%} ({m['mfu_of']} of the update over that time and the "
                "bf16 peak)" if m.get("mfu") is not None else "")
