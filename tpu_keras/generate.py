@@ -80,21 +80,15 @@ def _read_prompts(path: str) -> list:
     import tensorflow as tf  # tf.io.gfile: the file may be on gs://
     if not tf.io.gfile.exists(path):
         raise UserError(f"--prompts_file={path!r} does not exist")
+    from tpu_keras.data import json_lines
     records = []
-    with tf.io.gfile.GFile(path) as file:
-        for number, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
-            if isinstance(record, str):
-                record = {"prompt": record}
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise UserError(f"line {number} of --prompts_file={path!r} is not a JSON string or "
-                                "an object with a \"prompt\" string; write one such per line")
-            records.append(record)
+    for number, record in json_lines.records(path):
+        if isinstance(record, str):
+            record = {"prompt": record}
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise UserError(f"line {number} of --prompts_file={path!r} is not a JSON string or "
+                            "an object with a \"prompt\" string; write one such per line")
+        records.append(record)
     if not records:
         raise UserError(f"--prompts_file={path!r} holds no prompts; write one JSON line per prompt")
     return records

@@ -17,13 +17,12 @@ Evaluation reads `eval_files` in file order, every prompt once.
 """
 
 import dataclasses
-import json
 
 import numpy as np
 import tensorflow as tf  # tf.io.gfile: the files may be on gs://
 
 from tpu_keras import data_section
-from tpu_keras.data import arithmetic, text, tokenizers
+from tpu_keras.data import arithmetic, json_lines, text, tokenizers
 from tpu_keras.errors import UserError
 
 
@@ -76,20 +75,13 @@ def read(config, training: bool) -> Prompts:
                         f"files of {{\"{field}\": ...}} lines")
     records, where = [], []
     for path in paths:
-        with tf.io.gfile.GFile(path) as file:
-            for number, line in enumerate(file, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    record = None
-                if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                    raise UserError(f"line {number} of {path} is not a JSON object with a "
-                                    f"{field!r} string (data.prompts.prompt_field); write one "
-                                    "such object per line")
-                records.append(record)
-                where.append(f"{path} line {number}")
+        for number, record in json_lines.records(path):
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise UserError(f"line {number} of {path} is not a JSON object with a "
+                                f"{field!r} string (data.prompts.prompt_field); write one "
+                                "such object per line")
+            records.append(record)
+            where.append(f"{path} line {number}")
     tokenizer = tokenizers.make(config.tokens)
     start = [] if tokenizer.start_id is None else [tokenizer.start_id]
     ids = tokenizer.tokenize(tf.constant([r[field] for r in records]))

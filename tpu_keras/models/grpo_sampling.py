@@ -106,8 +106,8 @@ class GroupSampler:
         self.task = export.find_task(policy)
         if self.task is not None:
             self.task.sampler = self.sampler  # what its generate_step samples with
-        self._variables = list(policy.trainable_variables) + list(policy.non_trainable_variables)
-        self._compiled = jax.jit(self._sample)
+        self.variables = list(policy.trainable_variables) + list(policy.non_trainable_variables)
+        self.compiled = jax.jit(self._sample)
 
     def __call__(self, prompts: list, seed: int, index: int) -> Samples:
         """Samples `num_generations` completions of each of `prompts` (token id lists), with
@@ -119,12 +119,12 @@ class GroupSampler:
             tokens[row, :len(ids)], given[row, :len(ids)] = ids, True
         state = self.sampler.variables[0]
         seed_state = np.array([seed, index], dtype=keras.backend.standardize_dtype(state.dtype))
-        out = self._compiled([v.value for v in self._variables], seed_state,
+        out = self.compiled([v.value for v in self.variables], seed_state,
                              on_the_mesh(tokens), on_the_mesh(given))
         return self._cut(local_rows(out), np.array([len(ids) for ids in rows]))
 
     def _sample(self, values, seed_state, tokens, given):
-        mapping = list(zip(self._variables, values)) + [(self.sampler.variables[0], seed_state)]
+        mapping = list(zip(self.variables, values)) + [(self.sampler.variables[0], seed_state)]
         with keras.StatelessScope(state_mapping=mapping):
             if self.task is not None:
                 return self.task.generate_step({"token_ids": tokens, "padding_mask": given},

@@ -216,7 +216,7 @@ def _sampling_figures(model, config, backend_mesh, batch_per_replica: int, found
     seed = jax.ShapeDtypeStruct((2,), keras.backend.standardize_dtype(sampler.sampler.variables[0].dtype),
                                 sharding=NamedSharding(backend_mesh, PartitionSpec()))
     try:
-        compiled = sampler._compiled.lower([abstract(v) for v in sampler._variables], seed, tokens,
+        compiled = sampler.compiled.lower([abstract(v) for v in sampler.variables], seed, tokens,
                                            given).compile()
     except Exception as error:  # JaxRuntimeError; the compiler's out-of-memory is an answer
         if OOM not in str(error):

@@ -55,13 +55,7 @@ class IntervalLogger(keras.callbacks.Callback):
                 if self._peak:
                     # Model FLOPs utilization: the share of the peak the model's matmuls use.
                     scalars["mfu"] = scalars["model_flops_per_second"] / self._peak
-        logging.info("step %d/%d | %s", step, self._total,
-                     " | ".join(f"{k} {format_number(v)}" for k, v in scalars.items()))
-        if self._writer:
-            with self._writer.as_default(step=step):
-                for name, value in scalars.items():
-                    tf.summary.scalar(name, value)
-            self._writer.flush()
+        log_scalars(step, self._total, scalars, self._writer)
 
     def close(self):
         """Closes the TensorBoard event file (uploads its end on gs://)."""
@@ -110,6 +104,18 @@ class FitTimer(keras.callbacks.Callback):
         if self._train_end is not None:
             self._timings.seconds["fit_teardown"] += time.perf_counter() - self._train_end
             self._train_end = None
+
+
+def log_scalars(step: int, total: int, scalars: dict, writer=None) -> None:
+    """One log line of `scalars` at `step` of `total`, and the same scalars to TensorBoard
+    through `writer` (a summary file writer, or None)."""
+    logging.info("step %d/%d | %s", step, total,
+                 " | ".join(f"{k} {format_number(v)}" for k, v in scalars.items()))
+    if writer:
+        with writer.as_default(step=step):
+            for name, value in scalars.items():
+                tf.summary.scalar(name, value)
+        writer.flush()
 
 
 def _is_number(value):

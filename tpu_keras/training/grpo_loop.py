@@ -258,14 +258,7 @@ class _Logger:
         return figures
 
     def _write(self, step: int, scalars: dict) -> None:
-        logging.info("step %d/%d | %s", step, self._total,
-                     " | ".join(f"{k} {callbacks.format_number(v)}" for k, v in scalars.items()))
-        if self._writer:
-            import tensorflow as tf
-            with self._writer.as_default(step=step):
-                for name, value in scalars.items():
-                    tf.summary.scalar(name, value)
-            self._writer.flush()
+        callbacks.log_scalars(step, self._total, scalars, self._writer)
 
     def close(self) -> None:
         if self._writer:
