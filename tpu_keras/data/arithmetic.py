@@ -31,21 +31,17 @@ def folder(data_dir: str) -> str:
 
 def prepare(data_dir: str) -> str:
     """Writes the prompts under `data_dir` unless they are there; returns the folder."""
-    target = folder(data_dir)
-    if os.path.exists(target):
-        return target
-    with builders.exclusive(os.path.expanduser(data_dir)):
-        if os.path.exists(target):
-            return target
-        sums = sorted({(a, b) for a in range(50) for b in range(50)})
-        random.Random(0).shuffle(sums)
-        partial, start = target + ".partial", 0
-        for split, size in SIZES.items():
-            os.makedirs(os.path.join(partial, split), exist_ok=True)
-            with open(os.path.join(partial, split, "prompts.jsonl"), "w") as file:
-                for line, (a, b) in enumerate(sums[start:start + size]):
-                    file.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b),
-                                           "warm_start": "?" if line % 2 else str(a + b)}) + "\n")
-            start += size
-        os.rename(partial, target)
-    return target
+    return builders.written_once(data_dir, folder(data_dir), _write)
+
+
+def _write(partial: str) -> None:
+    sums = sorted({(a, b) for a in range(50) for b in range(50)})
+    random.Random(0).shuffle(sums)
+    start = 0
+    for split, size in SIZES.items():
+        os.makedirs(os.path.join(partial, split), exist_ok=True)
+        with open(os.path.join(partial, split, "prompts.jsonl"), "w") as file:
+            for line, (a, b) in enumerate(sums[start:start + size]):
+                file.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b),
+                                       "warm_start": "?" if line % 2 else str(a + b)}) + "\n")
+        start += size

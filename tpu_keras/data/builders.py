@@ -17,6 +17,20 @@ OFFLINE_BUILDERS = {"stdlib_bytes": StdlibBytes, "digits": Digits}
 LOCK_FILENAME = ".prepare.lock"
 
 
+def written_once(data_dir: str, target: str, write) -> str:
+    """`target`, a folder of offline data under `data_dir`, made by `write(partial)` unless it
+    is there: `write` fills the folder `partial`, which then becomes `target` at once, so a
+    reader never sees half of it. Processes of one machine take turns (`exclusive`)."""
+    if os.path.exists(target):
+        return target
+    with exclusive(os.path.expanduser(data_dir)):
+        if not os.path.exists(target):
+            partial = target + ".partial"
+            write(partial)
+            os.rename(partial, target)
+    return target
+
+
 @contextlib.contextmanager
 def exclusive(data_dir: str):
     """Holds an flock on data_dir.

@@ -35,23 +35,18 @@ def prepare(data_dir: str) -> str:
     """Writes the pairs under `data_dir` unless they are there (and the stdlib_text
     vocabulary beside them, which the `instruct` configs read); returns the folder."""
     stdlib_text.prepare(data_dir)
-    target = folder(data_dir)
-    if os.path.exists(target):
-        return target
-    with builders.exclusive(os.path.expanduser(data_dir)):
-        if os.path.exists(target):
-            return target
-        pairs = {split: [] for split in FILES}
-        for path, split in stdlib_bytes.stdlib_files():
-            pairs[split].extend(_pairs((stdlib_bytes.STDLIB_ROOT / path).read_text("utf-8", "replace")))
-        partial = target + ".partial"
-        for split, count in FILES.items():
-            os.makedirs(os.path.join(partial, split), exist_ok=True)
-            for index in range(count):
-                with open(os.path.join(partial, split, f"part-{index}.jsonl"), "w") as file:
-                    file.writelines(json.dumps(pair) + "\n" for pair in pairs[split][index::count])
-        os.rename(partial, target)
-    return target
+    return builders.written_once(data_dir, folder(data_dir), _write)
+
+
+def _write(partial: str) -> None:
+    pairs = {split: [] for split in FILES}
+    for path, split in stdlib_bytes.stdlib_files():
+        pairs[split].extend(_pairs((stdlib_bytes.STDLIB_ROOT / path).read_text("utf-8", "replace")))
+    for split, count in FILES.items():
+        os.makedirs(os.path.join(partial, split), exist_ok=True)
+        for index in range(count):
+            with open(os.path.join(partial, split, f"part-{index}.jsonl"), "w") as file:
+                file.writelines(json.dumps(pair) + "\n" for pair in pairs[split][index::count])
 
 
 def _pairs(source: str):

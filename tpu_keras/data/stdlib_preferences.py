@@ -31,13 +31,8 @@ def prepare(data_dir: str) -> str:
     """Writes the pairs under `data_dir` unless they are there (and the instruction pairs and
     vocabulary they come from); returns the folder."""
     source = stdlib_instructions.prepare(data_dir)
-    target = folder(data_dir)
-    if os.path.exists(target):
-        return target
-    with builders.exclusive(os.path.expanduser(data_dir)):
-        if os.path.exists(target):
-            return target
-        partial = target + ".partial"
+
+    def write(partial):
         for split in stdlib_instructions.FILES:
             os.makedirs(os.path.join(partial, split), exist_ok=True)
             for name in sorted(os.listdir(os.path.join(source, split))):
@@ -45,8 +40,7 @@ def prepare(data_dir: str) -> str:
                     pairs = [json.loads(line) for line in file]
                 with open(os.path.join(partial, split, name), "w") as file:
                     file.writelines(json.dumps(pair) + "\n" for pair in _preferences(pairs))
-        os.rename(partial, target)
-    return target
+    return builders.written_once(data_dir, folder(data_dir), write)
 
 
 def _preferences(pairs):
