@@ -13,6 +13,7 @@ import pytest
 from conftest import assert_one_line_error, run_command, run_in_one_process, train
 
 import hf_checkpoints
+import hf_pretrained
 
 TOLERANCE = 1e-5  # keras-hub against keras-hub, the same operations
 TRANSFORMERS = 1e-4  # the toolkit against transformers' own PyTorch model, float32
@@ -236,3 +237,77 @@ def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
     assert_refused(train("configs/llama_stdlib.py:tiny", tmp_path / "w", "--config.model.num_query_heads=3",
                          check=False),
                    "does not run with", "model.num_query_heads=3", "change those model.* values")
+
+
+# The newer families, each a checkpoint transformers' own save_pretrained writes, with its
+# tokenizer files (tests/helpers/hf_pretrained.py): Qwen 3, SmolLM3 (tied, one NoPE layer),
+# Gemma 3's text model (five sliding-window layers, one global; SentencePiece).
+NEWER = tuple(hf_pretrained.CHECKPOINTS)
+
+
+def relative(result, name, gap):
+    """A logit difference relative to the checkpoint's logit scale."""
+    return result[name][gap] / result[name]["scale"] if isinstance(gap, str) else gap / result[name]["scale"]
+
+
+@pytest.mark.slow
+def test_newer_families_start_from_transformers_logits_on_one_device_and_export_round_trips(tmp_path, data_dir):
+    result = probe("jax", tmp_path, data_dir, "1,1,1", tuple(f"{name}:export" for name in NEWER), NEWER)
+    for name in NEWER:
+        assert relative(result, name, "first_step") <= TRANSFORMERS, (name, result[name])
+        checks = result[name]["export"]
+        assert checks["problems"] == [] and checks["config"] == {}, (name, checks)
+        # transformers reads the export to the toolkit's logits; the toolkit reads it back exactly.
+        assert relative(result, name, checks["torch"]) <= TRANSFORMERS, (name, checks)
+        assert checks["toolkit"] <= TOLERANCE, (name, checks)
+
+
+@pytest.mark.slow
+def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(tmp_path, data_dir):
+    result = probe("jax", tmp_path, data_dir, "1,2,2", tuple(f"{name}:lora_all" for name in NEWER), NEWER,
+                   env=FOUR_DEVICES)
+    for name in NEWER:  # fsdp 2 x model 2, by the family's own rules
+        assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
+        assert relative(result, name, "first_step") <= TRANSFORMERS, (name, result[name])
+        checks = result[name]["lora_all"]
+        assert checks["losses"][-1] < checks["losses"][0], (name, checks["losses"])
+        assert checks["moved"] > 1e-3 and checks["keras_hub"] <= TOLERANCE, (name, checks)
+        assert checks["config"] == {} and checks["peft_base_is_the_checkpoint"], (name, checks)
+        for gap in ("torch", "peft", "peft_on_written_base"):  # transformers, PEFT on the checkpoint
+            assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
+        assert checks["peft_config"]["target_modules"] == EVERY_PROJECTION, (name, checks)
+        for which, (toolkit, peft) in checks["trainable"].items():  # q_proj,v_proj and all-linear
+            assert toolkit == peft, (name, which, checks["trainable"])
+
+
+def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
+    """What keras-hub's backbone would build otherwise than transformers: refused, never built."""
+    folders = {}
+    for name, change in {"untied_smollm3": ("smollm3", {"tie_word_embeddings": False}),
+                         "biased_smollm3": ("smollm3", {"attention_bias": True}),
+                         "windowed_qwen3": ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
+                                                      "max_window_layers": 1}),
+                         "scaled_gemma3": ("gemma3_text", {"query_pre_attn_scalar": 32})}.items():
+        folders[name] = tmp_path / name
+        hf_pretrained.write(folders[name], change[0], **change[1])
+    folders["untied_gemma"] = tmp_path / "untied_gemma"
+    hf_checkpoints.write(folders["untied_gemma"], "gemma")
+    config = json.loads((folders["untied_gemma"] / "config.json").read_text())
+    (folders["untied_gemma"] / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tasks = {"untied_smollm3": "SmolLM3CausalLM", "biased_smollm3": "SmolLM3CausalLM",
+             "windowed_qwen3": "Qwen3CausalLM", "untied_gemma": "GemmaCausalLM", "qwen3_target": "Qwen3CausalLM",
+             "scaled_gemma3": "Gemma3CausalLM"}
+    folders["qwen3_target"] = tmp_path / "qwen3_target"
+    hf_pretrained.write(folders["qwen3_target"], "qwen3")
+    calls = {name: [f"--config=tests/helpers/checkpoint_config.py:{task}", f"--config.model.preset={folders[name]}"]
+             for name, task in tasks.items()}
+    calls["qwen3_target"] += ["--config.model.lora_rank=2", "--config.model.lora_targets=q_norm"]
+    layouts = run_in_one_process("tpu_keras.layout", calls)
+    assert_refused(layouts["untied_smollm3"], "tie_word_embeddings false",
+                   "keras-hub 0.32's SmolLM3Backbone cannot build that model")
+    assert_refused(layouts["biased_smollm3"], "biases (attention_bias or mlp_bias)", "SmolLM3Backbone")
+    assert_refused(layouts["windowed_qwen3"], "a sliding window on some layers alone", "Qwen3Backbone")
+    assert_refused(layouts["untied_gemma"], "tie_word_embeddings false", "GemmaBackbone")
+    assert_refused(layouts["qwen3_target"], "model.lora_targets has 'q_norm'", "q_proj, k_proj")
+    assert_refused(layouts["scaled_gemma3"], "query_pre_attn_scalar 32 other than head_dim 16",
+                   "Gemma3Backbone cannot build that model")

@@ -3,7 +3,9 @@
     python tests/helpers/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [NAME:RUN,...] [NAME,...]
 
 For each checkpoint of tests/helpers/hf_checkpoints.py (Llama 3, Llama 3.1 in both
-config forms, Qwen 2, Gemma, Mistral; those named last, where given):
+config forms, Qwen 2, Gemma, Mistral), or those named last, where given (these
+may also name the checkpoints transformers' save_pretrained writes,
+tests/helpers/hf_pretrained.py: Qwen 3, SmolLM3):
 writes it, builds the toolkit's model from it (`model.preset`) on the mesh
 and compares its logits before any step with transformers' own
 `AutoModelForCausalLM`'s (float32).
@@ -32,7 +34,8 @@ trainable parameters against PEFT's
 Reloads are read in host memory, with no distribution.
 Families without layout rules of the toolkit's (Qwen, Gemma) fold `model`
 into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
-differences and the config keys that differ, by checkpoint and check.
+differences (and `scale`, transformers' largest logit) and the config keys
+that differ, by checkpoint and check.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -64,9 +67,22 @@ from tpu_keras.tools import sampling  # noqa: E402
 from tpu_keras.training import evaluation, loop, setup  # noqa: E402
 
 import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
+import hf_pretrained  # noqa: E402
 
 TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCausalLM",
          "mistral": "MistralCausalLM"}
+# Every checkpoint: those written with numpy, then those transformers' save_pretrained writes.
+NAMES = tuple(hf_checkpoints.CHECKPOINTS) + tuple(hf_pretrained.CHECKPOINTS)
+
+
+def task_name(name: str) -> str:
+    if name in hf_pretrained.CHECKPOINTS:
+        return hf_pretrained.TASKS[name]
+    return TASKS[hf_checkpoints.CHECKPOINTS[name][0]]
+
+
+def write_checkpoint(folder: str, name: str) -> None:
+    (hf_pretrained if name in hf_pretrained.CHECKPOINTS else hf_checkpoints).write(folder, name)
 # Keys of a config.json that describe its files rather than the model.
 FILE_KEYS = ("torch_dtype", "dtype", "transformers_version")
 PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
@@ -103,12 +119,11 @@ LORA_TARGETS = {"lora": "q_proj,v_proj", "lora_all": "all-linear"}
 
 
 def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **backbone):
-    family = hf_checkpoints.CHECKPOINTS[name][0]
     config = defaults()
     config.engine = engine_name
     config.data.update(preprocess="next_token", data_dir=data_dir)
     config.data.tfds.name = "stdlib_bytes/ctx64"
-    config.model = dict(name=f"keras_hub:{TASKS[family]}", preset=checkpoint, context_length=64,
+    config.model = dict(name=f"keras_hub:{task_name(name)}", preset=checkpoint, context_length=64,
                         **backbone)
     if lora_rank:  # every projection with rsLoRA's scaling, lora_alpha / sqrt(r)
         config.model.update(lora_rank=lora_rank, lora_targets=lora_targets,
@@ -116,7 +131,7 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **ba
     if quantize:
         config.model.quantize = quantize
     data, fsdp, model = (int(n) for n in mesh.split(","))
-    if families.of_backbone(getattr(keras_hub.models, TASKS[family]).backbone_cls).layout is None:
+    if families.of_backbone(getattr(keras_hub.models, task_name(name)).backbone_cls).layout is None:
         fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model)
     config.layout.replicate_below = 256
@@ -139,7 +154,7 @@ def read_back(name, folder, lora=None):
     a run's model.preset), with the LoRA factors in `lora` if given, in host memory (no
     distribution: the export's own host copy's scope). keras-hub's own reader would drop
     Llama's rms_norm_eps."""
-    task_cls = getattr(keras_hub.models, TASKS[hf_checkpoints.CHECKPOINTS[name][0]])
+    task_cls = getattr(keras_hub.models, task_name(name))
     with export._on_host():
         task = task_cls(backbone=hub_presets.load_backbone(task_cls.backbone_cls, folder),
                         preprocessor=None)
@@ -243,11 +258,11 @@ def quantized_run(name, checkpoint, mode, first, tokens):
 
 
 result = {}
-for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
-    if names is not None and name not in names:
+for name in NAMES:
+    if (names is None and name not in hf_checkpoints.CHECKPOINTS) or (names is not None and name not in names):
         continue
     checkpoint = os.path.join(out, name, "checkpoint")
-    hf_checkpoints.write(checkpoint, name)
+    write_checkpoint(checkpoint, name)
     config = config_for(name, checkpoint)
     toolkit = build(config)
     first = keras.ops.convert_to_numpy(toolkit(tokens))
@@ -255,15 +270,16 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
              if engine_name == "jax" and w.value.sharding.is_fully_replicated and np.prod(w.shape) >= 256]
     split = [w.path for w in toolkit.weights
              if engine_name == "jax" and not w.value.sharding.is_fully_replicated]
-    result[name] = {"first_step": gap(first, transformers_logits(checkpoint)), "split_weights": len(split),
-                    "whole": whole}
+    reference = transformers_logits(checkpoint)
+    result[name] = {"first_step": gap(first, reference), "split_weights": len(split), "whole": whole,
+                    "scale": float(np.max(np.abs(reference)))}
     if name == "llama" and engine_name == "tf":  # generate --preset=FOLDER reads it as a run does
         result[name]["generate_preset"] = gap(transformers_logits(checkpoint),
                                               logits(sampling.from_preset(checkpoint).model))
     if f"{name}:export" in runs:
         result[name]["export"] = exported(toolkit, config, os.path.join(out, name, "export"), checkpoint,
                                           first, name)
-    task_cls = getattr(keras_hub.models, TASKS[family])
+    task_cls = getattr(keras_hub.models, task_name(name))
     if f"{name}:theta" in runs:  # the run's own rope_theta, where the checkpoint has another
         config = config_for(name, checkpoint, rope_max_wavelength=250000.0)
         changed = build(config)
@@ -277,10 +293,11 @@ for name, (family, _) in hf_checkpoints.CHECKPOINTS.items():
             continue
         workdir = os.path.join(out, name, variant)
         targets = LORA_TARGETS.get(variant, "")
-        trained = loop.train(config_for(name, checkpoint, rank, targets), workdir).model
+        history = loop.train(config_for(name, checkpoint, rank, targets), workdir)
+        trained = history.model
         expected = keras.ops.convert_to_numpy(trained(tokens))
         folder = os.path.join(workdir, "export")
-        checks = {"moved": gap(expected, first),
+        checks = {"moved": gap(expected, first), "losses": [float(x) for x in history.history["loss"]],
                   "keras_hub": gap(expected, logits(task_cls.from_preset(f"{folder}/keras_hub"))),
                   "torch": gap(expected, transformers_logits(f"{folder}/transformers")),
                   "config": config_differences(f"{folder}/transformers", checkpoint),

@@ -6,7 +6,8 @@
 - `keras_hub`: a keras-hub preset of the fine-tuned task with its tokenizer
   (DIR/export/keras_hub/; `keras_hub.models.<Task>.from_preset` loads it);
 - `transformers`: keras-hub's transformers exporter (DIR/export/transformers/,
-  for the families it knows: Llama 3, Gemma, Mistral, Qwen, GPT-2), tokenizer
+  for the families it knows: Llama 3, Gemma, Mistral, Qwen, GPT-2), or the
+  family's own maps where keras-hub has none (Qwen 3, SmolLM3), tokenizer
   included;
 - `lora`: a LoRA run's factors alone, in keras-hub's `save_lora_weights`
   format (DIR/export/lora.weights.h5; `models/lora_file.py`), for a run that
@@ -75,7 +76,7 @@ def formats(config, task=None) -> tuple[str, ...]:
     adapted = lora.adapted_layers(task.backbone) if task is not None else []
     if adapted:
         settings = lora.settings_of(adapted)
-        if lora_file.refusal(settings) is None:
+        if lora_file.refusal(settings, task.backbone) is None:
             applies.append("lora")
         if exporter:
             applies.append("peft")
@@ -104,7 +105,7 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
             problems.append(f"export format {name!r} needs a LoRA run (model.lora_rank), and "
                             f"{config.model.name!r} trained every weight; drop {name!r} from export.formats")
             hub_formats.remove(name)
-    if "lora" in hub_formats and (refusal := lora_file.refusal(lora.settings_of(adapted))):
+    if "lora" in hub_formats and (refusal := lora_file.refusal(lora.settings_of(adapted), task.backbone)):
         problems.append(refusal)
         hub_formats.remove("lora")
     exporter_less = [name for name in ("transformers", "peft") if name in hub_formats]
@@ -138,8 +139,14 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
 
 def _write_transformers(host, folder: str, preset: str, config) -> None:
     """keras-hub's exporter of `host`'s family, the checkpoint's config.json kept."""
-    with families.transformers_exporter(type(host.backbone)):
+    tokenizer = host.preprocessor.tokenizer if host.preprocessor is not None else None
+    with families.transformers_exporter(type(host.backbone), type(tokenizer)):
         host.export_to_transformers(folder)
+    # keras-hub 0.32 renames a byte-pair vocabulary to transformers' name for the tokenizers
+    # it lists alone (Qwen, Qwen 3.5, GPT-2); a family's own tokenizer exporter gets the same.
+    vocabulary = os.path.join(folder, "vocabulary.json")
+    if os.path.exists(vocabulary) and not os.path.exists(os.path.join(folder, "vocab.json")):
+        os.rename(vocabulary, os.path.join(folder, "vocab.json"))
     _complete_config(folder, preset, host.backbone, _backbone_overrides(config))
 
 
@@ -281,7 +288,7 @@ def host_copy(task, preset: str = "", merged: bool = True):
         policy = backbone.dtype_policy  # its config holds each quantized layer's policy
         config["dtype"] = getattr(policy, "default_policy", policy).name
     with _on_host(), keras.StatelessScope(initialize_variables=False):
-        host_backbone = complete_get_config(type(backbone).from_config(config))
+        host_backbone = complete_get_config(families.repaired(type(backbone).from_config(config)))
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)

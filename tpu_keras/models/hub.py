@@ -178,7 +178,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
                             "with save_to_preset and set model.preset to that folder") from None
     else:
         _check_architecture_given(task_cls, backbone_cls, backbone_kwargs)
-        backbone = backbone_cls(dtype=dtype, **backbone_kwargs)
+        backbone = families.repaired(backbone_cls(dtype=dtype, **backbone_kwargs))
     adapted = lora_settings(backbone_cls, dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
                                                lora_targets=lora_targets, lora_rslora=lora_rslora))
     if quantize:  # the frozen base, quantized once its weights are in (models.quantized)

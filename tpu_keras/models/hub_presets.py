@@ -93,10 +93,11 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, **kwargs
     loader = _loader(preset)
     converter = getattr(loader, "converter", None)
     if converter is None:
-        return backbone_cls.from_preset(preset, load_weights=load_weights, **kwargs)
+        return families.repaired(backbone_cls.from_preset(preset, load_weights=load_weights, **kwargs))
     from keras_hub.src.utils.preset_utils import jax_memory_cleanup
     # keras-hub's TransformersPresetLoader.load_backbone builds cls(**{**converted, **kwargs}).
-    backbone = backbone_cls.from_preset(preset, load_weights=False, **{**passed_through(preset), **kwargs})
+    backbone = families.repaired(backbone_cls.from_preset(preset, load_weights=False,
+                                                          **{**passed_through(preset), **kwargs}))
     if load_weights:
         jax_memory_cleanup(backbone)
         with _exact_safetensors(preset) as weights:

@@ -31,22 +31,31 @@ FILE = "lora.weights.h5"
 KERAS_HUB_MODULES = ("q_proj", "v_proj")
 
 
-def refusal(settings) -> str | None:
-    """Why keras-hub's loader cannot read a run of these LoRA settings, or None."""
+def refusal(settings, backbone) -> str | None:
+    """Why keras-hub's loader cannot read a run of these LoRA settings on `backbone`, or None."""
     others = [module for module in settings.modules if module not in KERAS_HUB_MODULES]
-    if not others:
-        return None
-    return (f"export format 'lora' is keras-hub's load_lora_weights file, which adapts the query "
-            f"and value projections alone, and this run also adapted {', '.join(others)} "
-            "(model.lora_targets); the 'peft' adapter holds every one of them")
+    if others:
+        return (f"export format 'lora' is keras-hub's load_lora_weights file, which adapts the "
+                f"query and value projections alone, and this run also adapted {', '.join(others)} "
+                "(model.lora_targets); the 'peft' adapter holds every one of them")
+    if not _keras_hub_rows(backbone):  # SmolLM3's are q_proj and v_proj: its loader finds none
+        return (f"export format 'lora' is keras-hub's load_lora_weights file, and keras-hub 0.32's "
+                f"loader adapts no layer of {type(backbone).__name__} (it looks for layers named "
+                f"{', '.join(backbone.default_lora_layer_names())}); the 'peft' adapter holds the factors")
+    return None
+
+
+def _keras_hub_rows(backbone) -> list:
+    """(index among the layers with weights, layer) of the layers keras-hub's loader adapts."""
+    return [(index, layer) for index, layer in enumerate(
+        layer for layer in backbone._flatten_layers(include_self=False) if layer.weights)
+        if layer.name in backbone.default_lora_layer_names() and hasattr(layer, "enable_lora")]
 
 
 def write(backbone, path: str) -> None:
     """Writes the adapted `backbone`'s factors as keras-hub's `save_lora_weights` would for
     the same model, to the local file `path`."""
-    rows = [(index, layer) for index, layer in enumerate(
-        layer for layer in backbone._flatten_layers(include_self=False) if layer.weights)
-        if layer.name in backbone.default_lora_layer_names() and hasattr(layer, "enable_lora")]
+    rows = _keras_hub_rows(backbone)
     factors = {index: _as_keras(layer) for index, layer in rows}
     rank = max(a.shape[-1] for a, _ in factors.values())
     store = keras.src.saving.saving_lib.H5IOStore(path, mode="w")  # as save_lora_weights fills it

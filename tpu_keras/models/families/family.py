@@ -25,6 +25,8 @@ class Family:
     converter_keys: dict = dataclasses.field(default_factory=dict)
     # config.json -> more backbone arguments; raises Unreadable for what the backbone cannot build.
     read_config: Optional[Callable[[dict], dict]] = None
+    # backbone -> None: mends what keras-hub builds wrong (weight paths), once it is built.
+    repair: Optional[Callable] = None
     # The backbone's constructor arguments -> layout rules of its weights (None: keras-hub's
     # get_layout_map where the backbone has one, else every weight whole).
     layout: Optional[Callable[[dict], list[Rule]]] = None
@@ -37,8 +39,12 @@ class Family:
     attention: tuple[str, ...] = ()
     fused_attention: tuple[str, ...] = ()
     exporter: str = ""                                # keras-hub's transformers exporter, by backbone class ('': its own)
-    # backbone -> {transformers name: tensor}, in place of the exporter's weights map.
+    # The family's own pieces of a transformers export, each in place of keras-hub's (where it
+    # has none, or gets it wrong): backbone -> config.json; backbone -> {transformers name:
+    # tensor}; tokenizer -> tokenizer_config.json.
+    transformers_config: Optional[Callable] = None
     transformers_weights: Optional[Callable] = None
+    transformers_tokenizer: Optional[Callable] = None
     tasks: tuple[type, ...] = ()                      # task classes keras_hub.models does not hold
 
 
@@ -71,6 +77,14 @@ def of_model_type(model_type: str) -> Optional[Family]:
     return next((f for f in reversed(_FAMILIES) if model_type in f.model_types), None)
 
 
+def repaired(backbone):
+    """`backbone`, mended by its family's `repair` where it has one."""
+    family = of_backbone(type(backbone))
+    if family is not None and family.repair is not None:
+        family.repair(backbone)
+    return backbone
+
+
 def tasks() -> dict:
     """{name: task class} that families add to keras_hub.models."""
     return {task.__name__: task for family in _FAMILIES for task in family.tasks}
@@ -97,35 +111,39 @@ def rope_parameters(config: dict) -> dict:
 
 def exporter(backbone_cls):
     """(config function, weights function) that write `backbone_cls` in the transformers
-    format: keras-hub's exporter for `Family.exporter` (default: the class's own), its
-    weights map replaced by the family's `transformers_weights`; None where there is none."""
+    format: keras-hub's exporter for `Family.exporter` (default: the class's own), each
+    function replaced by the family's own where it has one; None where there is none."""
     from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_CONFIGS, MODEL_EXPORTERS
     family = of_backbone(backbone_cls)
     source = family.exporter if family is not None and family.exporter else backbone_cls.__name__
-    if source not in MODEL_EXPORTERS:
-        return None
-    weights = (family.transformers_weights if family is not None and family.transformers_weights
-               else MODEL_EXPORTERS[source])
-    return MODEL_CONFIGS[source], weights
+    config = (family and family.transformers_config) or MODEL_CONFIGS.get(source)
+    weights = (family and family.transformers_weights) or MODEL_EXPORTERS.get(source)
+    return None if config is None or weights is None else (config, weights)
 
 
 @contextlib.contextmanager
-def transformers_exporter(backbone_cls):
+def transformers_exporter(backbone_cls, tokenizer_cls=None):
     """While open, keras-hub's `export_to_transformers`, which looks its tables up by the
-    backbone's class name, writes `backbone_cls` with `exporter(backbone_cls)`."""
+    backbone's and the tokenizer's class names, writes `backbone_cls` with
+    `exporter(backbone_cls)`, and a `tokenizer_cls` with the family's
+    `transformers_tokenizer` where it has one."""
     from keras_hub.src.utils.transformers.export import hf_exporter
-    name, functions = backbone_cls.__name__, exporter(backbone_cls)
-    tables = (hf_exporter.MODEL_CONFIGS, hf_exporter.MODEL_EXPORTERS)
-    saved = [table.get(name) for table in tables]
-    if functions is not None:
-        for table, function in zip(tables, functions):
+    family = of_backbone(backbone_cls)
+    patches = [(hf_exporter.MODEL_CONFIGS, backbone_cls.__name__),
+               (hf_exporter.MODEL_EXPORTERS, backbone_cls.__name__)]
+    functions = list(exporter(backbone_cls) or (None, None))
+    if tokenizer_cls is not None and family is not None and family.transformers_tokenizer:
+        patches.append((hf_exporter.MODEL_TOKENIZER_CONFIGS, tokenizer_cls.__name__))
+        functions.append(family.transformers_tokenizer)
+    saved = [table.get(name) for table, name in patches]
+    for (table, name), function in zip(patches, functions):
+        if function is not None:
             table[name] = function
     try:
         yield
     finally:
-        for table, value in zip(tables, saved):
+        for (table, name), value in zip(patches, saved):
             if value is None:
                 table.pop(name, None)
             else:
                 table[name] = value
-

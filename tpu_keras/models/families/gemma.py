@@ -13,8 +13,12 @@ from tpu_keras.models.families.family import Family, Target, Unreadable, no_rope
 
 
 def read_config(config: dict) -> dict:
-    """Gemma's attention has rope_theta 10000, fixed, and no rope scaling."""
+    """Gemma's attention has rope_theta 10000, fixed, and no rope scaling; its head is the
+    embedding."""
     no_rope_scaling(config)
+    if not config.get("tie_word_embeddings", True):
+        raise Unreadable("an output head of its own (tie_word_embeddings false): GemmaBackbone "
+                         "always ties it to the embedding")
     theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000))
     if theta != 10000:
         raise Unreadable(f"rope_theta {theta:g} (Gemma's attention has 10000 and no argument to "

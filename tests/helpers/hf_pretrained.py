@@ -1,0 +1,105 @@
+"""Tiny checkpoints of the newer families, written by transformers' own `save_pretrained`.
+
+    write(folder, name)  # name: a key of CHECKPOINTS ('qwen3', 'smollm3', 'gemma3_text', ...)
+
+transformers builds the model from its config class and writes config.json
+and model.safetensors as it writes a released checkpoint (the keys its
+version writes: `rope_parameters`, `layer_types`, ...); the weights are
+drawn again, larger than transformers' initialiser draws them, so that the
+logits are far from zero and differences show. The tokenizer files are the
+family's, as the Hub ships them: a byte-level BPE's tokenizer.json for Qwen 3
+and SmolLM3, and for Gemma 3 also the SentencePiece `tokenizer.model` that
+keras-hub's converter reads. Each tokenizer is trained on a few sentences.
+"""
+
+import json
+import os
+
+import numpy as np
+
+TEXT = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n",
+        "for i in range(10):\n    print(i * i)\n", "class A:\n    pass\n"] * 4
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 32, 64, 2, 4, 2, 16
+
+# name -> (config class, model class, tokenizer kind, special tokens, the family's own keys,
+# the test's changes). Sizes are the same for all; each family's keys are its released ones.
+CHECKPOINTS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "bpe", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+              {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    # Tied as SmolLM3-3B ships; the second layer without rotary positions (NoPE), as every
+    # fourth of the 3B's is.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", "bpe",
+                ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+                {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "no_rope_layers": [1, 0],
+                 "head_dim": HIDDEN // HEADS,  # SmolLM3Backbone has no head size of its own
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0}}),
+    # Gemma 3's text model, 6 layers: five sliding (a window of 8) and one global, as it ships.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "spm", ["<pad>", "<eos>", "<bos>", "<unk>"],
+                    {"num_hidden_layers": 6, "sliding_window": 8, "rms_norm_eps": 1e-6,
+                     "query_pre_attn_scalar": HEAD_DIM, "tie_word_embeddings": True}),
+}
+TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM"}
+
+
+def write(folder, name: str, seed: int = 0, **changes) -> dict:
+    """Writes the checkpoint `name` (a key of CHECKPOINTS), with `changes` over its config;
+    returns its config.json. The vocabulary is padded to a multiple of 8, as real ones are."""
+    import torch
+    import transformers
+    config_cls, model_cls, kind, special, own = CHECKPOINTS[name]
+    os.makedirs(folder, exist_ok=True)
+    tokens, (pad, bos, eos) = _write_tokenizer(folder, kind, special)
+    arguments = dict(vocab_size=-(-tokens // 8) * 8, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                     num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, max_position_embeddings=256, bos_token_id=bos,
+                     eos_token_id=eos, pad_token_id=pad)
+    arguments.update(own)
+    arguments.update(changes)
+    config = getattr(transformers, config_cls)(**arguments)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    shifted = config.model_type.startswith("gemma")  # Gemma's norms scale by 1 + weight
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.copy_((0 if shifted else 1) + 0.1 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(torch.randn_like(parameter) / np.sqrt(parameter.shape[-1]))
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as file:
+        return json.load(file)
+
+
+def _write_tokenizer(folder, kind, special) -> tuple[int, tuple[int, int, int]]:
+    """The tokenizer files; returns (vocabulary size, (pad, start, end token ids))."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    if kind == "bpe":  # Qwen 3, SmolLM3: byte-level BPE, tokenizer.json
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator(TEXT, trainer)
+        tokenizer.add_special_tokens(special)
+        wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=special[0],
+                                                       pad_token=special[0])
+        wrapped.save_pretrained(folder)
+        first = tokenizer.token_to_id(special[0])
+        return tokenizer.get_vocab_size(), (first, first, first)
+    # Gemma 3: a SentencePiece model (tokenizer.model) with its 256 byte pieces, pad 0, eos 1,
+    # bos 2, unk 3; transformers converts it to its tokenizer.json, and both are kept.
+    import sentencepiece
+    prefix = os.path.join(folder, "spm")
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT * 8), model_prefix=prefix, vocab_size=320, model_type="bpe",
+        byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece=special[0],
+        eos_piece=special[1], bos_piece=special[2], unk_piece=special[3],
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+    os.replace(f"{prefix}.model", os.path.join(folder, "tokenizer.model"))
+    os.remove(f"{prefix}.vocab")
+    wrapped = transformers.AutoTokenizer.from_pretrained(folder, tokenizer_type="gemma")
+    wrapped.save_pretrained(folder)
+    pad, end, start = (wrapped.convert_tokens_to_ids(token) for token in special[:3])
+    return len(wrapped), (pad, start, end)
