@@ -280,6 +280,7 @@ def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(tmp
             assert toolkit == peft, (name, which, checks["trainable"])
 
 
+@pytest.mark.slow
 def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
     """What keras-hub's backbone would build otherwise than transformers: refused, never built."""
     folders = {}
