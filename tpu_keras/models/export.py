@@ -139,8 +139,8 @@ def write(model, config, export_dir: str, chosen=None) -> list[str]:
 
 def _write_transformers(host, folder: str, preset: str, config) -> None:
     """keras-hub's exporter of `host`'s family, the checkpoint's config.json kept."""
-    tokenizer = host.preprocessor.tokenizer if host.preprocessor is not None else None
-    with families.transformers_exporter(type(host.backbone), type(tokenizer)):
+    tokenizer_cls = type(host.preprocessor.tokenizer) if host.preprocessor is not None else None
+    with families.transformers_exporter(type(host.backbone), tokenizer_cls):
         host.export_to_transformers(folder)
     # keras-hub 0.32 renames a byte-pair vocabulary to transformers' name for the tokenizers
     # it lists alone (Qwen, Qwen 3.5, GPT-2); a family's own tokenizer exporter gets the same.
