@@ -245,16 +245,17 @@ def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
 NEWER = tuple(hf_pretrained.CHECKPOINTS)
 
 
-def relative(result, name, gap):
-    """A logit difference relative to the checkpoint's logit scale."""
-    return result[name][gap] / result[name]["scale"] if isinstance(gap, str) else gap / result[name]["scale"]
+def relative(result, name, gap: float) -> float:
+    """A logit difference of checkpoint `name` relative to its logit scale."""
+    return gap / result[name]["scale"]
 
 
 @pytest.mark.slow
-def test_newer_families_start_from_transformers_logits_on_one_device_and_export_round_trips(tmp_path, data_dir):
+def test_newer_families_start_from_transformers_logits_on_one_device_and_export_round_trips(
+        tmp_path, data_dir):
     result = probe("jax", tmp_path, data_dir, "1,1,1", tuple(f"{name}:export" for name in NEWER), NEWER)
     for name in NEWER:
-        assert relative(result, name, "first_step") <= TRANSFORMERS, (name, result[name])
+        assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
         checks = result[name]["export"]
         assert checks["problems"] == [] and checks["config"] == {}, (name, checks)
         # transformers reads the export to the toolkit's logits; the toolkit reads it back exactly.
@@ -268,7 +269,7 @@ def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(tmp
                    env=FOUR_DEVICES)
     for name in NEWER:  # fsdp 2 x model 2, by the family's own rules
         assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
-        assert relative(result, name, "first_step") <= TRANSFORMERS, (name, result[name])
+        assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
         checks = result[name]["lora_all"]
         assert checks["losses"][-1] < checks["losses"][0], (name, checks["losses"])
         assert checks["moved"] > 1e-3 and checks["keras_hub"] <= TOLERANCE, (name, checks)
@@ -283,26 +284,28 @@ def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(tmp
 @pytest.mark.slow
 def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
     """What keras-hub's backbone would build otherwise than transformers: refused, never built."""
-    folders = {}
-    for name, change in {"untied_smollm3": ("smollm3", {"tie_word_embeddings": False}),
-                         "biased_smollm3": ("smollm3", {"attention_bias": True}),
-                         "windowed_qwen3": ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
-                                                      "max_window_layers": 1}),
-                         "scaled_gemma3": ("gemma3_text", {"query_pre_attn_scalar": 32})}.items():
-        folders[name] = tmp_path / name
-        hf_pretrained.write(folders[name], change[0], **change[1])
-    folders["untied_gemma"] = tmp_path / "untied_gemma"
-    hf_checkpoints.write(folders["untied_gemma"], "gemma")
-    config = json.loads((folders["untied_gemma"] / "config.json").read_text())
-    (folders["untied_gemma"] / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
-    tasks = {"untied_smollm3": "SmolLM3CausalLM", "biased_smollm3": "SmolLM3CausalLM",
-             "windowed_qwen3": "Qwen3CausalLM", "untied_gemma": "GemmaCausalLM", "qwen3_target": "Qwen3CausalLM",
-             "scaled_gemma3": "Gemma3CausalLM"}
-    folders["qwen3_target"] = tmp_path / "qwen3_target"
-    hf_pretrained.write(folders["qwen3_target"], "qwen3")
-    calls = {name: [f"--config=tests/helpers/checkpoint_config.py:{task}", f"--config.model.preset={folders[name]}"]
-             for name, task in tasks.items()}
-    calls["qwen3_target"] += ["--config.model.lora_rank=2", "--config.model.lora_targets=q_norm"]
+    # name -> (checkpoint, its config.json changes, task, more command-line flags)
+    cases = {
+        "untied_smollm3": ("smollm3", {"tie_word_embeddings": False}, "SmolLM3CausalLM", []),
+        "biased_smollm3": ("smollm3", {"attention_bias": True}, "SmolLM3CausalLM", []),
+        "windowed_qwen3": ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+                           "Qwen3CausalLM", []),
+        "scaled_gemma3": ("gemma3_text", {"query_pre_attn_scalar": 32}, "Gemma3CausalLM", []),
+        "untied_gemma": ("gemma", {"tie_word_embeddings": False}, "GemmaCausalLM", []),
+        "qwen3_target": ("qwen3", {}, "Qwen3CausalLM",
+                         ["--config.model.lora_rank=2", "--config.model.lora_targets=q_norm"]),
+    }
+    calls = {}
+    for name, (checkpoint, changes, task, flags) in cases.items():
+        folder = tmp_path / name
+        if checkpoint in hf_pretrained.CHECKPOINTS:
+            hf_pretrained.write(folder, checkpoint, **changes)
+        else:  # written with numpy: its config.json changed afterwards
+            hf_checkpoints.write(folder, checkpoint)
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, **changes}))
+        calls[name] = [f"--config=tests/helpers/checkpoint_config.py:{task}",
+                       f"--config.model.preset={folder}"] + flags
     layouts = run_in_one_process("tpu_keras.layout", calls)
     assert_refused(layouts["untied_smollm3"], "tie_word_embeddings false",
                    "keras-hub 0.32's SmolLM3Backbone cannot build that model")

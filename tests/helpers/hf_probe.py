@@ -5,7 +5,7 @@
 For each checkpoint of tests/helpers/hf_checkpoints.py (Llama 3, Llama 3.1 in both
 config forms, Qwen 2, Gemma, Mistral), or those named last, where given (these
 may also name the checkpoints transformers' save_pretrained writes,
-tests/helpers/hf_pretrained.py: Qwen 3, SmolLM3):
+tests/helpers/hf_pretrained.py: Qwen 3, SmolLM3, Gemma 3):
 writes it, builds the toolkit's model from it (`model.preset`) on the mesh
 and compares its logits before any step with transformers' own
 `AutoModelForCausalLM`'s (float32).
@@ -71,8 +71,6 @@ import hf_pretrained  # noqa: E402
 
 TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCausalLM",
          "mistral": "MistralCausalLM"}
-# Every checkpoint: those written with numpy, then those transformers' save_pretrained writes.
-NAMES = tuple(hf_checkpoints.CHECKPOINTS) + tuple(hf_pretrained.CHECKPOINTS)
 
 
 def task_name(name: str) -> str:
@@ -83,6 +81,8 @@ def task_name(name: str) -> str:
 
 def write_checkpoint(folder: str, name: str) -> None:
     (hf_pretrained if name in hf_pretrained.CHECKPOINTS else hf_checkpoints).write(folder, name)
+
+
 # Keys of a config.json that describe its files rather than the model.
 FILE_KEYS = ("torch_dtype", "dtype", "transformers_version")
 PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
@@ -258,9 +258,7 @@ def quantized_run(name, checkpoint, mode, first, tokens):
 
 
 result = {}
-for name in NAMES:
-    if (names is None and name not in hf_checkpoints.CHECKPOINTS) or (names is not None and name not in names):
-        continue
+for name in names or hf_checkpoints.CHECKPOINTS:
     checkpoint = os.path.join(out, name, "checkpoint")
     write_checkpoint(checkpoint, name)
     config = config_for(name, checkpoint)
@@ -274,7 +272,7 @@ for name in NAMES:
     result[name] = {"first_step": gap(first, reference), "split_weights": len(split), "whole": whole,
                     "scale": float(np.max(np.abs(reference)))}
     if name == "llama" and engine_name == "tf":  # generate --preset=FOLDER reads it as a run does
-        result[name]["generate_preset"] = gap(transformers_logits(checkpoint),
+        result[name]["generate_preset"] = gap(reference,
                                               logits(sampling.from_preset(checkpoint).model))
     if f"{name}:export" in runs:
         result[name]["export"] = exported(toolkit, config, os.path.join(out, name, "export"), checkpoint,

@@ -23,12 +23,12 @@ later takes over the backbones it names from an earlier one.
 
 from tpu_keras.models.families.family import (Family, Target, Unreadable, exporter, known,
                                               no_rope_scaling, of_backbone, of_model_type,
-                                              register, repaired, rope_parameters, rope_type,
+                                              refuse_first, register, repaired, rope_parameters, rope_type,
                                               tasks, transformers_exporter)
 # The families the toolkit ships; each module registers itself.
 from tpu_keras.models.families import (gemma, gemma3, llama, mistral, qwen, qwen3,  # noqa: E402,F401
                                        smollm3)
 
 __all__ = ["Family", "Target", "Unreadable", "exporter", "known", "no_rope_scaling", "of_backbone",
-           "of_model_type", "register", "repaired", "rope_parameters", "rope_type", "tasks",
+           "of_model_type", "refuse_first", "register", "repaired", "rope_parameters", "rope_type", "tasks",
            "transformers_exporter"]

@@ -90,6 +90,13 @@ def tasks() -> dict:
     return {task.__name__: task for family in _FAMILIES for task in family.tasks}
 
 
+def refuse_first(checks) -> None:
+    """Raises `Unreadable` with the reason of the first (wrong, reason) pair that is wrong."""
+    reason = next((reason for wrong, reason in checks if wrong), None)
+    if reason is not None:
+        raise Unreadable(reason)
+
+
 def no_rope_scaling(config: dict) -> dict:
     """`read_config` of a family whose keras-hub converter reads no rope scaling at all."""
     kind = rope_type(config)

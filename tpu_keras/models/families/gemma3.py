@@ -19,7 +19,7 @@ trained: such a checkpoint is refused, with the way to the text model.
 """
 
 from tpu_keras.models.families import gemma
-from tpu_keras.models.families.family import Family, Unreadable, register
+from tpu_keras.models.families.family import Family, Unreadable, refuse_first, register
 from tpu_keras.parallelism import Rule, Tie, replicated
 
 LAYER = r"decoder_block_\d+"
@@ -57,38 +57,34 @@ def read_config(config: dict) -> dict:
         raise Unreadable("a vision tower (model_type 'gemma3'): the toolkit trains Gemma 3's text "
                          "model; save Gemma3ForConditionalGeneration's language model alone "
                          "(model_type 'gemma3_text') and point model.preset at it")
-    text = config
-    layers = text["num_hidden_layers"]
+    layers = config["num_hidden_layers"]
     pattern = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
-    rope = text.get("rope_parameters") or {}
+    rope = config.get("rope_parameters") or {}
     thetas = {"full_attention": rope.get("full_attention", {}).get("rope_theta",
-                                                                   text.get("rope_theta", _GLOBAL_THETA)),
+                                                                   config.get("rope_theta", _GLOBAL_THETA)),
               "sliding_attention": rope.get("sliding_attention", {}).get(
-                  "rope_theta", text.get("rope_local_base_freq", _LOCAL_THETA))}
+                  "rope_theta", config.get("rope_local_base_freq", _LOCAL_THETA))}
     kinds = {rope.get(kind, {}).get("rope_type", "default") for kind in thetas}
-    head_dim = text.get("head_dim")
-    refused = [
-        (not text.get("tie_word_embeddings", True), "an output head of its own (tie_word_embeddings "
+    head_dim = config.get("head_dim")
+    refuse_first([
+        (not config.get("tie_word_embeddings", True), "an output head of its own (tie_word_embeddings "
          "false): Gemma3Backbone always ties it to the embedding"),
-        (text.get("layer_types") not in (None, pattern), f"layer_types {text.get('layer_types')}: "
+        (config.get("layer_types") not in (None, pattern), f"layer_types {config.get('layer_types')}: "
          "Gemma3Backbone makes every sixth layer global, the others sliding"),
         (thetas != {"full_attention": _GLOBAL_THETA, "sliding_attention": _LOCAL_THETA},
          f"rope_theta {thetas}: Gemma3Backbone's are 1e6 (global) and 1e4 (sliding)"),
         (not kinds <= {"default", "linear"}, f"rope_type {sorted(kinds)}: Gemma3Backbone scales "
          "its rotary positions linearly alone"),
-        (text.get("query_pre_attn_scalar", head_dim) != head_dim,
-         f"query_pre_attn_scalar {text.get('query_pre_attn_scalar')} other than head_dim "
+        (config.get("query_pre_attn_scalar", head_dim) != head_dim,
+         f"query_pre_attn_scalar {config.get('query_pre_attn_scalar')} other than head_dim "
          f"{head_dim}: Gemma3Backbone's blocks scale queries by head_dim"),
-        (text.get("attn_logit_softcapping") is not None, "attn_logit_softcapping: transformers "
+        (config.get("attn_logit_softcapping") is not None, "attn_logit_softcapping: transformers "
          "5.24's Gemma 3 does not apply it and keras-hub's does"),
-        (text.get("attention_bias"), "attention biases: Gemma3Backbone has none"),
-        (text.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
-         f"hidden_activation {text.get('hidden_activation')!r}: Gemma3Backbone's MLP is "
+        (config.get("attention_bias"), "attention biases: Gemma3Backbone has none"),
+        (config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+         f"hidden_activation {config.get('hidden_activation')!r}: Gemma3Backbone's MLP is "
          "gelu_pytorch_tanh's"),
-    ]
-    reasons = [reason for wrong, reason in refused if wrong]
-    if reasons:
-        raise Unreadable(reasons[0])
+    ])
     return {}
 
 

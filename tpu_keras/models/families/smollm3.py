@@ -20,7 +20,7 @@ keras-hub 0.32 gets three things wrong that the toolkit mends or refuses:
 
 import keras
 
-from tpu_keras.models.families.family import Family, Target, Unreadable, no_rope_scaling, register
+from tpu_keras.models.families.family import Family, Target, no_rope_scaling, refuse_first, register
 from tpu_keras.parallelism import Rule, Tie, replicated
 
 LAYER = r"transformer_layer_\d+"
@@ -59,7 +59,7 @@ TIES = (
 
 _BLOCK, _MODULE = "transformer_layer_{i}", "model.layers.{i}"
 LORA_TARGETS = tuple(
-    Target(name, f"{_BLOCK}/{part}/{name}", f"{_MODULE}.{'self_attn' if part == 'self_attn' else 'mlp'}.{name}",
+    Target(name, f"{_BLOCK}/{part}/{name}", f"{_MODULE}.{part}.{name}",
            inputs=(0, 1) if name == "o_proj" else (0,))
     for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
                         ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -84,7 +84,7 @@ def repair(backbone) -> None:
 def read_config(config: dict) -> dict:
     no_rope_scaling(config)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    refused = [
+    refuse_first([
         (not config.get("tie_word_embeddings", True), "an output head of its own "
          "(tie_word_embeddings false): SmolLM3Backbone always ties it to the embedding"),
         (config.get("head_dim", hidden // heads) != hidden // heads,
@@ -95,10 +95,7 @@ def read_config(config: dict) -> dict:
          "a sliding window: SmolLM3Backbone has none"),
         (config.get("hidden_act", "silu") != "silu",
          f"hidden_act {config.get('hidden_act')!r}: SmolLM3Backbone's MLP is silu's"),
-    ]
-    reasons = [reason for wrong, reason in refused if wrong]
-    if reasons:
-        raise Unreadable(reasons[0])
+    ])
     return {}
 
 
@@ -130,7 +127,8 @@ def transformers_weights(backbone, include_lm_head=False) -> dict:
     for i, block in enumerate(backbone.transformer_layers):
         module = f"model.layers.{i}"
         for name in ("q_proj", "k_proj", "v_proj"):
-            weights[f"{module}.self_attn.{name}.weight"] = ops.transpose(getattr(block.self_attn, name).kernel)
+            kernel = getattr(block.self_attn, name).kernel  # (D, heads x K)
+            weights[f"{module}.self_attn.{name}.weight"] = ops.transpose(kernel)
         output = block.self_attn.o_proj.kernel  # (H, K, D)
         weights[f"{module}.self_attn.o_proj.weight"] = ops.transpose(
             ops.reshape(output, (-1, output.shape[-1])))
