@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run_command, run_in_one_process, train
+from conftest import assert_one_line_error, run_command, run_in_one_process, train, train_args
 
 import hf_checkpoints
 import hf_pretrained
@@ -241,8 +241,10 @@ def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
 
 # The newer families, each a checkpoint transformers' own save_pretrained writes, with its
 # tokenizer files (tests/helpers/hf_pretrained.py): Qwen 3, SmolLM3 (tied, one NoPE layer),
-# Gemma 3's text model (five sliding-window layers, one global; SentencePiece).
+# Gemma 3's and Gemma 4's text models (five sliding-window layers, one global; SentencePiece;
+# Gemma 4 with per-layer token embeddings).
 NEWER = tuple(hf_pretrained.CHECKPOINTS)
+OWN_LINEAR = {"gemma4_text": ["per_layer_input_gate", "per_layer_model_projection", "per_layer_projection"]}
 
 
 def relative(result, name, gap: float) -> float:
@@ -251,11 +253,17 @@ def relative(result, name, gap: float) -> float:
 
 
 @pytest.mark.slow
-def test_newer_families_start_from_transformers_logits_on_one_device_and_export_round_trips(
+def test_newer_families_start_from_transformers_logits_evaluate_packed_pairs_and_export_round_trips(
         tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,1,1", tuple(f"{name}:export" for name in NEWER), NEWER)
+    runs = tuple(f"{name}:{run}" for name in NEWER for run in ("export", "instruct"))
+    result = probe("jax", tmp_path, data_dir, "1,1,1", runs, NEWER)
     for name in NEWER:
         assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
+        # generate --preset=FOLDER builds the task and its tokenizer as a run does
+        assert relative(result, name, result[name]["generate_preset"]) <= TRANSFORMERS, (name, result[name])
+        # evaluate on pairs packed apart: transformers' token mean over each pair alone
+        got = result[name]["instruct"]
+        assert got["rows"] < got["pairs"] and abs(got["evaluate"] - got["transformers"]) < 1e-4, (name, got)
         checks = result[name]["export"]
         assert checks["problems"] == [] and checks["config"] == {}, (name, checks)
         # transformers reads the export to the toolkit's logits; the toolkit reads it back exactly.
@@ -276,7 +284,9 @@ def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(tmp
         assert checks["config"] == {} and checks["peft_base_is_the_checkpoint"], (name, checks)
         for gap in ("torch", "peft", "peft_on_written_base"):  # transformers, PEFT on the checkpoint
             assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
-        assert checks["peft_config"]["target_modules"] == EVERY_PROJECTION, (name, checks)
+        # PEFT's all-linear: Gemma 4's per-layer embedding projections too
+        every = sorted(EVERY_PROJECTION + OWN_LINEAR.get(name, []))
+        assert checks["peft_config"]["target_modules"] == every, (name, checks)
         for which, (toolkit, peft) in checks["trainable"].items():  # q_proj,v_proj and all-linear
             assert toolkit == peft, (name, which, checks["trainable"])
 
@@ -292,13 +302,17 @@ def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
                            "Qwen3CausalLM", []),
         "scaled_gemma3": ("gemma3_text", {"query_pre_attn_scalar": 32}, "Gemma3CausalLM", []),
         "untied_gemma": ("gemma", {"tie_word_embeddings": False}, "GemmaCausalLM", []),
+        "untied_gemma4": ("gemma4_text", {"tie_word_embeddings": False}, "Gemma4CausalLM", []),
+        "vision_gemma4": ("gemma4_text", "vision", "Gemma4CausalLM", []),
         "qwen3_target": ("qwen3", {}, "Qwen3CausalLM",
                          ["--config.model.lora_rank=2", "--config.model.lora_targets=q_norm"]),
     }
     calls = {}
     for name, (checkpoint, changes, task, flags) in cases.items():
         folder = tmp_path / name
-        if checkpoint in hf_pretrained.CHECKPOINTS:
+        if changes == "vision":  # the checkpoint with a vision tower, as Gemma 4 ships
+            hf_pretrained.write_with_vision(folder, checkpoint)
+        elif checkpoint in hf_pretrained.CHECKPOINTS:
             hf_pretrained.write(folder, checkpoint, **changes)
         else:  # written with numpy: its config.json changed afterwards
             hf_checkpoints.write(folder, checkpoint)
@@ -313,5 +327,42 @@ def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
     assert_refused(layouts["windowed_qwen3"], "a sliding window on some layers alone", "Qwen3Backbone")
     assert_refused(layouts["untied_gemma"], "tie_word_embeddings false", "GemmaBackbone")
     assert_refused(layouts["qwen3_target"], "model.lora_targets has 'q_norm'", "q_proj, k_proj")
+    assert_refused(layouts["untied_gemma4"], "tie_word_embeddings false", "Gemma4Backbone")
+    assert_refused(layouts["vision_gemma4"], "a vision or audio tower (model_type 'gemma4')",
+                   "(model_type 'gemma4_text') and point model.preset at it")
     assert_refused(layouts["scaled_gemma3"], "query_pre_attn_scalar 32 other than head_dim 16",
                    "Gemma3Backbone cannot build that model")
+
+
+@pytest.mark.slow
+def test_a_preset_whose_tokenizer_cannot_be_read_is_one_line_whatever_tokenizer_the_data_use(
+        tmp_path, data_dir):
+    """A tokenizer file keras-hub cannot read is refused before the run trains, also where the
+    data are bytes: the export carries the preset's tokenizer. Nothing is trained or kept."""
+    gemma, qwen = tmp_path / "gemma3_text", tmp_path / "qwen3"
+    hf_pretrained.write(gemma, "gemma3_text")
+    hf_pretrained.write(qwen, "qwen3")
+    (gemma / "tokenizer.model").write_bytes(b"not a SentencePiece model" * 8)  # SentencePiece's
+    (qwen / "tokenizer.json").write_text((qwen / "tokenizer.json").read_text()[:200])  # JSON cut short
+    text = tmp_path / "code.txt"
+    text.write_text("".join(hf_pretrained.TEXT) * 20)
+    by_preset = ["--config.data.tfds.name=", f"--config.data.text.files={text}",
+                 f"--config.data.text.eval_files={text}", "--config.data.tokens.tokenizer=preset"]
+    # Two steps: where a run is not refused, it ends (and its traceback shows) in seconds.
+    short = ["--config.train.steps=2", "--config.train.batch_size=4", "--config.train.eval_every=2",
+             "--config.train.eval_steps=1", "--config.log.every_steps=1", "--config.checkpoint.every_steps=2"]
+    cases = {f"{name}_{data}": (name, task, short + (by_preset if data == "preset" else []))
+             for name, task in (("gemma3_text", "Gemma3CausalLM"), ("qwen3", "Qwen3CausalLM"))
+             for data in ("bytes", "preset")}
+    runs = run_in_one_process("tpu_keras.train", {  # one start: each is refused before it trains
+        case: train_args(f"tests/helpers/checkpoint_config.py:{task}", tmp_path / case,
+                         f"--config.model.preset={tmp_path / name}", f"--config.data.data_dir={data_dir}",
+                         *flags)
+        for case, (name, task, flags) in cases.items()})
+    for data in ("bytes", "preset"):
+        assert_refused(runs[f"gemma3_text_{data}"], "its tokenizer.model cannot be read as a tokenizer",
+                       "could not parse ModelProto", "replace it with the checkpoint's own")
+        assert_refused(runs[f"qwen3_{data}"], "its tokenizer.json cannot be read as a tokenizer",
+                       "replace it with the checkpoint's own")
+    for case in cases:
+        assert not {"checkpoints", "model", "export"} & {p.name for p in (tmp_path / case).iterdir()}, case

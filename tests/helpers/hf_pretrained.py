@@ -38,8 +38,18 @@ CHECKPOINTS = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "spm", ["<pad>", "<eos>", "<bos>", "<unk>"],
                     {"num_hidden_layers": 6, "sliding_window": 8, "rms_norm_eps": 1e-6,
                      "query_pre_attn_scalar": HEAD_DIM, "tie_word_embeddings": True}),
+    # Gemma 4's text model as its small sizes (E2B, E4B) ship: sliding and global layers (the
+    # global ones with heads of their own size and partial rotary positions), per-layer token
+    # embeddings, and the last layers reusing earlier layers' keys and values.
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", "spm", ["<pad>", "<eos>", "<bos>", "<unk>"],
+                    {"num_hidden_layers": 6, "sliding_window": 8, "rms_norm_eps": 1e-6,
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                     "num_kv_shared_layers": 2,
+                     "global_head_dim": 2 * HEAD_DIM, "hidden_size_per_layer_input": 8,
+                     "vocab_size_per_layer_input": "vocab_size", "tie_word_embeddings": True}),
 }
-TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM"}
+TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM",
+         "gemma4_text": "Gemma4CausalLM"}
 
 
 def write(folder, name: str, seed: int = 0, **changes) -> dict:
@@ -56,6 +66,7 @@ def write(folder, name: str, seed: int = 0, **changes) -> dict:
                      eos_token_id=eos, pad_token_id=pad)
     arguments.update(own)
     arguments.update(changes)
+    arguments.update({key: arguments[value] for key, value in own.items() if value == "vocab_size"})
     config = getattr(transformers, config_cls)(**arguments)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
@@ -69,6 +80,20 @@ def write(folder, name: str, seed: int = 0, **changes) -> dict:
     model.save_pretrained(folder)
     with open(os.path.join(folder, "config.json")) as file:
         return json.load(file)
+
+
+def write_with_vision(folder, name: str = "gemma4_text") -> dict:
+    """The text checkpoint `name`, with the config.json of the model with its (tiny) vision
+    tower around it, as Gemma 4 ships (`gemma4`: the text model's keys under `text_config`);
+    its weights stay the text model's. Returns the config.json."""
+    import transformers
+    text = write(folder, name)
+    vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision.to_dict()).to_dict()
+    with open(os.path.join(folder, "config.json"), "w") as file:
+        json.dump(config, file)
+    return config
 
 
 def _write_tokenizer(folder, kind, special) -> tuple[int, tuple[int, int, int]]:

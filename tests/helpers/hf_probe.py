@@ -10,8 +10,9 @@ writes it, builds the toolkit's model from it (`model.preset`) on the mesh
 and compares its logits before any step with transformers' own
 `AutoModelForCausalLM`'s (float32).
 
-For `llama`, the model `python -m tpu_keras.generate --preset=FOLDER` samples
-from (`sampling.from_preset`) is compared with transformers' too.
+For `llama` (on tf) and the save_pretrained checkpoints, the model `python -m
+tpu_keras.generate --preset=FOLDER` samples from (`sampling.from_preset`) is
+compared with transformers' too.
 
 The runs: `NAME:export` exports that model (`transformers` format alone),
 compares the exported config.json with the checkpoint's, and reads the
@@ -62,7 +63,7 @@ import tpu_keras  # noqa: E402
 from tpu_keras import config as config_lib  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
 from tpu_keras.data import text  # noqa: E402
-from tpu_keras.models import export, families, hub_presets  # noqa: E402
+from tpu_keras.models import export, families, hub_presets, segments  # noqa: E402
 from tpu_keras.tools import sampling  # noqa: E402
 from tpu_keras.training import evaluation, loop, setup  # noqa: E402
 
@@ -91,7 +92,7 @@ tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
 def logits(task):
-    value = task({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+    value = task(segments.task_inputs(task, keras.ops.convert_to_tensor(tokens)))
     return keras.ops.convert_to_numpy(keras.ops.cast(value, "float32"))
 
 
@@ -271,7 +272,8 @@ for name in names or hf_checkpoints.CHECKPOINTS:
     reference = transformers_logits(checkpoint)
     result[name] = {"first_step": gap(first, reference), "split_weights": len(split), "whole": whole,
                     "scale": float(np.max(np.abs(reference)))}
-    if name == "llama" and engine_name == "tf":  # generate --preset=FOLDER reads it as a run does
+    # generate --preset=FOLDER reads it as a run does (the task and its tokenizer)
+    if (name == "llama" and engine_name == "tf") or name in hf_pretrained.CHECKPOINTS:
         result[name]["generate_preset"] = gap(reference,
                                               logits(sampling.from_preset(checkpoint).model))
     if f"{name}:export" in runs:

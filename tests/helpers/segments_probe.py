@@ -1,9 +1,10 @@
 """Examples packed apart in a row (`tpu_keras.models.segments`) against each example alone.
 
-    python tests/helpers/segments_probe.py ENGINE
+    python tests/helpers/segments_probe.py ENGINE [MODEL,...]
 
 The gpt builder (learned positions, which restart per example) and keras-hub's
-Llama 3 (rotary positions), each built as a run builds it with
+Llama 3, Qwen 3, SmolLM3, Gemma 3 and 4 (rotary positions; SmolLM3 leaves them
+out of every other layer, Gemma 3 and 4 have sliding-window layers), each built as a run builds it with
 `model.example_end_token=0` (tf: one device; jax: a mesh of data 2 x model 2
 on 4 devices), read two rows of three whole examples each, every one ending
 with the end token. Each example then runs alone, padded after its end; its
@@ -37,6 +38,26 @@ MODELS = {
     "gpt": dict(name="gpt", vocab_size=64, context_length=LENGTH, width=32, depth=2, num_heads=4),
     "llama": dict(name="keras_hub:Llama3CausalLM", vocabulary_size=64, num_layers=2, num_query_heads=4,
                   num_key_value_heads=2, hidden_dim=32, intermediate_dim=48, context_length=LENGTH),
+    "qwen3": dict(name="keras_hub:Qwen3CausalLM", vocabulary_size=64, num_layers=2, num_query_heads=4,
+                  num_key_value_heads=2, head_dim=8, hidden_dim=32, intermediate_dim=48,
+                  context_length=LENGTH),
+    "smollm3": dict(name="keras_hub:SmolLM3CausalLM", vocabulary_size=64, hidden_dim=32, intermediate_dim=48,
+                    num_layers=2, num_attention_heads=4, num_key_value_heads=2, attention_bias=False,
+                    attention_dropout=0.0, rope_layer_enabled_list=[1, 0],
+                    layer_types=["full_attention"] * 2, mlp_bias=False, layer_norm_epsilon=1e-6,
+                    max_position_embeddings=LENGTH, rope_theta=10000.0, partial_rotary_factor=1.0,
+                    context_length=LENGTH),
+    # six layers: five sliding (a window of 6 tokens, shorter than the longest example), one global
+    "gemma3": dict(name="keras_hub:Gemma3CausalLM", vocabulary_size=64, image_size=None, num_layers=6,
+                   num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=48,
+                   head_dim=8, use_post_ffw_norm=True, use_post_attention_norm=True,
+                   use_sliding_window_attention=True, sliding_window_size=6, context_length=LENGTH),
+    # Gemma 3's pattern, global heads of their own size, per-layer token embeddings, positions
+    # as an input
+    "gemma4": dict(name="keras_hub:Gemma4CausalLM", vocabulary_size=64, image_size=None, num_layers=6,
+                   num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=48,
+                   head_dim=8, global_head_dim=16, sliding_window_size=6, hidden_size_per_layer_input=4,
+                   global_rope_partial_rotary_factor=0.25, context_length=LENGTH),
 }
 rng = np.random.default_rng(0)
 examples = [[rng.integers(1, 64, n - 1).tolist() + [0] for n in lengths] for lengths in ((9, 5, 10), (3, 17, 4))]
@@ -54,7 +75,7 @@ def build(model, end_token):
 
 
 result = {}
-for name in MODELS:
+for name in (sys.argv[2].split(",") if len(sys.argv) > 2 else MODELS):
     packed_model = build(name, 0)
     packed = keras.ops.convert_to_numpy(packed_model.predict(rows, verbose=0))
     alone = []

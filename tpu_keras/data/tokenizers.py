@@ -21,7 +21,8 @@ All of them tokenize a whole block of documents at once inside tf.data
 (graph ops: keras-hub tokenizers are TensorFlow preprocessing layers).
 """
 
-# Imported inside functions: keras-hub (optional: absent on a plain install).
+# Imported inside functions: keras-hub (optional: absent on a plain install), and
+# tpu_keras.models.hub_presets, which reads a preset with it (and loads Keras).
 import dataclasses
 import hashlib
 import inspect
@@ -62,8 +63,9 @@ def make(config) -> Tokenizer:
         if not config.vocabulary:
             raise UserError("data.tokens.tokenizer='preset' reads the tokenizer of model.preset, which is "
                             "empty; set model.preset, or name a tokenizer class and data.tokens.vocabulary")
-        try:
-            layer = keras_hub.tokenizers.Tokenizer.from_preset(config.vocabulary)
+        from tpu_keras.models import hub_presets
+        try:  # a tokenizer file there that cannot be read: hub_presets' one-line error
+            layer = hub_presets.load_tokenizer(config.vocabulary)
         except (ValueError, FileNotFoundError, OSError) as error:
             raise UserError(f"model.preset={config.vocabulary!r} has no tokenizer to read "
                             f"({first_line(error, 120)}); save one with "

@@ -76,11 +76,14 @@ def _layer_flops(layer, kwargs):
     if isinstance(layer, keras.layers.EinsumDense):
         kernel_in_output = math.prod(n for letter, n in zip(_kernel_spec(layer.equation), layer.kernel.shape)
                                      if letter in layer.equation.split("->")[1])
+        if None in outputs[0].shape[1:]:
+            return None
         return 2 * _size(layer) * math.prod(outputs[0].shape[1:]) // kernel_in_output
     if isinstance(layer, (keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D,
                           keras.layers.Conv3D)):
-        if getattr(layer, "groups", 1) != 1:
-            return None
+        if getattr(layer, "groups", 1) != 1 or None in outputs[0].shape[1:-1]:
+            return None  # grouped, or built on a sequence of unknown length (Gemma 4's
+            # per-layer projection, a direct child of its backbone)
         return 2 * _size(layer) * _positions(outputs[0].shape)
     if isinstance(layer, keras.layers.Embedding) or not any(
             "kernel" in w.path.rsplit("/", 1)[-1] for w in layer.weights):

@@ -324,12 +324,28 @@ def host_copy(task, preset: str = "", merged: bool = True):
     return host
 
 
+def check_tokenizer(config) -> None:
+    """Reads `model.preset`'s tokenizer, which the keras-hub formats carry, before a run trains,
+    whatever tokenizer its data use: one that cannot be read is a one-line error at the start,
+    not at the export once the run has trained (and kept the file in DIR/model). A preset
+    without one is the export's warning."""
+    preset = config.model.get("preset", "")
+    carried = {"keras_hub", "transformers"} & set(formats(config))
+    if not preset or not carried or hub_presets.is_handle(preset):
+        return
+    try:
+        hub_presets.load_tokenizer(preset)
+    except (ValueError, OSError, KeyError):  # none there, or none keras-hub takes: said at the export
+        pass
+
+
 def _preprocessor(task_cls, preset: str):
-    """The preset's preprocessor (its tokenizer), or None where it has none."""
+    """The preset's preprocessor (its tokenizer), or None where it has none; a one-line error
+    where its tokenizer file cannot be read (`hub_presets.load_tokenizer`)."""
     if not preset or not getattr(task_cls, "preprocessor_cls", None):
         return None
     try:
-        return task_cls.preprocessor_cls.from_preset(preset)
+        return hub_presets.load_tokenizer(preset, task_cls.preprocessor_cls)
     except (ValueError, FileNotFoundError, OSError, KeyError) as error:
         logging.warning("the exports carry no tokenizer: model.preset=%s has none that %s "
                         "reads (%s)", preset, task_cls.preprocessor_cls.__name__,

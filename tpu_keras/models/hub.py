@@ -97,25 +97,32 @@ def import_keras_hub():
 
 
 def backbone_config(backbone_cls, kwargs: dict) -> dict:
-    """The backbone's constructor arguments: a local preset's (any format) with `kwargs` over it."""
-    own = _backbone_kwargs(kwargs)
+    """The backbone's constructor arguments: its defaults, a local preset's (any format) over
+    them, `kwargs` over both."""
+    defaults, own = _defaults(backbone_cls), _backbone_kwargs(kwargs)
     preset = kwargs.get("preset", "")
     if preset and hub_presets.is_handle(preset) and "/" not in preset and preset not in backbone_cls.presets:
         raise UserError(f"model.preset={preset!r} is neither a folder nor one of keras-hub's "
                         f"{backbone_cls.__name__} presets{closest(preset, backbone_cls.presets)}; "
                         "give a folder's path, a handle such as 'hf://...', or a name from "
                         f"keras_hub.models.{backbone_cls.__name__}.presets")
-    if not preset or hub_presets.is_handle(preset) or WORKDIR_PLACEHOLDER in preset:
-        # A handle's config is known once it is downloaded, when the model is built; a
-        # preset the run writes (`prepare_preset`) is made from these arguments.
-        return own
+    if preset and hub_presets.is_handle(preset):
+        return own  # its config is known once it is downloaded, when the model is built
+    if not preset or WORKDIR_PLACEHOLDER in preset:
+        return {**defaults, **own}  # a preset the run writes (`prepare_preset`) is made from them
     saved_cls, saved = hub_presets.describe(preset)
     if not issubclass(saved_cls, backbone_cls):
         task = saved_cls.__name__.replace("Backbone", "CausalLM")
         raise UserError(f"model.preset={preset!r} holds a {saved_cls.__name__}, not the "
                         f"{backbone_cls.__name__} that model.name needs; pick the matching task, "
                         f"such as model.name='{KERAS_HUB}{task}'")
-    return {**saved, **own}
+    return {**defaults, **saved, **own}
+
+
+def _defaults(backbone_cls) -> dict:
+    """The constructor's default arguments (Qwen3Backbone ties its head unless told not to)."""
+    parameters = inspect.signature(backbone_cls.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def _backbone_kwargs(kwargs: dict) -> dict:
@@ -200,7 +207,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
                                 "family's attention (docs/models.md#model-families)")
             logits = segments.ExamplesApart(task, example_end_token, name="examples_apart")(tokens)
         else:
-            logits = task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+            logits = task(segments.task_inputs(task, tokens))
         return keras.Model(tokens, keras.ops.cast(logits, "float32"), name=name)
     task = task_cls(backbone=backbone, num_classes=num_classes, preprocessor=None,
                     compile=False)
@@ -230,7 +237,7 @@ def _check_runs(task, backbone_kwargs):
     try:
         # The layers' own calls, traced (a functional model's compute_output_spec reuses
         # the shapes it was built with, where the sequence length is unknown).
-        keras.src.backend.compute_output_spec(task, {"token_ids": tokens, "padding_mask": tokens})
+        keras.src.backend.compute_output_spec(task, segments.task_inputs(task, tokens))
     except Exception as error:  # pylint: disable=broad-except  # tf's OpError, jax's TypeError...
         given = ", ".join(f"model.{k}={v!r}" for k, v in sorted(backbone_kwargs.items()))
         reason = next((line for line in (_plain(l) for l in str(error).splitlines())

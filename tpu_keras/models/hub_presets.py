@@ -19,6 +19,7 @@ import functools
 import inspect
 import json
 import os
+import re
 
 import numpy as np
 
@@ -77,13 +78,13 @@ def passed_through(preset: str) -> dict:
         return {}
     converted = _converted(loader, loader.check_backbone_class())
     arguments = {argument: source[key] for key, argument in family.converter_keys.items()
-                 if key in source}
-    try:
+                 if key in source and argument not in converted}
+    try:  # what the family reads itself wins over the converter's reading
         arguments.update(family.read_config(source) if family.read_config else {})
     except families.Unreadable as reason:
         raise UserError(f"model.preset={preset!r}: {reason}; keras-hub 0.32's "
                         f"{loader.check_backbone_class().__name__} cannot build that model") from None
-    return {argument: value for argument, value in arguments.items() if argument not in converted}
+    return arguments
 
 
 def load_backbone(backbone_cls, preset: str, load_weights: bool = True, **kwargs):
@@ -150,6 +151,72 @@ def complete_get_config(backbone):
         object.__setattr__(backbone, "get_config", complete)  # this instance's, not the class's
         object.__setattr__(backbone, "_tpu_keras_complete_config", True)
     return backbone
+
+
+# The files keras-hub's converters read a transformers checkpoint's tokenizer from, by family
+# (Gemma's SentencePiece tokenizer.model, Llama 3's and Qwen's byte-level BPE tokenizer.json, ...).
+_TRANSFORMERS_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tekken.json", "vocab.json",
+                                 "merges.txt", "spiece.model", "sentencepiece.bpe.model", "vocab.txt")
+
+
+def load_tokenizer(preset: str, cls=None):
+    """keras-hub's `cls.from_preset(preset)`: the preset's tokenizer (`cls` a tokenizer class,
+    keras-hub's base class by default) or the preprocessor that holds it (`cls` a
+    preprocessor class). A tokenizer file that the folder holds and keras-hub cannot read
+    (garbage in tokenizer.model, a tokenizer.json cut short) is a one-line error naming it,
+    whatever reads it: the data, or the export that carries it. A preset without a tokenizer
+    (FileNotFoundError) or whose tokenizer `cls` does not take (ValueError) raises
+    keras-hub's own error, for the caller to say what that means there."""
+    if cls is None:
+        import keras_hub
+        cls = keras_hub.tokenizers.Tokenizer
+    try:
+        return cls.from_preset(preset)
+    except FileNotFoundError as error:
+        # keras-hub 0.32's Gemma 4 converter reads processor_config.json (its image and audio
+        # processors) for the preprocessor, which a text-only checkpoint does not have.
+        if "processor_config.json" not in str(error) or not hasattr(cls, "tokenizer_cls"):
+            raise
+        return cls(tokenizer=load_tokenizer(preset, cls.tokenizer_cls))
+    except Exception as error:  # pylint: disable=broad-except  # SentencePiece's, json's, tf's
+        if is_handle(preset) or not _unreadable(error):
+            raise
+        files = _tokenizer_files(preset, error)
+        named = " or ".join(files) if files else "tokenizer files"
+        reason = (f"no key {error}" if isinstance(error, KeyError) else
+                  re.sub(r"\{\{[^}]*\}\}\s*", "", str(error)).replace(preset.rstrip("/") + "/", ""))
+        raise UserError(f"model.preset={preset!r}: its {named} cannot be read as a tokenizer "
+                        f"({first_line(reason, 160)}); replace {'it' if len(files) == 1 else 'them'} "
+                        "with the checkpoint's own (an intact copy), or point model.preset at a "
+                        "checkpoint whose tokenizer reads") from None
+
+
+def _unreadable(error) -> bool:
+    """Whether keras-hub's `error` says that a tokenizer file is there but cannot be read:
+    SentencePiece's RuntimeError and TensorFlow's SentencePiece op error (a proto that does
+    not parse), a file that is not JSON or not text, a JSON without the keys a tokenizer
+    has, a path that is not a readable file. Not a missing file, nor a network's error."""
+    import tensorflow as tf
+    if isinstance(error, (FileNotFoundError, ConnectionError, tf.errors.NotFoundError)):
+        return False
+    return isinstance(error, (RuntimeError, tf.errors.OpError, json.JSONDecodeError,
+                              UnicodeDecodeError, KeyError, OSError))
+
+
+def _tokenizer_files(preset: str, error) -> list:
+    """The preset's tokenizer files that `error` is about: those its message names, else
+    those of its kind (the JSON files for an error of JSON or text, the others for the rest)."""
+    import tensorflow as tf
+    if is_transformers(preset):
+        present = [name for name in _TRANSFORMERS_TOKENIZER_FILES
+                   if tf.io.gfile.exists(os.path.join(preset, name))]
+    else:  # keras-hub's own: the tokenizer's config and the assets it loads
+        assets = os.path.join(preset, "assets", "tokenizer")
+        present = ["tokenizer.json"] + [f"assets/tokenizer/{name}" for name in (
+            sorted(tf.io.gfile.listdir(assets)) if tf.io.gfile.isdir(assets) else ())]
+    named = [name for name in present if os.path.basename(name) in str(error)]
+    textual = isinstance(error, (json.JSONDecodeError, UnicodeDecodeError, KeyError))
+    return named or [name for name in present if name.endswith(".json") == textual] or present
 
 
 def is_handle(preset: str) -> bool:

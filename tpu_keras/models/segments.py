@@ -107,11 +107,21 @@ class ExamplesApart(keras.layers.Layer):
 
     def call(self, tokens):
         with current(example_ids(tokens, self.end_token)):
-            return self.task({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+            return self.task(task_inputs(self.task, tokens))
 
     def get_config(self):
         return {**super().get_config(), "end_token": self.end_token,
                 "task": keras.saving.serialize_keras_object(self.task)}
+
+
+def task_inputs(task, tokens) -> dict:
+    """A keras-hub causal LM's inputs for rows of real tokens: the ids, a padding mask of ones,
+    and each token's position where the backbone takes positions as an input (Gemma 4's)."""
+    inputs = {"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)}
+    if "position_ids" in getattr(task.backbone, "input", {}):
+        inputs["position_ids"] = keras.ops.zeros_like(tokens) + keras.ops.arange(tokens.shape[-1],
+                                                                                 dtype="int32")
+    return inputs
 
 
 def _within_examples(compute, query, key, value, attention_mask=None, *args, **kwargs):

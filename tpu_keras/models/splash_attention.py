@@ -19,9 +19,18 @@ tokens, which changes only outputs the loss gives no weight to. A call the
 kernel does not cover (a cache, a length that is not a multiple of 128,
 or shorter than `SHORTEST`, where the kernel costs memory instead) goes to
 keras-hub's own code.
+
+The served classes differ in little, and `ADAPTERS` says it per class: the
+query's scale, and a sliding window (Gemma 3's and 4's local layers: a static
+`LocalMask` in place of the causal one). All hand `_compute_attention`
+(batch, length, heads, head_dim) tensors; keys and values with fewer heads
+than the query (Gemma 3's and 4's, grouped) are repeated to its heads here,
+as Llama's and Qwen 3's layers do before the call.
 """
 
 import functools
+import math
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +48,44 @@ LANES = 128  # the kernel's blocks along the sequence are multiples of this
 # at 512 tokens and heads of 64, 99 against 125 MiB (docs/performance.md).
 SHORTEST = 512
 BLOCKS = (512, 256, 128)  # the largest that divides the length is used: fewer, larger tiles
+
+
+class Settings(NamedTuple):
+    scale: float               # the query's, which the kernel does not apply
+    window: Optional[int]      # keys a query sees, itself included (None: all earlier ones)
+
+
+def _causal(layer) -> Settings:
+    """Llama, SmolLM3, Qwen 3: causal over all earlier keys, scaled by `_inv_norm_factor`. Qwen
+    3's `sliding_window_size` is left out as keras-hub's fused attention on jax leaves it out
+    (and the family refuses a checkpoint with a window)."""
+    return Settings(layer._inv_norm_factor, None)
+
+
+def _gemma3(layer) -> Optional[Settings]:
+    """Gemma 3: `query_head_dim_normalize`'s scale, and `sliding_window_size` keys in the sliding
+    layers (`_mask_sliding_window`: key j for query i where i - window < j <= i). None, keras-hub's
+    own code, for what the kernel is not given: a soft cap, dropout of the scores, and the
+    bidirectional mask of embedding models."""
+    if layer.logit_soft_cap is not None or layer.dropout or layer.use_bidirectional_attention:
+        return None
+    size = layer.head_dim if layer.query_head_dim_normalize else layer.hidden_dim // layer.num_query_heads
+    return Settings(1 / math.sqrt(size),
+                    layer.sliding_window_size if layer.use_sliding_window_attention else None)
+
+
+def _gemma4(layer) -> Optional[Settings]:
+    """Gemma 4: no scale (its query and key norms stand for it), and Gemma 3's window in the
+    sliding layers (applied to the mask by the decoder block, with the same keys); None where
+    Gemma 3's is."""
+    if layer.logit_soft_cap is not None or layer.dropout or layer.use_bidirectional_attention:
+        return None
+    return Settings(1.0, layer.sliding_window_size if layer.use_sliding_window_attention else None)
+
+
+# Every class a family names in `fused_attention`: its layer -> Settings, or None for keras-hub's code.
+ADAPTERS = {"LlamaAttention": _causal, "SmolLM3Attention": _causal, "Qwen3Attention": _causal,
+            "CachedGemma3Attention": _gemma3, "Gemma4TextAttention": _gemma4}
 
 
 def route(model, cluster) -> int:
@@ -61,17 +108,20 @@ def route_layers(model, interpret: bool = False, shortest: int = SHORTEST,
     distribution, as one device runs it on its rows; the memory plan traces that (the
     trace is never compiled) to count what the kernel keeps for the backward pass."""
     # The attention classes the families name (`Family.fused_attention`): each one's
-    # `_compute_attention(query, key, value, attention_mask)` gets a (batch, length, heads,
-    # head_dim) query and keras-hub's causal-and-padding mask.
+    # `_compute_attention(query, key, value, attention_mask, ...)` gets (batch, length, heads,
+    # head_dim) tensors and keras-hub's causal-and-padding mask.
     served = {name for family in families.known() for name in family.fused_attention}
+    layers = list(model._flatten_layers(include_self=False))
+    if any(getattr(layer, "vision_encoder", None) is not None for layer in layers):
+        return 0  # Gemma 3's image tokens attend each other both ways: no causal mask
     routed = 0
-    for layer in model._flatten_layers(include_self=False):
+    for layer in layers:
         if type(layer).__name__ in served and not getattr(layer, "_tpu_keras_splash", False):
             # An instance attribute: the layer's attention as it was (keras-hub's, or kept to
             # one example by `segments`) stays the fallback.
             object.__setattr__(layer, "_compute_attention", functools.partial(
-                _attention, layer._compute_attention, layer=layer, interpret=interpret,
-                shortest=shortest, one_device=one_device))
+                _attention, layer._compute_attention, ADAPTERS[type(layer).__name__], layer=layer,
+                interpret=interpret, shortest=shortest, one_device=one_device))
             object.__setattr__(layer, "_tpu_keras_splash", True)
             routed += 1
     return routed
@@ -85,20 +135,28 @@ def covers(query_shape, key_shape, shortest: int = SHORTEST) -> bool:
     return key_shape[1] == length and length % LANES == 0 and length >= shortest
 
 
-def _attention(fallback, query, key, value, attention_mask=None, *, layer, interpret,
-               shortest, one_device=False):
+def _attention(fallback, adapter, query, key, value, attention_mask=None, *, layer, interpret,
+               shortest, one_device=False, **kwargs):
+    """`kwargs`: what the class passes beside (Qwen 3's and SmolLM3's `cache_update_index`,
+    Gemma 3's `training` too), for its own code."""
     distribution = keras.distribution.distribution()
-    if (distribution is None and not one_device) or not covers(query.shape, key.shape, shortest):
-        return fallback(query, key, value, attention_mask)
+    settings = adapter(layer)
+    if (distribution is None and not one_device) or settings is None \
+            or not covers(query.shape, key.shape, shortest):
+        return fallback(query, key, value, attention_mask, **kwargs)
     examples = segments_lib.current_ids()
     if examples is not None:  # a row of examples packed apart: one segment each
         segments = jnp.asarray(examples, jnp.int32)
     elif attention_mask is None:
         segments = jnp.ones(query.shape[:2], jnp.int32)
-    else:  # keras-hub's mask is min(key padding, causal): its last row is the key padding
-        segments = attention_mask[:, -1, :].astype(jnp.int32)
-    query = query * jnp.asarray(layer._inv_norm_factor, query.dtype)  # the kernel does not scale
-    kernel = functools.partial(_local, interpret=interpret)
+    else:  # keras-hub's mask is min(key padding, causal), and Gemma 4's also narrowed to its
+        # window: its diagonal (each token sees itself unless it is padding) is the key padding
+        segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)
+    query = query * jnp.asarray(settings.scale, query.dtype)  # the kernel does not scale
+    if key.shape[2] != query.shape[2]:  # grouped: key head h // groups serves query head h
+        groups = query.shape[2] // key.shape[2]
+        key, value = jnp.repeat(key, groups, axis=2), jnp.repeat(value, groups, axis=2)
+    kernel = functools.partial(_local, window=settings.window, interpret=interpret)
     if one_device:
         return kernel(query, key, value, segments)
     mesh = distribution.device_mesh.backend_mesh
@@ -108,17 +166,24 @@ def _attention(fallback, query, key, value, attention_mask=None, *, layer, inter
                          out_specs=rows, check_vma=False)(query, key, value, segments)
 
 
-def _local(query, key, value, segments, *, interpret):
+def mask(length: int, window: Optional[int]):
+    """One head's static mask: causal, or the `window` latest keys, the query's own included
+    (`LocalMask` sees key j for query i where i - left <= j <= i + right)."""
+    if window is None:
+        return splash_attention_mask.CausalMask((length, length))
+    return splash_attention_mask.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
+
+
+def _local(query, key, value, segments, *, window, interpret):
     """One device's rows and heads: (batch, length, heads, head_dim) in and out."""
     length, heads = query.shape[1], query.shape[2]
     block = next(size for size in BLOCKS if length % size == 0)
-    mask = splash_attention_mask.MultiHeadMask(
-        [splash_attention_mask.CausalMask((length, length))] * heads)
+    mask_all = splash_attention_mask.MultiHeadMask([mask(length, window)] * heads)
     sizes = splash_attention_kernel.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     kernel = splash_attention_kernel.make_splash_mha(
-        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+        mask_all, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
     def one_row(q, k, v, ids):
         return kernel(q, k, v, segment_ids=splash_attention_kernel.SegmentIds(q=ids, kv=ids))

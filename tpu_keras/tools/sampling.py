@@ -102,9 +102,12 @@ def from_preset(path: str) -> Generator:
     from tpu_keras.models import hub_presets
     try:
         backbone_cls, _ = hub_presets.describe(path)
-        task_cls = find_subclass(path, keras_hub.models.CausalLM, backbone_cls)
+        # The backbone's own causal LM (Gemma4CausalLM, not the Gemma4AssistantCausalLM that
+        # keras-hub 0.32's `find_subclass` may find first), else keras-hub's pick.
+        task_cls = getattr(keras_hub.models, backbone_cls.__name__.replace("Backbone", "CausalLM"),
+                           None) or find_subclass(path, keras_hub.models.CausalLM, backbone_cls)
         backbone = hub_presets.load_backbone(backbone_cls, path)
-        preprocessor = task_cls.preprocessor_cls.from_preset(path)
+        preprocessor = hub_presets.load_tokenizer(path, task_cls.preprocessor_cls)
     except UserError as error:
         raise UserError(str(error).replace("model.preset=", "--preset=")) from None
     except (ValueError, FileNotFoundError, OSError) as error:

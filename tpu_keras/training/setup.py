@@ -85,6 +85,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     import tensorflow as tf
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.data import preferences
+    from tpu_keras.models import export
     from tpu_keras.training import checkpoint, preemption, run_config
 
     if trains:
@@ -113,6 +114,8 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     models.registry.import_all(resolved.model.get("imports", ()))  # the user's builders, families
     models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
     builder, model_kwargs = models.registry.get(resolved.model)
+    if trains:  # the tokenizer its export carries, read before the run trains
+        export.check_tokenizer(resolved)
     text_source = None
     kind = data_section.kind(resolved.data)
     objective = OBJECTIVES.get(kind, "")

@@ -6,7 +6,9 @@ tied to the embedding. Its query, key and value kernels put the heads first,
 (heads, hidden, head_dim), as Gemma's do, so it takes Gemma's LoRA targets
 (the same paths and PEFT modules). The sliding window is applied inside the
 attention's `_compute_attention`, to the mask the toolkit has already kept to
-one example, so packed examples stay apart in both kinds of layer.
+one example, so packed examples stay apart in both kinds of layer. The
+TPU's fused kernel serves both kinds: a static window in place of keras-hub's
+(`splash_attention`'s adapter for the class).
 
 keras-hub 0.32's backbone fixes what transformers' config can change, and
 `read_config` refuses a checkpoint that changes it: the rope wavelengths
@@ -92,6 +94,7 @@ FAMILY = register(Family(
     name="gemma3",
     backbones=("Gemma3Backbone",),
     attention=("CachedGemma3Attention",),
+    fused_attention=("CachedGemma3Attention",),
     model_types=("gemma3_text", "gemma3"),
     read_config=read_config,
     layout=layout,

@@ -4,7 +4,9 @@ Llama's weights with the same paths, plus an RMS norm of each query and key
 head (`query_dense_layernorm`, `key_dense_layernorm`, of head_dim: small, on
 every device), a head size of its own (`head_dim`, 128 in every released
 size, not hidden / heads) and no biases. So it takes Llama's layout rules,
-ties and LoRA targets (PEFT's names and modules are Llama's too).
+ties and LoRA targets (PEFT's names and modules are Llama's too). The norms
+come before `_compute_attention`, which gets keys and values repeated to the
+query's heads, as Llama's: the TPU's fused kernel serves it.
 
 keras-hub 0.32 reads it but has no transformers exporter for it: the config
 and weights maps below are the toolkit's, Llama 3's map and the two norms.
@@ -81,6 +83,7 @@ FAMILY = register(Family(
     name="qwen3",
     backbones=("Qwen3Backbone",),
     attention=("Qwen3Attention",),
+    fused_attention=("Qwen3Attention",),
     model_types=("qwen3",),
     read_config=read_config,
     layout=layout,
