@@ -303,6 +303,10 @@ def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
         "scaled_gemma3": ("gemma3_text", {"query_pre_attn_scalar": 32}, "Gemma3CausalLM", []),
         "untied_gemma": ("gemma", {"tie_word_embeddings": False}, "GemmaCausalLM", []),
         "untied_gemma4": ("gemma4_text", {"tie_word_embeddings": False}, "Gemma4CausalLM", []),
+        # The older families, audited alike: what keras-hub's Llama-like backbones never build
+        "biased_llama": ("llama", {"attention_bias": True}, "Llama3CausalLM", []),
+        "gelu_mistral": ("mistral", {"hidden_act": "gelu"}, "MistralCausalLM", []),
+        "windowed_qwen2": ("qwen2", {"use_sliding_window": True}, "QwenCausalLM", []),
         "vision_gemma4": ("gemma4_text", "vision", "Gemma4CausalLM", []),
         "qwen3_target": ("qwen3", {}, "Qwen3CausalLM",
                          ["--config.model.lora_rank=2", "--config.model.lora_targets=q_norm"]),
@@ -328,6 +332,9 @@ def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
     assert_refused(layouts["untied_gemma"], "tie_word_embeddings false", "GemmaBackbone")
     assert_refused(layouts["qwen3_target"], "model.lora_targets has 'q_norm'", "q_proj, k_proj")
     assert_refused(layouts["untied_gemma4"], "tie_word_embeddings false", "Gemma4Backbone")
+    assert_refused(layouts["biased_llama"], "biases (attention_bias or mlp_bias): LlamaBackbone has none")
+    assert_refused(layouts["gelu_mistral"], "hidden_act 'gelu': MistralBackbone's MLP is SiLU's")
+    assert_refused(layouts["windowed_qwen2"], "use_sliding_window", "QwenBackbone cannot build that model")
     assert_refused(layouts["vision_gemma4"], "a vision or audio tower (model_type 'gemma4')",
                    "(model_type 'gemma4_text') and point model.preset at it")
     assert_refused(layouts["scaled_gemma3"], "query_pre_attn_scalar 32 other than head_dim 16",

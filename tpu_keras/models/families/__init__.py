@@ -24,11 +24,11 @@ later takes over the backbones it names from an earlier one.
 from tpu_keras.models.families.family import (Family, Target, Unreadable, exporter, known,
                                               no_rope_scaling, of_backbone, of_model_type,
                                               refuse_first, register, repaired, rope_parameters, rope_type,
-                                              tasks, transformers_exporter)
+                                              tasks, transformers_exporter, unbuilt_llama_parts)
 # The families the toolkit ships; each module registers itself.
 from tpu_keras.models.families import (gemma, gemma3, gemma4, llama, mistral, qwen,  # noqa: E402,F401
                                        qwen3, smollm3)
 
 __all__ = ["Family", "Target", "Unreadable", "exporter", "known", "no_rope_scaling", "of_backbone",
            "of_model_type", "refuse_first", "register", "repaired", "rope_parameters", "rope_type", "tasks",
-           "transformers_exporter"]
+           "transformers_exporter", "unbuilt_llama_parts"]

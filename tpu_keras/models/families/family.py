@@ -97,6 +97,18 @@ def refuse_first(checks) -> None:
         raise Unreadable(reason)
 
 
+def unbuilt_llama_parts(config: dict, backbone: str, biases: bool = True) -> list:
+    """(wrong, reason) pairs of what keras-hub's Llama-like backbones never build and their
+    converters never read, for `refuse_first`: an MLP activation other than SiLU and, where
+    `biases`, the projections' biases (`attention_bias`, `mlp_bias`)."""
+    activation = config.get("hidden_act", "silu")
+    checks = [(activation != "silu", f"hidden_act {activation!r}: {backbone}'s MLP is SiLU's")]
+    if biases:
+        checks.append((config.get("attention_bias") or config.get("mlp_bias"),
+                       f"biases (attention_bias or mlp_bias): {backbone} has none"))
+    return checks
+
+
 def no_rope_scaling(config: dict) -> dict:
     """`read_config` of a family whose keras-hub converter reads no rope scaling at all."""
     kind = rope_type(config)

@@ -9,7 +9,8 @@ parameters in Llama 3 8B) whole on every device, and splits the heads over
 kernel.
 """
 
-from tpu_keras.models.families.family import Family, Target, Unreadable, register, rope_parameters, rope_type
+from tpu_keras.models.families.family import (Family, Target, Unreadable, refuse_first, register,
+                                              rope_parameters, rope_type, unbuilt_llama_parts)
 from tpu_keras.parallelism import Rule, Tie, replicated
 
 LAYER = r"transformer_layer_\d+"
@@ -78,8 +79,9 @@ def read_config(config: dict) -> dict:
     elif kind != "default":
         raise Unreadable(f"rope_type {kind!r} (Llama3Backbone has 'llama3', Llama 3.1's, alone)")
     head_dim = config.get("head_dim")
-    if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
-        raise Unreadable(f"head_dim {head_dim} is not hidden_size / num_attention_heads")
+    refuse_first([(head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"],
+                   f"head_dim {head_dim} is not hidden_size / num_attention_heads"),
+                  *unbuilt_llama_parts(config, "LlamaBackbone")])
     return arguments
 
 

@@ -7,14 +7,21 @@ own precision instead.
 """
 
 from tpu_keras.models.families import llama
-from tpu_keras.models.families.family import Family, no_rope_scaling, register
+from tpu_keras.models.families.family import (Family, no_rope_scaling, refuse_first, register,
+                                              unbuilt_llama_parts)
+
+
+def read_config(config: dict) -> dict:
+    refuse_first(unbuilt_llama_parts(config, "MistralBackbone"))
+    return no_rope_scaling(config)
+
 
 FAMILY = register(Family(
     name="mistral",
     backbones=("MistralBackbone",),
     attention=("CachedMistralAttention",),
     model_types=("mistral",),
-    read_config=no_rope_scaling,
+    read_config=read_config,
     layout=llama.layout,
     ties=llama.TIES,
     lora_targets=llama.LORA_TARGETS,

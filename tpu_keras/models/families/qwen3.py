@@ -18,7 +18,8 @@ engine takes: a checkpoint with either is refused.
 
 # Imported inside functions: keras-hub (optional: absent on a plain install).
 from tpu_keras.models.families import llama
-from tpu_keras.models.families.family import Family, no_rope_scaling, refuse_first, register
+from tpu_keras.models.families.family import (Family, no_rope_scaling, refuse_first, register,
+                                              unbuilt_llama_parts)
 from tpu_keras.parallelism import replicated
 
 
@@ -40,6 +41,7 @@ def read_config(config: dict) -> dict:
         # attention, and on jax (a CPU too) it always has: 4.25 off transformers' logits.
         (windowed, "a sliding window, which keras-hub 0.32's Qwen3Attention leaves out of its fused "
          "attention (the jax engine's)"),
+        *unbuilt_llama_parts(config, "Qwen3Backbone"),
     ])
     return {}
 
