@@ -331,7 +331,8 @@ def check_tokenizer(config) -> None:
     without one is the export's warning."""
     preset = config.model.get("preset", "")
     carried = {"keras_hub", "transformers"} & set(formats(config))
-    if not preset or not carried or hub_presets.is_handle(preset):
+    data_reads_it = config.data.get("tokens", {}).get("tokenizer") == "preset"  # read there already
+    if not preset or not carried or hub_presets.is_handle(preset) or data_reads_it:
         return
     try:
         hub_presets.load_tokenizer(preset)

@@ -62,30 +62,25 @@ def _causal(layer) -> Settings:
     return Settings(layer._inv_norm_factor, None)
 
 
-def _gemma3(layer) -> Optional[Settings]:
-    """Gemma 3: `query_head_dim_normalize`'s scale, and `sliding_window_size` keys in the sliding
-    layers (`_mask_sliding_window`: key j for query i where i - window < j <= i). None, keras-hub's
-    own code, for what the kernel is not given: a soft cap, dropout of the scores, and the
-    bidirectional mask of embedding models."""
+def _gemma(layer) -> Optional[Settings]:
+    """Gemma 3 and 4: `sliding_window_size` keys in the sliding layers (key j for query i where
+    i - window < j <= i; Gemma 3 narrows the mask in `_mask_sliding_window`, Gemma 4's decoder
+    block before the call). The scale: Gemma 3's by `query_head_dim_normalize`, none for Gemma 4
+    (its query and key norms stand for it). None, keras-hub's own code, for what the kernel is
+    not given: a soft cap, dropout of the scores, and the bidirectional mask of embedding models."""
     if layer.logit_soft_cap is not None or layer.dropout or layer.use_bidirectional_attention:
         return None
-    size = layer.head_dim if layer.query_head_dim_normalize else layer.hidden_dim // layer.num_query_heads
-    return Settings(1 / math.sqrt(size),
-                    layer.sliding_window_size if layer.use_sliding_window_attention else None)
-
-
-def _gemma4(layer) -> Optional[Settings]:
-    """Gemma 4: no scale (its query and key norms stand for it), and Gemma 3's window in the
-    sliding layers (applied to the mask by the decoder block, with the same keys); None where
-    Gemma 3's is."""
-    if layer.logit_soft_cap is not None or layer.dropout or layer.use_bidirectional_attention:
-        return None
-    return Settings(1.0, layer.sliding_window_size if layer.use_sliding_window_attention else None)
+    if type(layer).__name__ == "Gemma4TextAttention":
+        scale = 1.0
+    else:
+        size = layer.head_dim if layer.query_head_dim_normalize else layer.hidden_dim // layer.num_query_heads
+        scale = 1 / math.sqrt(size)
+    return Settings(scale, layer.sliding_window_size if layer.use_sliding_window_attention else None)
 
 
 # Every class a family names in `fused_attention`: its layer -> Settings, or None for keras-hub's code.
 ADAPTERS = {"LlamaAttention": _causal, "SmolLM3Attention": _causal, "Qwen3Attention": _causal,
-            "CachedGemma3Attention": _gemma3, "Gemma4TextAttention": _gemma4}
+            "CachedGemma3Attention": _gemma, "Gemma4TextAttention": _gemma}
 
 
 def route(model, cluster) -> int:
