@@ -242,9 +242,15 @@ def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
 # The newer families, each a checkpoint transformers' own save_pretrained writes, with its
 # tokenizer files (tests/helpers/hf_pretrained.py): Qwen 3, SmolLM3 (tied, one NoPE layer),
 # Gemma 3's and Gemma 4's text models (five sliding-window layers, one global; SentencePiece;
-# Gemma 4 with per-layer token embeddings).
+# Gemma 4 with per-layer token embeddings), Qwen 3.5's (three Gated DeltaNet layers, one full).
 NEWER = tuple(hf_pretrained.CHECKPOINTS)
-OWN_LINEAR = {"gemma4_text": ["per_layer_input_gate", "per_layer_model_projection", "per_layer_projection"]}
+OWN_LINEAR = {"gemma4_text": ["per_layer_input_gate", "per_layer_model_projection", "per_layer_projection"],
+              "qwen3_5_text": ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "out_proj"]}
+
+# keras-hub's preset read by keras-hub computes Qwen 3.5's Gated DeltaNet with keras-hub's own
+# chunked rule, a run with the toolkit's (models/gated_delta_net.py): the same mathematics,
+# float32's rounding apart (3.7e-5 of the logit scale measured here on a 2 x 2 mesh).
+OWN_RULE = {"qwen3_5_text": TRANSFORMERS}
 
 
 def relative(result, name, gap: float) -> float:
@@ -280,7 +286,11 @@ def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(tmp
         assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
         checks = result[name]["lora_all"]
         assert checks["losses"][-1] < checks["losses"][0], (name, checks["losses"])
-        assert checks["moved"] > 1e-3 and checks["keras_hub"] <= TOLERANCE, (name, checks)
+        assert checks["moved"] > 1e-3, (name, checks)
+        if name in OWN_RULE:  # keras-hub's own rule against the run's: float32's rounding apart
+            assert relative(result, name, checks["keras_hub"]) <= OWN_RULE[name], (name, checks)
+        else:
+            assert checks["keras_hub"] <= TOLERANCE, (name, checks)
         assert checks["config"] == {} and checks["peft_base_is_the_checkpoint"], (name, checks)
         for gap in ("torch", "peft", "peft_on_written_base"):  # transformers, PEFT on the checkpoint
             assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
@@ -308,6 +318,10 @@ def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
         "gelu_mistral": ("mistral", {"hidden_act": "gelu"}, "MistralCausalLM", []),
         "windowed_qwen2": ("qwen2", {"use_sliding_window": True}, "QwenCausalLM", []),
         "vision_gemma4": ("gemma4_text", "vision", "Gemma4CausalLM", []),
+        "vision_qwen3_5": ("qwen3_5_text", "vision", "Qwen3_5CausalLM", []),
+        "biased_qwen3_5": ("qwen3_5_text", {"attention_bias": True}, "Qwen3_5CausalLM", []),
+        "qwen3_5_target": ("qwen3_5_text", {}, "Qwen3_5CausalLM",
+                           ["--config.model.lora_rank=2", "--config.model.lora_targets=conv1d"]),
         "qwen3_target": ("qwen3", {}, "Qwen3CausalLM",
                          ["--config.model.lora_rank=2", "--config.model.lora_targets=q_norm"]),
     }
@@ -337,6 +351,10 @@ def test_checkpoints_the_newer_families_cannot_build_are_one_line(tmp_path):
     assert_refused(layouts["windowed_qwen2"], "use_sliding_window", "QwenBackbone cannot build that model")
     assert_refused(layouts["vision_gemma4"], "a vision or audio tower (model_type 'gemma4')",
                    "(model_type 'gemma4_text') and point model.preset at it")
+    assert_refused(layouts["vision_qwen3_5"], "a vision tower (model_type 'qwen3_5')",
+                   "(model_type 'qwen3_5_text') and point model.preset at it")
+    assert_refused(layouts["biased_qwen3_5"], "biases (attention_bias or mlp_bias): Qwen3_5Backbone has none")
+    assert_refused(layouts["qwen3_5_target"], "model.lora_targets has 'conv1d'", "in_proj_qkv")
     assert_refused(layouts["scaled_gemma3"], "query_pre_attn_scalar 32 other than head_dim 16",
                    "Gemma3Backbone cannot build that model")
 

@@ -1,11 +1,12 @@
 """Examples packed apart (tpu_keras/data/packing.py, tpu_keras/models/segments.py): a packed
 row's logits at every real token are each example's alone, for the gpt builder and keras-hub's
 Llama, Qwen 3, SmolLM3 (layers without rotary positions), Gemma 3 and 4 (sliding-window layers)
-on both engines; configs/instruct_stdlib.py logs its padding share, small, and a packed
-instruction run killed with SIGKILL resumes to the same weights. Elsewhere: every pair whole in
-one row and each token once per epoch, on simulated hosts (test_data.py); the splash kernel on
-packed rows (test_hub.py); evaluate against transformers, each pair alone
-(test_hub_transformers.py); an example longer than a row (test_errors.py)."""
+and Qwen 3.5 (Gated DeltaNet layers: state and convolution restarted per example, the rule over
+one example keras-hub's) on both engines; configs/instruct_stdlib.py logs its padding share,
+small, and a packed instruction run killed with SIGKILL resumes to the same weights.
+Elsewhere: every pair whole in one row and each token once per epoch, on simulated hosts
+(test_data.py); the splash kernel on packed rows (test_hub.py); evaluate against transformers,
+each pair alone (test_hub_transformers.py); an example longer than a row (test_errors.py)."""
 
 import json
 import re
@@ -21,8 +22,8 @@ INSTRUCT_TINY = "configs/instruct_stdlib.py:tiny"
 
 @pytest.mark.parametrize("engine, models", [
     ("tf", "gpt,llama"),
-    pytest.param("tf", "qwen3,smollm3,gemma3,gemma4", marks=pytest.mark.slow),
-    pytest.param("jax", "gpt,llama,qwen3,smollm3,gemma3,gemma4", marks=pytest.mark.slow)])
+    pytest.param("tf", "qwen3,smollm3,gemma3,gemma4,qwen3_5", marks=pytest.mark.slow),
+    pytest.param("jax", "gpt,llama,qwen3,smollm3,gemma3,gemma4,qwen3_5", marks=pytest.mark.slow)])
 def test_a_packed_rows_logits_are_each_examples_alone(engine, models):
     out = run_command([sys.executable, "tests/helpers/segments_probe.py", engine, models]).stdout
     got = json.loads(re.search(r"^SEGMENTS (.*)$", out, re.M).group(1))
@@ -33,6 +34,8 @@ def test_a_packed_rows_logits_are_each_examples_alone(engine, models):
         # on jax.
         assert got[model]["alone"] < (5e-5 if (engine, model) == ("tf", "gemma4") else 1e-5), (model, got)
         assert got[model]["stream"] > 1e-2, (model, got)  # the same row as one stream differs
+    if "qwen3_5" in got:  # the gated delta rule over one example: keras-hub's, to float32 rounding
+        assert got["qwen3_5"]["rule"] < 1e-5, got
 
 
 @pytest.mark.slow

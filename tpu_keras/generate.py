@@ -64,7 +64,7 @@ def main(argv):
     max_length = _MAX_LENGTH.value or generator.context
     for number, prompt in enumerate(prompts, 1):
         _check_length(generator, prompt, max_length, number if records else 0)
-    sampler = sampling.make_sampler(_TEMPERATURE.value, _TOP_K.value, _SEED.value)
+    sampler = sampling.make_sampler(_TEMPERATURE.value, _TOP_K.value, _SEED.value, generator.vocabulary)
     if records is None:
         print(generator.generate(prompts, max_length, sampler)[0])
     else:

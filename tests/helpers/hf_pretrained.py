@@ -47,9 +47,21 @@ CHECKPOINTS = {
                      "num_kv_shared_layers": 2,
                      "global_head_dim": 2 * HEAD_DIM, "hidden_size_per_layer_input": 8,
                      "vocab_size_per_layer_input": "vocab_size", "tie_word_embeddings": True}),
+    # Qwen 3.5's text model as it ships: three Gated DeltaNet (linear attention) layers to one
+    # full attention layer, the latter with an output gate and a quarter of its head rotated.
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "bpe",  # its tokenizer's vision tokens too
+                     ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                      "<|image_pad|>", "<|video_pad|>"],
+                     {"num_hidden_layers": 4, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                      # keys of 32 features: with 8, keys were so alike that float32's own rounding
+                      # in the chunked rule reached 7e-5 of the logits (transformers in float32
+                      # against itself in float64); released sizes have 128
+                      "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                      "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                      "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
 }
 TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM",
-         "gemma4_text": "Gemma4CausalLM"}
+         "gemma4_text": "Gemma4CausalLM", "qwen3_5_text": "Qwen3_5CausalLM"}
 
 
 def write(folder, name: str, seed: int = 0, **changes) -> dict:
@@ -70,11 +82,10 @@ def write(folder, name: str, seed: int = 0, **changes) -> dict:
     config = getattr(transformers, config_cls)(**arguments)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    shifted = config.model_type.startswith("gemma")  # Gemma's norms scale by 1 + weight
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.ndim == 1:
-                parameter.copy_((0 if shifted else 1) + 0.1 * torch.randn_like(parameter))
+                parameter.copy_((0 if _shifted(config, name) else 1) + 0.1 * torch.randn_like(parameter))
             else:
                 parameter.copy_(torch.randn_like(parameter) / np.sqrt(parameter.shape[-1]))
     model.save_pretrained(folder)
@@ -82,15 +93,29 @@ def write(folder, name: str, seed: int = 0, **changes) -> dict:
         return json.load(file)
 
 
+def _shifted(config, name: str) -> bool:
+    """Whether the 1-d weight `name` scales by 1 + weight: Gemma's norms, and Qwen 3.5's
+    except the Gated DeltaNet's own (its gated norm, decay and time step)."""
+    if config.model_type.startswith("gemma"):
+        return True
+    return config.model_type.startswith("qwen3_5") and "linear_attn" not in name
+
+
 def write_with_vision(folder, name: str = "gemma4_text") -> dict:
-    """The text checkpoint `name`, with the config.json of the model with its (tiny) vision
-    tower around it, as Gemma 4 ships (`gemma4`: the text model's keys under `text_config`);
-    its weights stay the text model's. Returns the config.json."""
+    """The text checkpoint `name` (`gemma4_text`, `qwen3_5_text`), with the config.json of the
+    model with its (tiny) vision tower around it, as Gemma 4 and Qwen 3.5 ship (`gemma4`,
+    `qwen3_5`: the text model's keys under `text_config`); its weights stay the text model's.
+    Returns the config.json."""
     import transformers
     text = write(folder, name)
-    vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8)
-    config = transformers.Gemma4Config(text_config=text, vision_config=vision.to_dict()).to_dict()
+    if name == "qwen3_5_text":
+        vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                  out_hidden_size=HIDDEN)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision.to_dict()).to_dict()
+    else:
+        vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+        config = transformers.Gemma4Config(text_config=text, vision_config=vision.to_dict()).to_dict()
     with open(os.path.join(folder, "config.json"), "w") as file:
         json.dump(config, file)
     return config

@@ -153,12 +153,13 @@ def build(config):
 def read_back(name, folder, lora=None):
     """The task the toolkit reads from a transformers folder (`hub_presets.load_backbone`, as
     a run's model.preset), with the LoRA factors in `lora` if given, in host memory (no
-    distribution: the export's own host copy's scope). keras-hub's own reader would drop
-    Llama's rms_norm_eps."""
+    distribution: the export's own host copy's scope), its Gated DeltaNet layers in the
+    toolkit's rule as a run's are. keras-hub's own reader would drop Llama's rms_norm_eps."""
     task_cls = getattr(keras_hub.models, task_name(name))
     with export._on_host():
-        task = task_cls(backbone=hub_presets.load_backbone(task_cls.backbone_cls, folder),
-                        preprocessor=None)
+        backbone = hub_presets.load_backbone(task_cls.backbone_cls, folder)
+        segments.route_delta_nets(backbone)
+        task = task_cls(backbone=backbone, preprocessor=None)
         if lora:
             task.backbone.load_lora_weights(lora)
         return task

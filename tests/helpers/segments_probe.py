@@ -4,14 +4,18 @@
 
 The gpt builder (learned positions, which restart per example) and keras-hub's
 Llama 3, Qwen 3, SmolLM3, Gemma 3 and 4 (rotary positions; SmolLM3 leaves them
-out of every other layer, Gemma 3 and 4 have sliding-window layers), each built as a run builds it with
+out of every other layer, Gemma 3 and 4 have sliding-window layers) and Qwen 3.5
+(three Gated DeltaNet layers, `tpu_keras.models.gated_delta_net`, in chunks of
+8 tokens here so that examples cross chunks), each built as a run builds it with
 `model.example_end_token=0` (tf: one device; jax: a mesh of data 2 x model 2
 on 4 devices), read two rows of three whole examples each, every one ending
 with the end token. Each example then runs alone, padded after its end; its
 logits must be the packed row's at its tokens. The same rows through the
 same weights as one stream (no end token given) must differ. Prints one
 line, `SEGMENTS {json}`: per model, the largest difference at real tokens,
-relative to the logits' scale, and the stream's.
+relative to the logits' scale, and the stream's; for Qwen 3.5 also `rule`, the
+gated delta rule with every token of one example against keras-hub's own
+(`_chunk_gated_delta_rule`) on random inputs, relative, in chunks of 8 and 64.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -31,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
+from tpu_keras.models import gated_delta_net  # noqa: E402
 from tpu_keras.training.setup import build_model  # noqa: E402
 
 LENGTH = 24
@@ -58,10 +63,37 @@ MODELS = {
                    num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=48,
                    head_dim=8, global_head_dim=16, sliding_window_size=6, hidden_size_per_layer_input=4,
                    global_rope_partial_rotary_factor=0.25, context_length=LENGTH),
+    # three Gated DeltaNet layers (2 key heads repeated to 4 value heads), then full attention
+    "qwen3_5": dict(name="keras_hub:Qwen3_5CausalLM", vocabulary_size=64, num_layers=4,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"], num_query_heads=4,
+                    num_key_value_heads=2, head_dim=8, hidden_dim=32, intermediate_dim=48,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4, context_length=LENGTH),
 }
+gated_delta_net.CHUNK_SIZE = 8  # the examples below cross chunks (the default, 64, is a whole row)
 rng = np.random.default_rng(0)
 examples = [[rng.integers(1, 64, n - 1).tolist() + [0] for n in lengths] for lengths in ((9, 5, 10), (3, 17, 4))]
 rows = np.array([sum(row, []) for row in examples], "int32")
+
+
+def delta_rule_against_keras_hub():
+    """The largest difference of `chunk_gated_delta_rule` over one example from keras-hub's
+    rule, relative, over chunks of 8 and 64."""
+    from keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net import _chunk_gated_delta_rule
+    draw = np.random.default_rng(1)
+    batch, length, heads = 2, LENGTH, 4
+    query, key = (draw.normal(size=(batch, length, heads, 8)).astype("float32") for _ in range(2))
+    value = draw.normal(size=(batch, length, heads, 6)).astype("float32")
+    g = -0.5 * np.abs(draw.normal(size=(batch, length, heads))).astype("float32")
+    beta = (1 / (1 + np.exp(-draw.normal(size=(batch, length, heads))))).astype("float32")
+    worst = 0.0
+    for chunk in (8, 64):
+        ours = gated_delta_net.chunk_gated_delta_rule(query, key, value, g, beta,
+                                                      np.zeros((batch, length), "int32"), chunk)
+        theirs, _ = _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=chunk)
+        ours, theirs = (keras.ops.convert_to_numpy(out) for out in (ours, theirs))
+        worst = max(worst, float(np.abs(ours - theirs).max() / np.abs(theirs).max()))
+    return worst
 
 
 def build(model, end_token):
@@ -92,4 +124,6 @@ for name in (sys.argv[2].split(",") if len(sys.argv) > 2 else MODELS):
     stream = keras.ops.convert_to_numpy(stream_model.predict(rows, verbose=0))
     scale = float(np.abs(packed).max())
     result[name] = {"alone": max(alone) / scale, "stream": float(np.abs(stream - packed).max()) / scale}
+    if name == "qwen3_5":
+        result[name]["rule"] = delta_rule_against_keras_hub()
 print("SEGMENTS " + json.dumps(result), flush=True)

@@ -1,4 +1,4 @@
-"""keras-hub's Llama, Qwen 3 and Gemma 3 with splash attention against their own attention.
+"""keras-hub's Llama, Qwen 3, Gemma 3 and 4, Qwen 3.5 with splash attention against their own attention.
 
     python tests/helpers/splash_probe.py
 
@@ -75,6 +75,11 @@ def with_positions(backbone, inputs):
                                                       inputs["token_ids"].shape)}
 
 
+def segments_routed(backbone):
+    segments.route_delta_nets(backbone)
+    return backbone
+
+
 def compare(backbone):
     """The figures of one model: keras-hub's attention, then the kernel's."""
     weights = [v.value for v in backbone.trainable_variables]
@@ -132,6 +137,12 @@ figures = {
     "gemma4": compare(keras_hub.models.Gemma4Backbone(
         image_size=None, num_layers=6, head_dim=16, global_head_dim=32, sliding_window_size=window,
         global_rope_partial_rotary_factor=0.25, **SMALL)),
+    # three Gated DeltaNet layers (the toolkit's rule, as a run computes them), one gated full
+    # attention layer with a quarter of each head rotated
+    "qwen3_5": compare(segments_routed(keras_hub.models.Qwen3_5Backbone(
+        num_layers=4, head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        sliding_window_size=None, **SMALL))),
 }
 # The kernel's window against keras-hub's own, on a causal mask of ones: the same keys.
 sliding = next(layer for layer in gemma3._flatten_layers()

@@ -195,6 +195,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
         lora.attach(backbone, families.of_backbone(backbone_cls).lora_targets, adapted)
     name = task_cls.__name__.lower()
     if kind == "causal_lm":
+        segments.route_delta_nets(backbone)  # Qwen 3.5's linear attention, in the toolkit's rule
         task = task_cls(backbone=backbone, preprocessor=None, compile=False)
         if backbone_kwargs:
             _check_runs(task, backbone_kwargs)

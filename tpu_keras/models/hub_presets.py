@@ -15,8 +15,10 @@ built model come from.
 
 # Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
 # (start-up time: not every caller needs it).
+import contextlib
 import functools
 import inspect
+import io
 import json
 import os
 import re
@@ -101,19 +103,31 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, **kwargs
                                                           **{**passed_through(preset), **kwargs}))
     if load_weights:
         jax_memory_cleanup(backbone)
-        with _exact_safetensors(preset) as weights:
+        family = families.of_model_type(loader.config.get("model_type"))
+        renamed = family is not None and loader.config["model_type"] in family.converter_model_types
+        prefixes = family.converter_prefixes if renamed else {}
+        # keras-hub 0.32's Qwen 3.5 converter prints an audit of the names it read; under the
+        # text model's names it would list every weight as not read.
+        quiet = contextlib.redirect_stdout(io.StringIO()) if prefixes else contextlib.nullcontext()
+        with _exact_safetensors(preset, prefixes) as weights, quiet:
             converter.convert_weights(backbone, weights, loader.config)
     return backbone
 
 
-def _exact_safetensors(preset):
+def _exact_safetensors(preset, prefixes=None):
     """keras-hub's safetensors reader, whose converter hooks see arrays that keep their dtype:
     keras-hub 0.32's Mistral converter casts every weight to float16 as it loads it
     (`hf_tensor.astype(np.float16)`), which put a float32 checkpoint's logits 8e-3 from
-    transformers'."""
+    transformers'. `prefixes` ({the converter's: the checkpoint's}) rename what it asks for."""
     from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
 
     class ExactSafetensors(SafetensorLoader):
+        def get_tensor(self, hf_weight_key):
+            for asked, written in (prefixes or {}).items():
+                if hf_weight_key.startswith(asked):
+                    hf_weight_key = written + hf_weight_key[len(asked):]
+            return super().get_tensor(hf_weight_key)
+
         def port_weight(self, keras_variable, hf_weight_key, hook_fn=None):
             tensor = self.get_tensor(hf_weight_key)
             if hook_fn:
@@ -257,6 +271,7 @@ def source_config(preset: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def _loader(preset: str):
     from keras_hub.src.utils.preset_utils import CONFIG_FILE, check_file_exists, get_preset_loader
+    _read_other_model_types()
     try:
         found = check_file_exists(preset, CONFIG_FILE)
     except ValueError:  # keras-hub 0.32: "Unknown preset identifier" for a path that is not there
@@ -281,3 +296,24 @@ def _loader(preset: str):
         raise UserError(f"model.preset={preset!r}: {first}; use a checkpoint of a family "
                         "keras-hub converts (llama, gemma, mistral, qwen2, qwen3, gpt2, ...), or "
                         "save the model with keras-hub's save_to_preset") from None
+
+
+def _read_other_model_types() -> None:
+    """Makes keras-hub's transformers loader (every `from_preset` of a transformers folder once
+    the toolkit has read one) read a model_type that a family maps to another in
+    `converter_model_types` with the other's converter, the config keeping its own model_type.
+    keras-hub 0.32 knows Qwen 3.5 as `qwen3_5` alone, the model with its vision tower; the
+    text model transformers writes is `qwen3_5_text`. Once per process."""
+    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+    if getattr(TransformersPresetLoader, "_tpu_keras_other_model_types", False):
+        return
+    init = TransformersPresetLoader.__init__
+
+    def read_as_its_converter(self, preset, config):
+        family = families.of_model_type(config.get("model_type"))
+        other = family.converter_model_types.get(config["model_type"]) if family else None
+        init(self, preset, {**config, "model_type": other} if other else config)
+        self.config = config
+
+    TransformersPresetLoader.__init__ = read_as_its_converter
+    TransformersPresetLoader._tpu_keras_other_model_types = True

@@ -43,6 +43,7 @@ class Generator:
     generate: Callable[[list, int, object], list]  # (prompts, max_length, sampler) -> texts
     step: int = -1                             # the checkpoint's step (-1: a preset)
     model: object = None                       # what it samples from (a keras-hub task, or the run's model)
+    vocabulary: int = 0                        # the ids its tokenizer has pieces for (0: every id)
 
     def count(self, prompt: str) -> int:
         """The tokens a prompt takes, a start token included."""
@@ -90,7 +91,7 @@ def from_run(workdir: str, config) -> Generator:
             generator = _task_generator(task, context)
         else:
             generator = _ids_generator(tokenizer, start, context, _task_on_ids(task))
-    generator.step, generator.model = step, model
+    generator.step, generator.model, generator.vocabulary = step, model, tokenizer.vocabulary_size
     return generator
 
 
@@ -118,17 +119,39 @@ def from_preset(path: str) -> Generator:
     context = task.preprocessor.sequence_length
     limit = getattr(task.backbone, "max_sequence_length", None)
     generator = _task_generator(task, min(context, limit) if limit else context)
-    generator.model = task
+    generator.model, generator.vocabulary = task, int(task.preprocessor.tokenizer.vocabulary_size())
     return generator
 
 
-def make_sampler(temperature: float, top_k: int, seed: int):
+def make_sampler(temperature: float, top_k: int, seed: int, vocabulary: int = 0):
+    """keras-hub's sampler for these settings, never drawing an id past `vocabulary` (0: any)."""
     import keras_hub
     if temperature == 0:
-        return keras_hub.samplers.GreedySampler()
-    if top_k:
-        return keras_hub.samplers.TopKSampler(k=top_k, temperature=temperature, seed=seed)
-    return keras_hub.samplers.RandomSampler(temperature=temperature, seed=seed)
+        sampler = keras_hub.samplers.GreedySampler()
+    elif top_k:
+        sampler = keras_hub.samplers.TopKSampler(k=top_k, temperature=temperature, seed=seed)
+    else:
+        sampler = keras_hub.samplers.RandomSampler(temperature=temperature, seed=seed)
+    return within_vocabulary(sampler, vocabulary) if vocabulary else sampler
+
+
+def within_vocabulary(sampler, size: int):
+    """A copy of keras-hub's `sampler` whose logits past the first `size` ids are never drawn.
+    Embedding tables are padded past their tokenizer's pieces (Gemma 3's 262,208 rows for
+    262,145 pieces); a random draw from an untrained or barely trained row then gave an id
+    the tokenizer cannot turn into text (SentencePiece: "piece id is out of range")."""
+    import keras
+
+    class WithinVocabulary(type(sampler)):
+        def __call__(self, next, *args, **kwargs):  # pylint: disable=redefined-builtin
+            def within(*inputs, **named):
+                logits, hidden_states, cache = next(*inputs, **named)
+                known = keras.ops.arange(logits.shape[-1]) < size
+                return keras.ops.where(known, logits, keras.ops.full_like(logits, -1e9)), hidden_states, cache
+            return super().__call__(within, *args, **kwargs)
+
+    WithinVocabulary.__name__ = type(sampler).__name__
+    return WithinVocabulary.from_config(sampler.get_config())
 
 
 def _task_generator(task, context: int) -> Generator:

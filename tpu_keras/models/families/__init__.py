@@ -9,9 +9,11 @@ that family asks it, never a table of its own:
 | --- | --- | --- |
 | `backbones`, `model_types` | the keras-hub backbones it covers; the transformers `model_type`s keras-hub converts to them | every lookup below |
 | `converter_keys`, `read_config` | the config.json keys keras-hub's converter leaves out; what the backbone cannot express | `hub_presets` (every checkpoint read: training, `generate --preset`) |
+| `converter_model_types`, `converter_prefixes` | a model_type keras-hub's loader knows by another name, and its weights' names | `hub_presets` |
 | `repair` | a fix of what keras-hub builds wrong (weight paths), once the backbone is built | `hub_presets`, `hub`, `export` (every backbone built) |
 | `layout`, `ties` | layout rules (regex -> mesh axes) of the weights | `hub` (the run, `layout`, `plan`) |
 | `lora_targets`, `lora_default` | the projections LoRA adapts, under PEFT's names, with their transformers modules | `hub` (LoRA), `peft_format` (the adapter) |
+| `attention`, `delta_nets` | attention and linear-attention classes kept to one example of a packed row | `segments` |
 | `fused_attention` | attention layer classes the TPU's fused kernel serves | `splash_attention` |
 | `exporter`, `transformers_config`, `transformers_weights`, `transformers_tokenizer` | keras-hub's transformers exporter to write it with, and the family's own pieces where keras-hub has none or gets one wrong | `export` |
 | `tasks` | task classes outside `keras_hub.models` (a family of your own) | `hub` (`model.name`) |
@@ -27,7 +29,7 @@ from tpu_keras.models.families.family import (Family, Target, Unreadable, export
                                               tasks, transformers_exporter, unbuilt_llama_parts)
 # The families the toolkit ships; each module registers itself.
 from tpu_keras.models.families import (gemma, gemma3, gemma4, llama, mistral, qwen,  # noqa: E402,F401
-                                       qwen3, smollm3)
+                                       qwen3, qwen3_5, smollm3)
 
 __all__ = ["Family", "Target", "Unreadable", "exporter", "known", "no_rope_scaling", "of_backbone",
            "of_model_type", "refuse_first", "register", "repaired", "rope_parameters", "rope_type", "tasks",

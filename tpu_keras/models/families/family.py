@@ -23,6 +23,11 @@ class Family:
     model_types: tuple[str, ...] = ()                 # transformers' config.json model_type
     # {config.json key: backbone argument}: what keras-hub's converter leaves out, passed through.
     converter_keys: dict = dataclasses.field(default_factory=dict)
+    # {model_type: keras-hub's}: a model_type whose checkpoints keras-hub's converter for another
+    # reads, and {the converter's weight-name prefix: the checkpoint's} for them (Qwen 3.5's
+    # text model, which keras-hub 0.32's loader knows by its composite model_type alone).
+    converter_model_types: dict = dataclasses.field(default_factory=dict)
+    converter_prefixes: dict = dataclasses.field(default_factory=dict)
     # config.json -> more backbone arguments; raises Unreadable for what the backbone cannot build.
     read_config: Optional[Callable[[dict], dict]] = None
     # backbone -> None: mends what keras-hub builds wrong (weight paths), once it is built.
@@ -38,6 +43,10 @@ class Family:
     # TPU's fused kernel serves (`splash_attention`).
     attention: tuple[str, ...] = ()
     fused_attention: tuple[str, ...] = ()
+    # Linear-attention classes with keras-hub's Gated DeltaNet interface (Qwen 3.5's), whose
+    # recurrent state and causal convolution the toolkit restarts at each example of a packed
+    # row (`segments`, `gated_delta_net`).
+    delta_nets: tuple[str, ...] = ()
     exporter: str = ""                                # keras-hub's transformers exporter, by backbone class ('': its own)
     # The family's own pieces of a transformers export, each in place of keras-hub's (where it
     # has none, or gets it wrong): backbone -> config.json; backbone -> {transformers name:
