@@ -6,6 +6,7 @@ in an empty folder that must stay empty.
 """
 
 import json
+import re
 import sys
 
 import pytest
@@ -53,5 +54,11 @@ def test_a_run_and_its_resume_on_ram_write_nothing_locally(tmp_path, data_dir):
     timings = json.loads(output.split("TIMINGS ", 1)[1].splitlines()[0])
     assert timings["seconds"]["steps"] > 0 and 0 < timings["outside_steps_fraction"] < 1
     assert sum(timings["seconds"].values()) == pytest.approx(timings["wall_seconds"], rel=0.01)
+    # The process's peak resident memory, in bytes: TensorFlow and a model take more than 64 MiB,
+    # and no process more than the machine has.
+    with open("/proc/meminfo") as meminfo:
+        machine = int(meminfo.readline().split()[1]) * 1024
+    assert 64 * 2**20 < timings["peak_host_bytes"] < machine, timings
+    assert re.search(r"time: .* \| peak host memory \d+\.\d\d GiB", output), output[-2000:]
     assert json.loads(output.split("CWD ", 1)[1].splitlines()[0]) == []
     assert not list(cwd.iterdir())

@@ -23,6 +23,10 @@ GRPO's runs (`training.grpo_loop`) add `sampling`, the policy completing
 prompts (its first call compiles the sampler; evaluation's sampling counts
 here too), and `rewards`, the reward functions scoring the completions.
 
+Beside the seconds, `peak_host_bytes` is the process's peak resident memory
+so far (the kernel's high-water mark, `ru_maxrss`): host memory is what
+limits loading a large model on a TPU VM, and a figure like the speed.
+
 `checkpoints` is the time the loop blocked on saves: copying the state to
 host memory and, with asynchronous saves, waiting for a write still in
 flight (at the next save, or at the end of the run). The writes themselves
@@ -33,6 +37,7 @@ import collections
 import contextlib
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -106,20 +111,27 @@ class RunTimings:
         return {"wall_seconds": round(wall, 3),
                 "seconds": {name: round(value, 3) for name, value in seconds.items()},
                 "outside_steps_fraction": round(1 - seconds["steps"] / wall, 4) if wall else 0.0,
+                "peak_host_bytes": peak_host_bytes(),
                 "background": {name: round(value, 3) for name, value in self.background.items()},
                 "compile_cache": {**self.compile_cache, "note": describe_cache(self.compile_cache)}}
 
     def finish(self, path: str | None) -> dict:
         """Logs the breakdown in one line and writes it to `path` (when given); returns it."""
         report = self.report()
-        logging.info("time: %.1f s in all, %.0f%% outside training steps | %s",
+        logging.info("time: %.1f s in all, %.0f%% outside training steps | %s | peak host memory %.2f GiB",
                      report["wall_seconds"], 100 * report["outside_steps_fraction"],
                      " | ".join(f"{name} {value:.1f}" + _note(name, report)
                                 for name, value in report["seconds"].items()
-                                if value >= 0.05 or name in self.always_shown or _note(name, report)))
+                                if value >= 0.05 or name in self.always_shown or _note(name, report)),
+                     report["peak_host_bytes"] / 2**30)
         if path:
             workdir.write_whole(path, json.dumps(report, indent=2))
         return report
+
+
+def peak_host_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _note(phase: str, report: dict) -> str:

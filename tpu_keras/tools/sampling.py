@@ -100,7 +100,7 @@ def from_preset(path: str) -> Generator:
     checkpoint's) with its tokenizer, built as a run builds `model.preset`."""
     import keras_hub
     from keras_hub.src.utils.preset_utils import find_subclass
-    from tpu_keras.models import hub_presets
+    from tpu_keras.models import hub_presets, segments
     try:
         backbone_cls, _ = hub_presets.describe(path)
         # The backbone's own causal LM (Gemma4CausalLM, not the Gemma4AssistantCausalLM that
@@ -115,6 +115,7 @@ def from_preset(path: str) -> Generator:
         raise UserError(f"--preset={path!r} is not a causal LM preset with a tokenizer "
                         f"({first_line(error, 160)}); give a folder that CausalLM.save_to_preset "
                         "or transformers' save_pretrained wrote") from None
+    segments.route_delta_nets(backbone)  # Qwen 3.5's linear attention, as a run computes it
     task = task_cls(backbone=backbone, preprocessor=preprocessor)
     context = task.preprocessor.sequence_length
     limit = getattr(task.backbone, "max_sequence_length", None)
