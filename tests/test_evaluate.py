@@ -78,54 +78,81 @@ def test_evaluate_refuses_a_folder_without_a_run_and_a_step_not_saved(tiny_run, 
 
 
 @pytest.mark.slow
-def test_a_run_keeps_its_model_when_its_preset_changes_or_goes(tmp_path):
-    """A transformers checkpoint fine-tuned with LoRA: the run copies it, all but its weights,
-    into DIR/model. `evaluate` then gives the run's own figures after the checkpoint's
-    config.json changed a value that no shape shows (rope_theta); and after the folder was
-    deleted, `export` still writes the transformers folder with the source's config."""
+def test_a_run_keeps_its_model_when_its_preset_changes_or_goes_and_lora_needs_its_base(tmp_path):
+    """A transformers checkpoint fine-tuned in full and with LoRA: each run copies it, all but
+    its weights, into DIR/model. The full fine-tune's checkpoints hold every weight: `evaluate`
+    gives its own figures after the checkpoint's config.json changed a value that no shape
+    shows (rope_theta), and after the folder was deleted, `export` still writes the
+    transformers folder with the source's config. The LoRA run's checkpoints hold its
+    adapters alone (tpu_keras/models/frozen_base.py): the edit is one `error:` line, the
+    original put back gives its own figures and a PEFT adapter that names the checkpoint,
+    and the folder deleted is one `error:` line."""
     import json
     import hf_checkpoints
-    checkpoint, workdir = tmp_path / "checkpoint", tmp_path / "run"
+    checkpoint = tmp_path / "checkpoint"
     hf_checkpoints.write(checkpoint, "llama")
     (tmp_path / "text").mkdir()
     for i in range(4):
         (tmp_path / "text" / f"{i}.txt").write_text(hf_checkpoints.TEXT[i] * 20)
-    trained = run_command([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
-         f"--workdir={workdir}", "--config.engine=tf", "--config.mesh.model=1",
-         "--config.train.precision=float32", "--config.train.remat=none",
-         f"--config.model.preset={checkpoint}", "--config.model.lora_rank=4",
-         "--config.model.context_length=32", f"--config.data.text.files={tmp_path}/text/*.txt",
-         f"--config.data.text.eval_files={tmp_path}/text/*.txt", "--config.train.batch_size=4",
-         "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.eval_every=4",
-         "--config.log.every_steps=4", "--config.checkpoint.every_steps=4",
-         "--config.train.compile_cache=off", "--config.export.formats=('transformers',)"]).stdout
+
+    def fine_tune(workdir, lora_rank):
+        return run_command([sys.executable, "-m", "tpu_keras.train", "--config=configs/finetune.py",
+             f"--workdir={workdir}", "--config.engine=tf", "--config.mesh.model=1",
+             "--config.train.precision=float32", "--config.train.remat=none",
+             f"--config.model.preset={checkpoint}", f"--config.model.lora_rank={lora_rank}",
+             "--config.model.context_length=32", f"--config.data.text.files={tmp_path}/text/*.txt",
+             f"--config.data.text.eval_files={tmp_path}/text/*.txt", "--config.train.batch_size=4",
+             "--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.eval_every=4",
+             "--config.log.every_steps=4", "--config.checkpoint.every_steps=4",
+             "--config.train.compile_cache=off", "--config.export.formats=('transformers',)"]).stdout
+
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    trained = fine_tune(full, 0)
+    fine_tune(lora, 4)
     # config.json is the config the run used, resolved once before the model was built: the
     # platform's steps per call (auto), the preset, and what packed text takes from both.
-    recorded = json.loads((workdir / "config.json").read_text())
+    recorded = json.loads((full / "config.json").read_text())
     assert "float32, 2 steps per execution" in trained, trained[-2000:]
     assert recorded["train"]["steps_per_execution"] == 2, recorded["train"]
     assert recorded["model"]["preset"] == recorded["data"]["tokens"]["vocabulary"] == str(checkpoint), recorded
     assert recorded["data"]["tokens"]["context_length"] == 32, recorded["data"]
-    assert recorded["data"]["tokens"]["counts"] == str(workdir / "token_counts"), recorded["data"]
-    assert os.listdir(workdir / "token_counts")  # where the run counted its tokens
-    kept = sorted(os.listdir(workdir / "model"))
-    assert "config.json" in kept and "tokenizer.json" in kept, kept
-    assert not any(name.endswith(".safetensors") for name in kept), kept  # no second copy
-    ran = scalars(workdir / "tensorboard")
+    assert recorded["data"]["tokens"]["counts"] == str(full / "token_counts"), recorded["data"]
+    assert os.listdir(full / "token_counts")  # where the run counted its tokens
+    for workdir in (full, lora):
+        kept = sorted(os.listdir(workdir / "model"))
+        assert "config.json" in kept and "tokenizer.json" in kept, kept
+        assert not any(name.endswith(".safetensors") for name in kept), kept  # no second copy
+    assert not (full / "base.json").exists()  # its checkpoints hold every weight
+    assert json.loads((lora / "base.json").read_text())["files"] == ["model.safetensors"]
 
-    config = json.loads((checkpoint / "config.json").read_text())
+    def assert_same_figures(workdir):
+        ran, evaluated = scalars(workdir / "tensorboard"), scalars(workdir / "tensorboard" / "eval")
+        assert evaluated and all(abs(value - ran[key]) <= 1e-5 for key, value in evaluated.items()), (
+            evaluated, ran)
+
+    original = (checkpoint / "config.json").read_text()
+    config = json.loads(original)
     (checkpoint / "config.json").write_text(json.dumps({**config, "rope_theta": config["rope_theta"] / 2}))
-    evaluate(workdir, "--step=4")
-    evaluated = scalars(workdir / "tensorboard" / "eval")
-    assert evaluated and all(abs(value - ran[key]) <= 1e-5 for key, value in evaluated.items()), (
-        evaluated, ran)
-    shutil.rmtree(checkpoint)  # export then builds the model from DIR/model alone
-    shutil.rmtree(workdir / "export")
-    run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--step=4",
-         "--formats=transformers,peft"])
-    exported = json.loads((workdir / "export" / "transformers" / "config.json").read_text())
-    assert exported["rope_theta"] == config["rope_theta"], exported  # the run's, not the edit's
-    # The PEFT adapter names the checkpoint the run started from (kept in DIR/model/kept.json).
-    adapter = json.loads((workdir / "export" / "peft" / "adapter_config.json").read_text())
+    evaluate(full, "--step=4")
+    assert_same_figures(full)
+    assert_one_line_error(evaluate(lora, "--step=4", check=False), f"model.preset='{checkpoint}' is "
+                          f"not the model this run started with (kept in {lora / 'model'}), and "
+                          f"{lora}'s checkpoints hold its LoRA adapters alone: put the original back")
+    (checkpoint / "config.json").write_text(original)
+    evaluate(lora, "--step=4")
+    assert_same_figures(lora)
+    run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={lora}", "--step=4", "--formats=peft"])
+    # The PEFT adapter names the checkpoint the run started from.
+    adapter = json.loads((lora / "export" / "peft" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(checkpoint), adapter
-    assert not (workdir / "export" / "peft_base").exists()
+    assert not (lora / "export" / "peft_base").exists()
+
+    shutil.rmtree(checkpoint)  # export then builds the full fine-tune from DIR/model alone
+    shutil.rmtree(full / "export")
+    run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={full}", "--step=4",
+         "--formats=transformers"])
+    exported = json.loads((full / "export" / "transformers" / "config.json").read_text())
+    assert exported["rope_theta"] == config["rope_theta"], exported  # the run's, not the edit's
+    gone = run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={lora}", "--step=4"],
+                       check=False)
+    assert_one_line_error(gone, "its base comes from model.preset again", "does not exist")

@@ -194,11 +194,13 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(reference,
 @pytest.mark.parametrize("engine", ["tf", pytest.param("jax", marks=pytest.mark.slow)])
 def test_a_checkpoint_restores_each_weight_by_name_and_names_what_does_not_fit(engine, tmp_path):
     # One process per engine (tests/helpers/checkpoint_probe.py): a layer that creates query and key
-    # in the other order, models that do not fit, and a checkpoint stored by position.
+    # in the other order, models that do not fit, a checkpoint stored by position, and a
+    # LoRA run's checkpoints of what trains alone.
     out = run_command([sys.executable, "tests/helpers/checkpoint_probe.py", engine, str(tmp_path)]).stdout
+    tags = ("SWAPPED", "WIDER", "EXTRA", "OLD", "ADAPTERS")
     r = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
-         if line.split(" ", 1)[0] in ("SWAPPED", "WIDER", "EXTRA", "OLD")}
-    assert set(r) == {"SWAPPED", "WIDER", "EXTRA", "OLD"}, out[-3000:]
+         if line.split(" ", 1)[0] in tags}
+    assert set(r) == set(tags), out[-3000:]
     swapped = r["SWAPPED"]
     assert swapped["saved_order"][:2] == ["probe/attention/query", "probe/attention/key"], swapped
     assert swapped["loaded_order"][:2] == ["probe/attention/key", "probe/attention/query"], swapped
@@ -214,3 +216,11 @@ def test_a_checkpoint_restores_each_weight_by_name_and_names_what_does_not_fit(e
         assert error.endswith("use a new --workdir for a different model"), error
     assert r["OLD"] == {"step": 4, "apart": 0.0}, r["OLD"]
     assert "stores its variables by position (written before checkpoints named them)" in out
+    # With `attention` frozen, the checkpoint holds what trains (the head, its optimizer
+    # slots) and the random state: restored over a zeroed base, the base stays zero. A
+    # checkpoint of every weight, from before, restores too.
+    adapters = r["ADAPTERS"]
+    assert adapters["model"] == ["probe/head/bias", "probe/head/kernel", "random_state/0"], adapters
+    assert adapters["optimizer"] == 6, adapters  # iteration, learning rate, two moments of two
+    assert adapters["zeroed_base"] == adapters["head_apart"] == adapters["intact_apart"] == 0.0, adapters
+    assert adapters["whole_step"] == 4 and adapters["whole_apart"] == 0.0, adapters

@@ -11,7 +11,12 @@ line per check:
 - WIDER, EXTRA: the errors restoring into a model whose weights are shaped
   otherwise, and one with a weight the checkpoint lacks;
 - OLD: a checkpoint written as the toolkit wrote them before they held names
-  (by position), restored into the same model.
+  (by position), restored into the same model;
+- ADAPTERS: with `attention` frozen (a LoRA run's base), an adapters-only
+  checkpointer's names, and its checkpoint restored into a model whose frozen
+  weights are zeroed (they stay so: not in the checkpoint) and into one
+  whose base is intact; then a checkpoint of every weight (written before
+  checkpoints held adapters alone) restored by an adapters-only checkpointer.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -56,8 +61,9 @@ class Attention(keras.layers.Layer):
         return keras.ops.matmul(x, self.query) + 2 * keras.ops.matmul(x, self.key)
 
 
-def make(order=("query", "key"), width=4, extra=False):
-    """The model, compiled with its optimizer built (named: Keras numbers unnamed models)."""
+def make(order=("query", "key"), width=4, extra=False, frozen=False):
+    """The model, compiled with its optimizer built (named: Keras numbers unnamed models);
+    `frozen`: its `attention` weights do not train."""
     keras.utils.set_random_seed(0)
     layers = [keras.Input((4,)), Attention(order, width, name="attention"),
               keras.layers.Dropout(0.1, name="dropout"), keras.layers.Dense(1, name="head")]
@@ -65,6 +71,8 @@ def make(order=("query", "key"), width=4, extra=False):
         layers.insert(2, keras.layers.Dense(width, name="extra"))
     with cluster.scope():
         model = keras.Sequential(layers, name="probe")
+        for weight in model.get_layer("attention").weights if frozen else ():
+            weight.trainable = False
         model.compile(keras.optimizers.Adam(0.1), "mse")
         model.optimizer.build(model.trainable_variables)
     return model
@@ -134,3 +142,38 @@ loaded = make()
 step = checkpoint.open_checkpointer(os.path.join(folder, "old"), loaded, cluster).restore_latest()
 ours, theirs = values(saved), values(loaded)
 report("OLD", {"step": step, "apart": max(float(np.max(np.abs(ours[k] - theirs[k]))) for k in ours)})
+
+# ----- a LoRA run's checkpoints: what trains alone -----------------------------------------
+def zeroed_base(model):
+    for weight in model.get_layer("attention").weights:
+        weight.assign(np.zeros(weight.shape, "float32"))
+    return model
+
+
+def apart(a, b):
+    ours, theirs = values(a), values(b)
+    return max(float(np.max(np.abs(ours[k] - theirs[k]))) for k in ours)
+
+
+adapted = make(frozen=True)
+for _ in range(4):
+    adapted.optimizer.apply([rng.normal(size=v.shape).astype("float32")
+                             for v in adapted.trainable_variables])
+checkpoint.open_checkpointer(os.path.join(folder, "adapters"), adapted, cluster,
+                             adapters_only=True).save()
+held = checkpoint.keyed_variables(adapted, adapters_only=True)
+zeroed = zeroed_base(make(frozen=True))
+intact = make(frozen=True)
+for model in (zeroed, intact):
+    checkpoint.open_checkpointer(os.path.join(folder, "adapters"), model, cluster,
+                                 adapters_only=True).restore_latest()
+checkpoint.open_checkpointer(os.path.join(folder, "everything"), adapted, cluster).save()
+whole = make(frozen=True)
+step = checkpoint.open_checkpointer(os.path.join(folder, "everything"), whole, cluster,
+                                    adapters_only=True).restore_latest()
+report("ADAPTERS", {
+    "model": sorted(held[checkpoint.MODEL]), "optimizer": len(held[checkpoint.OPTIMIZER]),
+    "zeroed_base": float(np.abs(keras.ops.convert_to_numpy(zeroed.get_layer("attention").query)).max()),
+    "head_apart": float(np.abs(keras.ops.convert_to_numpy(zeroed.get_layer("head").kernel)
+                               - keras.ops.convert_to_numpy(adapted.get_layer("head").kernel)).max()),
+    "intact_apart": apart(adapted, intact), "whole_step": step, "whole_apart": apart(adapted, whole)})

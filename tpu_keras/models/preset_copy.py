@@ -11,7 +11,9 @@ Once the run has a checkpoint, every later step (a resume, `evaluate`,
 `export`, `generate`) builds the model from `DIR/model/` without weights
 and restores the checkpoint into it, which holds every weight. A resume
 with no checkpoint yet reads the weights from `model.preset` again, and
-first checks that it still describes the kept model.
+first checks that it still describes the kept model. So does every start
+of a LoRA run whose checkpoints hold its adapters alone (`frozen_base`),
+which also checks the base's weights against the run's record of them.
 
 Presets inside the workdir (`{workdir}/base_preset`) are kept already,
 and a model without a preset is all in `config.json`.
@@ -24,12 +26,9 @@ import os
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError
-from tpu_keras.models import hub_presets
+from tpu_keras.models import frozen_base, hub_presets
 
 FOLDER = "model"
-# Files of weights, left out of the copy (the checkpoints hold the run's weights).
-_WEIGHT_ENDINGS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".h5",
-                   ".pt", ".pth", ".msgpack", ".ckpt", ".gguf", ".npz")
 
 
 def folder(workdir: str) -> str:
@@ -54,7 +53,7 @@ def keep(model_config, workdir: str) -> None:
     for directory, _, names in tf.io.gfile.walk(source):
         relative = os.path.relpath(directory, source)
         for name in names:
-            if name.endswith(_WEIGHT_ENDINGS) or name == hub_presets.KEPT_MARKER:
+            if name.endswith(frozen_base.WEIGHT_ENDINGS) or name == hub_presets.KEPT_MARKER:
                 continue
             destination = os.path.normpath(os.path.join(partial, relative, name))
             tf.io.gfile.makedirs(os.path.dirname(destination))
@@ -66,20 +65,31 @@ def keep(model_config, workdir: str) -> None:
 
 def use(preset: str, workdir: str, checkpointed: bool) -> str:
     """The `model.preset` a run in `workdir` builds from: DIR/model where the run kept its
-    model and the weights come from a checkpoint, else `preset`; with no checkpoint yet,
-    first checks that `preset` still describes the kept model (its weights are read from there)."""
+    model and the weights come from a checkpoint, else `preset`. Where its weights come
+    from `preset` again (no checkpoint yet, or checkpoints of LoRA adapters alone), first
+    checks that `preset` still describes the kept model, and for adapters that its weights
+    are those the run recorded (`frozen_base`)."""
     target = folder(workdir)
-    if not preset or not hub_presets.is_kept(target):
+    recorded = frozen_base.read(workdir) if checkpointed else None
+    if recorded is not None:
+        preset = frozen_base.preset_of(preset, recorded)
+        why = f"{workdir}'s checkpoints hold its LoRA adapters alone, so its base comes from"
+    elif not preset or not hub_presets.is_kept(target):
         return preset  # nothing kept: no preset, one inside the workdir, or a run from before
-    if checkpointed:
+    elif checkpointed:
         return target
-    try:
-        now = hub_presets.describe(preset)
-    except UserError as error:
-        raise UserError(f"{workdir} has no checkpoint yet, so its weights come from "
-                        f"model.preset again, and {error}") from None
-    if now != hub_presets.describe(target):
-        raise UserError(f"model.preset={preset!r} is not the model this run started with (kept "
-                        f"in {target}): put the original back, or start the new model in "
-                        "another --workdir")
+    else:
+        why = f"{workdir} has no checkpoint yet, so its weights come from"
+    if hub_presets.is_kept(target):
+        try:
+            now = hub_presets.describe(preset)
+        except UserError as error:
+            raise UserError(f"{why} model.preset again, and {error}") from None
+        if now != hub_presets.describe(target):
+            held = f", and {workdir}'s checkpoints hold its LoRA adapters alone" if recorded else ""
+            raise UserError(f"model.preset={preset!r} is not the model this run started with (kept "
+                            f"in {target}){held}: put the original back, or start the new model in "
+                            "another --workdir")
+    if recorded is not None:
+        frozen_base.check(preset, recorded, workdir)
     return preset

@@ -6,6 +6,13 @@ is the step). The input position is not saved: the pipeline is a pure
 function of the step (see `data.pipeline`), so a resumed run rebuilds it
 from the step.
 
+A LoRA run over a preset holds less (`models.frozen_base`): its trainable
+variables (the factors), its random-number state and the optimizer's: its
+frozen base is read from `model.preset` again at every start. A checkpoint of
+such a run that holds the base too (written before its checkpoints held
+adapters alone) still restores: the tf engine leaves its base unread, Orbax
+restores it whole.
+
 Variables are stored by name (`models.weight_paths`: a weight by its
 `variable.path`), in two groups, `model_by_path` and `optimizer_by_path`, and
 restored by name: a model whose layers create same-shaped weights in another
@@ -81,10 +88,22 @@ def any_saved(workdir: str) -> bool:
     return any(name.rstrip("/") == "checkpoint" or name.rstrip("/").isdigit() for name in names)
 
 
-def keyed_variables(model: keras.Model) -> dict:
-    """{MODEL: {key: variable}, OPTIMIZER: {key: variable}}: what a checkpoint holds."""
-    return {MODEL: weight_paths.model_variables(model),
-            OPTIMIZER: weight_paths.optimizer_variables(model.optimizer)}
+def keyed_variables(model: keras.Model, adapters_only: bool = False) -> dict:
+    """{MODEL: {key: variable}, OPTIMIZER: {key: variable}}: what a checkpoint holds; with
+    `adapters_only`, of the model's only the trainable and the random-number state."""
+    keyed = weight_paths.model_variables(model)
+    if adapters_only:
+        keyed = {key: v for key, v in keyed.items()
+                 if v.trainable or key.startswith(weight_paths.RANDOM_STATE)}
+    return {MODEL: keyed, OPTIMIZER: weight_paths.optimizer_variables(model.optimizer)}
+
+
+def frozen_keys(model: keras.Model, adapters_only: bool) -> set:
+    """The keys of the model's weights that its adapters-only checkpoints leave out (none
+    for one that holds everything): what an older checkpoint of the run holds beyond them."""
+    if not adapters_only:
+        return set()
+    return set(keyed_variables(model)[MODEL]) - set(keyed_variables(model, adapters_only)[MODEL])
 
 
 def check_fits(saved: dict, variables: dict, where: str) -> None:
@@ -106,12 +125,13 @@ def check_fits(saved: dict, variables: dict, where: str) -> None:
 
 
 def open_checkpointer(workdir: str, model: keras.Model, cluster, keep: int = 3,
-                      asynchronous: bool = False):
+                      asynchronous: bool = False, adapters_only: bool = False):
     """The checkpointer for the engine Keras runs on (both have step, save, wait,
-    restore, restore_latest, saved_steps and latest_saved_step)."""
+    restore, restore_latest, saved_steps and latest_saved_step); `adapters_only`: its
+    checkpoints hold what trains alone (`keyed_variables`)."""
     if keras.backend.backend() == "jax":
-        return OrbaxCheckpointer(workdir, model, keep, asynchronous)
-    return TFCheckpointer(workdir, model, cluster, keep, asynchronous)
+        return OrbaxCheckpointer(workdir, model, keep, asynchronous, adapters_only)
+    return TFCheckpointer(workdir, model, cluster, keep, asynchronous, adapters_only)
 
 
 class TFCheckpointer:
@@ -126,13 +146,13 @@ class TFCheckpointer:
     """
 
     def __init__(self, workdir: str, model: keras.Model, cluster, keep: int = 3,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, adapters_only: bool = False):
         self.shared_dir = os.path.join(workdir, "checkpoints")
         self._is_chief = cluster.is_chief
         self._own_dir = (self.shared_dir if cluster.is_chief
                          else os.path.join(workdir, "tmp", f"host{cluster.host_index}"))
-        self._model, self._keep = model, keep
-        self._variables = keyed_variables(model)
+        self._model, self._keep, self._adapters_only = model, keep, adapters_only
+        self._variables = keyed_variables(model, adapters_only)
         self._checkpoint = tf.train.Checkpoint(**self._variables)
         self._checkpoint.save_counter  # created now, so every checkpoint holds it and restores match
         self.writer = background.Writer() if asynchronous else None
@@ -174,6 +194,10 @@ class TFCheckpointer:
             reader = tf.compat.v1.train.NewCheckpointReader(path)
             saved = _tf_shapes(reader.get_variable_to_shape_map())
             if MODEL in saved:
+                # The frozen base of a checkpoint written before this run's held its adapters
+                # alone: left unread (TensorFlow restores what the checkpoint object names).
+                frozen = frozen_keys(self._model, self._adapters_only)
+                saved[MODEL] = {key: shape for key, shape in saved[MODEL].items() if key not in frozen}
                 check_fits(saved, self._variables, f"the checkpoint {path}")
                 checkpoint = self._checkpoint
             else:
@@ -295,9 +319,10 @@ def _tf_shapes(shapes: dict) -> dict:
 class OrbaxCheckpointer:
     """Saves the model's and the optimizer's variables, sharded as they are, with Orbax."""
 
-    def __init__(self, workdir: str, model: keras.Model, keep: int = 3, asynchronous: bool = False):
+    def __init__(self, workdir: str, model: keras.Model, keep: int = 3, asynchronous: bool = False,
+                 adapters_only: bool = False):
         import orbax.checkpoint as ocp
-        self._ocp, self._model = ocp, model
+        self._ocp, self._model, self._adapters_only = ocp, model, adapters_only
         self.shared_dir = workdir_lib.absolute(os.path.join(workdir, "checkpoints"))
         # The handler named, so that a new process reads a checkpoint's metadata (its names).
         # Asynchronous: Orbax's save returns once the arrays are in host memory, and its
@@ -322,7 +347,7 @@ class OrbaxCheckpointer:
         return self._manager.latest_step()
 
     def _variables(self):
-        return keyed_variables(self._model)
+        return keyed_variables(self._model, self._adapters_only)
 
     def saved_steps(self) -> list[int]:
         """The steps of the committed checkpoints, oldest first (read afresh: another
@@ -348,6 +373,10 @@ class OrbaxCheckpointer:
         else:
             variables = self._variables()
             if isinstance(saved, dict) and MODEL in saved:
+                # A checkpoint holding the frozen base too, written before this run's held its
+                # adapters alone: restored whole (Orbax restores a whole tree).
+                if frozen_keys(self._model, self._adapters_only) & set(saved[MODEL]):
+                    variables = keyed_variables(self._model)
                 check_fits({group: {key: meta.shape for key, meta in keyed.items()}
                             for group, keyed in saved.items()}, variables, where)
         target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding),

@@ -56,10 +56,11 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     """The run of `config` in `workdir`, set up on this process's cluster.
 
     `trains`: the training run itself. Its workdir is made, SIGTERM saves a checkpoint
-    from here on, the chief writes config.json and keeps the model (`models.preset_copy`),
-    Keras is seeded, and the checkpointer keeps `checkpoint.keep` checkpoints. Its
-    weights come from a checkpoint once it has one; every other command reads the
-    checkpoints of a run, so its weights always do.
+    from here on, the chief writes config.json, records the base a LoRA run's checkpoints
+    need (`models.frozen_base`) and keeps the model (`models.preset_copy`), Keras is
+    seeded, and the checkpointer keeps `checkpoint.keep` checkpoints. Its weights come
+    from a checkpoint once it has one (a LoRA run's frozen base from its preset again);
+    every other command reads the checkpoints of a run, so its weights always do.
 
     `one_device`: the model on this host's first device, only for a checkpoint to be
     restored into (export, generate): whatever mesh and hosts the run trained on
@@ -85,7 +86,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     import tensorflow as tf
     from tpu_keras import data, models, workdir as workdir_lib
     from tpu_keras.data import preferences
-    from tpu_keras.models import export
+    from tpu_keras.models import export, frozen_base
     from tpu_keras.training import checkpoint, preemption, run_config
 
     if trains:
@@ -129,7 +130,8 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
     with phase("model"):
         model = build_model(resolved, cluster, builder, objective=objective)
-    if trains and cluster.is_chief:
+    if trains and cluster.is_chief:  # the record first: a run with a kept model has one
+        frozen_base.record(resolved.model, workdir, checkpointed)
         models.preset_copy.keep(resolved.model, workdir)
     if compile_counter is not None:
         compile_cache.keep_steps(model, compile_counter, resolved)
@@ -140,7 +142,8 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
                                    model.policy.output_shape[-1], resolved.data)
     saving = ({"keep": resolved.checkpoint.keep, "asynchronous": resolved.checkpoint.asynchronous}
               if trains else {})
-    checkpointer = checkpoint.open_checkpointer(workdir, model, cluster, **saving)
+    checkpointer = checkpoint.open_checkpointer(
+        workdir, model, cluster, adapters_only=frozen_base.adapters_only(resolved.model), **saving)
     return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
                     model=model, text_source=text_source, checkpointer=checkpointer,
                     compile_counter=compile_counter)
