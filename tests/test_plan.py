@@ -268,6 +268,13 @@ def test_a_dpo_plan_counts_two_sequences_per_pair_and_a_reference_copy_only_with
     full = json.loads(plans["dpo_full"].stdout)["per_device"]
     assert full["reference"] == full["parameters"] > 0
     assert full["total"] == sum(value for key, value in full.items() if key != "total")
+    # LoRA under mixed_bfloat16 (a TPU's): the frozen base in bfloat16, half the full fine-tune's
+    # float32 weights, and the factors in float32; the plan names them in one line.
+    weights, full_weights = (json.loads(plans[name].stdout)["weights"] for name in ("dpo", "dpo_full"))
+    assert list(weights["frozen"]) == ["bfloat16"] and list(weights["trainable"]) == ["float32"]
+    assert 2 * weights["frozen"]["bfloat16"] == full_weights["trainable"]["float32"]
+    assert not full_weights["frozen"]
+    assert "weights: frozen bfloat16 " in plans["dpo_text"].stdout
 
 
 @pytest.mark.slow

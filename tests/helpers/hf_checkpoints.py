@@ -3,8 +3,9 @@
     write(folder, name)  # name: a key of CHECKPOINTS ('llama', 'llama31', 'qwen2', ...)
     transformers_logits(folder, tokens, adapter=None)  # transformers' own model, PEFT's adapter on it
 
-config.json with `model_type`, model.safetensors (random float32 weights
-under transformers' own names, [out, in] projection matrices) and a
+config.json with `model_type`, model.safetensors (random float32 weights, or
+bfloat16 ones as most hub checkpoints ship, under transformers' own names,
+[out, in] projection matrices) and a
 byte-level BPE tokenizer.json that the `tokenizers` library trains on a few
 sentences (with tokenizer_config.json naming the start and end tokens).
 Nothing here comes from keras-hub: its loader must read these folders as
@@ -74,9 +75,10 @@ def transformers_logits(folder, tokens, adapter=None):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def write(folder, name: str, seed: int = 0) -> dict:
-    """Writes the checkpoint `name` (a key of CHECKPOINTS); returns its config. The
-    vocabulary is a multiple of 8, so that a mesh axis of 2, 4 or 8 splits the embedding."""
+def write(folder, name: str, seed: int = 0, dtype: str = "float32") -> dict:
+    """Writes the checkpoint `name` (a key of CHECKPOINTS), its weights in `dtype` ('float32',
+    'bfloat16'); returns its config. The vocabulary is a multiple of 8, so that a mesh axis
+    of 2, 4 or 8 splits the embedding."""
     family, changes = CHECKPOINTS[name]
     os.makedirs(folder, exist_ok=True)
     tokens, ids = _write_tokenizer(folder, family)
@@ -85,18 +87,19 @@ def write(folder, name: str, seed: int = 0) -> dict:
         "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": vocabulary_size, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "max_position_embeddings": 256, "torch_dtype": "float32", **FAMILY[family],
+        "max_position_embeddings": 256, "torch_dtype": dtype, **FAMILY[family],
         "bos_token_id": ids[0], "eos_token_id": ids[1] if len(ids) > 1 else ids[0],
     }
     config.update(changes)
     config = {key: value for key, value in config.items() if value is not None or key == "sliding_window"}
     with open(os.path.join(folder, "config.json"), "w") as file:
         json.dump(config, file, indent=2)
-    _write_weights(folder, config, seed)
+    _write_weights(folder, config, seed, dtype)
     return config
 
 
-def _write_weights(folder, config, seed):
+def _write_weights(folder, config, seed, dtype):
+    import ml_dtypes
     from safetensors.numpy import save_file
     rng = np.random.default_rng(seed)
     family = config["model_type"]
@@ -129,7 +132,9 @@ def _write_weights(folder, config, seed):
                 weights[f"{layer}{name}.bias"] = (0.1 * rng.standard_normal(shape[0])).astype("float32")
         weights[f"{layer}input_layernorm.weight"] = norm()
         weights[f"{layer}post_attention_layernorm.weight"] = norm()
-    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    stored = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype  # the same values, rounded
+    save_file({key: value.astype(stored) for key, value in weights.items()},
+              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_tokenizer(folder, family) -> tuple[int, list[int]]:

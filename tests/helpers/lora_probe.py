@@ -13,8 +13,14 @@ gradients (LoRA writes its backward pass out) are those the chain rule gives
 from the merged model's kernel gradients, dA = s G B' and dB = s A' G (G the
 kernel's gradient as an in x out matrix). With `mesh`
 (jax, 4 devices: data 2 x model 2), the gpt is built as a run builds it,
-and each factor is split along its kernel's split axis. Prints one line,
-`LORA {json}`.
+and each factor is split along its kernel's split axis.
+
+Without `mesh`, also a keras-hub Llama 3 with LoRA under mixed_bfloat16, built as a
+run builds it from a transformers checkpoint in bfloat16 (and one in float32),
+against the same model without LoRA (float32 weights, cast to bfloat16 for
+compute): the dtypes of its frozen weights, factors and optimizer slots, its
+weights' bytes, its logits and loss before any step, and its export's copy
+(float32, the update merged). Prints one line, `LORA {json}`.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -22,7 +28,9 @@ from tpu_keras import lean_imports  # start as the command-line tools do
 lean_imports.install()
 
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 from tpu_keras.cluster import engine  # noqa: E402
 
@@ -35,9 +43,12 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tpu_keras  # noqa: E402
+from tpu_keras import models  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
-from tpu_keras.models import families, gpt, lora  # noqa: E402
-from tpu_keras.training import setup  # noqa: E402
+from tpu_keras.models import export, families, gpt, lora  # noqa: E402
+from tpu_keras.training import optimization, setup  # noqa: E402
+
+import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
 
 rng = np.random.default_rng(0)
 keras.utils.set_random_seed(0)
@@ -114,6 +125,66 @@ def checks(adapted, plain, call, targets, call_inputs):
             "off_is_base": float(np.max(np.abs(off - base)))}
 
 
+def nbytes(weights) -> int:
+    return sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in weights)
+
+
+def llama(preset, **lora_keys):
+    """The run's model of the transformers checkpoint `preset` (`models.registry`), and its loss."""
+    builder, kwargs = models.registry.get(dict(name="keras_hub:Llama3CausalLM", preset=preset,
+                                               context_length=16, **lora_keys))
+    return builder.make(**kwargs), builder.loss()
+
+
+def step_zero(model, loss):
+    """(float32 logits, the loss at step 0) of `model` on `tokens`, next-token targets."""
+    logits = model(tokens)
+    value = loss(np.roll(tokens, -1, axis=1), logits)
+    return as_numpy(logits).astype("float64"), float(as_numpy(value))
+
+
+def bfloat16_base(folder, stored):
+    """A LoRA Llama 3 (rank 2, every projection) under mixed_bfloat16 from a checkpoint `stored`
+    in 'bfloat16' or 'float32', against the same model without LoRA."""
+    preset = os.path.join(folder, stored)
+    hf_checkpoints.write(preset, "llama", dtype=stored)
+    adapted, loss = llama(preset, lora_rank=2, lora_targets="all-linear")
+    full, _ = llama(preset)
+    (logits, value), (expected, expected_value) = step_zero(adapted, loss), step_zero(full, loss)
+    optimizer = optimization.make_optimizer(defaults().train)
+    optimizer.build(adapted.trainable_variables)
+    checks = {"frozen": sorted({str(w.dtype) for w in adapted.non_trainable_weights}),
+              "factors": sorted({str(w.dtype) for w in adapted.trainable_weights}),
+              "factors_alone_train": all(lora.is_factor(w.path) for w in adapted.trainable_weights),
+              "slots": sorted({str(v.dtype) for v in optimizer.variables if len(v.shape)}),
+              "frozen_bytes": nbytes(adapted.non_trainable_weights), "full_bytes": nbytes(full.weights),
+              "logits": float(np.max(np.abs(logits - expected))), "scale": float(np.max(np.abs(expected))),
+              "loss": [value, expected_value]}
+    if stored == "float32":  # the head's table rounded to bfloat16, as the adapted model stores it
+        for w in full.weights:
+            if w.path.startswith("token_embedding/"):
+                w.assign(keras.ops.cast(keras.ops.cast(w, "bfloat16"), "float32"))
+        checks["logits_head_rounded"] = float(np.max(np.abs(logits - step_zero(full, loss)[0])))
+    else:
+        checks["export"] = exported(adapted)
+    return checks
+
+
+def exported(adapted):
+    """The exports' host copy of `adapted` (B set at random): its dtypes, and its kernels
+    against the frozen base read in float32 plus `lora.delta`."""
+    task = export.find_task(adapted)
+    layers = lora.adapted_layers(task.backbone)
+    for layer in layers:
+        layer.lora_b.assign(rng.normal(0, 0.1, layer.lora_b.shape).astype("float32"))
+    host = export.host_copy(task)
+    kernels = {w.path: w for w in host.backbone.weights}
+    merged = [np.max(np.abs(keras.ops.convert_to_numpy(kernels[layer._kernel.path])
+                            - (keras.ops.convert_to_numpy(layer._kernel).astype("float32")
+                               + lora.delta(layer)))) for layer in layers]
+    return {"dtypes": sorted({str(w.dtype) for w in host.weights}), "merged": float(max(merged))}
+
+
 result = {}
 tokens = rng.integers(0, 64, (2, 16)).astype("int32")
 as_numpy = lambda value: keras.ops.convert_to_numpy(keras.ops.cast(value, "float32"))
@@ -127,6 +198,11 @@ if not on_mesh:
     lora.attach(adapted, families.of_backbone(type(adapted)).lora_targets, settings)
     result["gemma"] = checks(adapted, keras_hub.models.GemmaBackbone(**GEMMA),
                              lambda m: as_numpy(m(inputs)), "all-linear", inputs)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    with tempfile.TemporaryDirectory() as folder:
+        result["bfloat16_base"] = {stored: bfloat16_base(folder, stored)
+                                   for stored in ("bfloat16", "float32")}
+    keras.config.set_dtype_policy("float32")
 else:
     config = defaults()
     config.engine = "jax"

@@ -5,7 +5,8 @@ A targeted projection computes `x W + scaling * (x A) B`, where
 bias and activation, as PEFT computes it. A starts as PEFT starts it,
 uniform in +-1/sqrt(in_features), and B at zero, so training starts from the
 base model. Every other weight is frozen, the adapted layers' kernels and
-biases too (PEFT's `bias="none"`).
+biases too (PEFT's `bias="none"`). Under bfloat16 compute the frozen base is
+stored in bfloat16 and the factors in float32 (`base_policy`).
 
 The backward pass is written out (`_projection`): the factors' gradients
 from the low-rank path, and the input's gradient in one product with the
@@ -138,6 +139,37 @@ def settings(kwargs: dict, targets: Sequence[Target], default: Sequence[str], fa
         raise UserError(f"model.lora_rslora={rslora!r} must be True or False")
     ordered = tuple(name for name in known if name in chosen)
     return Settings(rank, float(alpha), ordered, rslora)
+
+
+# The policy of a LoRA run's frozen base where it computes in bfloat16 (`base_policy`).
+FROZEN_BASE_POLICY = "bfloat16"
+
+
+def base_policy(policy: str, rank) -> str:
+    """The Keras dtype policy to build a run's base in (`policy`: the run's). Under LoRA with
+    bfloat16 compute, every base weight is frozen and only ever read cast to bfloat16, so it
+    is stored in bfloat16: half mixed_bfloat16's float32 copy, the same products. The
+    factors stay float32 (`_adapt`), and so does the optimizer's state, theirs alone."""
+    if rank and keras.dtype_policies.get(policy).compute_dtype == "bfloat16":
+        return FROZEN_BASE_POLICY
+    return policy
+
+
+def float32_head(backbone) -> None:
+    """Makes the output head of a base built in `base_policy`'s bfloat16 compute as under
+    mixed_bfloat16: Keras's embeddings turn autocast off, so there the head's product read
+    the float32 table and gave float32 logits. It now reads the bfloat16 table cast to
+    float32 (`reverse_dtype`): the same logits from a bfloat16 checkpoint."""
+    for layer in backbone._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.ReversibleEmbedding) and layer.reverse_dtype is None:
+            layer.reverse_dtype = "float32"
+
+
+def float_policy(policy: str) -> str:
+    """The policy of a float copy of a base built in `policy`: mixed_bfloat16's float32
+    variables for a frozen bfloat16 base, so that the exports merge LoRA's update into
+    float32 kernels; any other base's own."""
+    return "mixed_bfloat16" if policy == FROZEN_BASE_POLICY else policy
 
 
 class Adapter:

@@ -64,6 +64,7 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "devices": found.devices * slices, "hosts": found.hosts * slices, "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
         "usable_bytes_per_device": usable, "precision": footprint.precision,
         "parameters": sum(math.prod(v.shape) for v in footprint.model.weights),
+        "weights": footprint.weight_dtypes,
         "update_batch": update_batch,
         "candidates": sorted(candidates, key=lambda c: (not c["fits"], _preference(c))),
         "skipped": skipped,
@@ -222,6 +223,8 @@ def format_search(s: dict, rows: int = 12) -> str:
              f"{s['precision']}",
              f"batch per update: {s['update_batch']:,}; {len(s['candidates'])} candidates "
              f"(mesh x remat), {len(fitting)} fit; {len(s['skipped'])} meshes skipped", ""]
+    if s.get("weights", {}).get("frozen"):
+        lines.insert(2, slice_plan.weights_line(s["weights"]))
     header = ("data", "fsdp", "model", "remat", "batch", "accum", "params", "optimizer",
               "grads", "activations", "total", "sent/update", "across slices", "time")
     if slices == 1:

@@ -145,6 +145,17 @@ class Footprint:
         totals = self.layout((1, 1, 1))["totals"]
         return totals["parameters"]["bytes"] + totals["optimizer"]["bytes"]
 
+    @functools.cached_property
+    def weight_dtypes(self) -> dict:
+        """{'frozen' | 'trainable': {dtype: bytes}} of the weights, all devices together: a
+        LoRA run's frozen base in bfloat16 (or quantized) and its factors in float32, say."""
+        trainable = {v.path for v in self.model.trainable_variables}
+        found = {"frozen": {}, "trainable": {}}
+        for row in self.layout((1, 1, 1))["weights"]:
+            kind = found["trainable" if row["path"] in trainable else "frozen"]
+            kind[row["dtype"]] = kind.get(row["dtype"], 0) + row["bytes_per_device"]
+        return found
+
     def sent_per_step(self, mesh: dict, batch_per_replica: int, grad_accum_steps: int = 1,
                       slices: int = 1) -> dict:
         """Bytes each device sends per optimizer update (`planning.planned_traffic`);
@@ -256,6 +267,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "num_generations": config.grpo.num_generations if kind == "prompts" else None,
         "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
+        "weights": footprint.weight_dtypes,
         "fits": per_device["total"] <= usable,
         "largest_global_batch": largest * splits,
         "sent_per_step": sent,
@@ -330,6 +342,13 @@ def measured_notes(sent: dict, m: dict) -> list[str]:
     return lines
 
 
+def weights_line(weights: dict) -> str:
+    """'weights: frozen bfloat16 14.96 GiB, trainable float32 26.00 MiB (all devices together)'."""
+    parts = [f"{kind} {dtype} {format_bytes(size)}" for kind in ("frozen", "trainable")
+             for dtype, size in sorted(weights[kind].items(), key=lambda item: -item[1])]
+    return f"weights: {', '.join(parts)} (all devices together)"
+
+
 def format_plan(p: dict) -> str:
     """The plan as the command prints it: bytes per device, whether it fits, the largest batch."""
     mesh, d = p["mesh"], p["per_device"]
@@ -345,6 +364,8 @@ def format_plan(p: dict) -> str:
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
              f"mesh {describe(mesh, p.get('slices', 1))}, global batch "
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}"]
+    if p.get("weights", {}).get("frozen"):
+        lines.append(weights_line(p["weights"]))
     if p.get("sequences_per_example", 1) == 2:
         lines.append("DPO: each example is a pair, 2 sequences (chosen, rejected); the reference's "
                      "forward pass keeps nothing for the backward, and " +

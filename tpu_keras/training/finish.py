@@ -42,6 +42,13 @@ def export(model, config, workdir, cluster):
 
 
 def fingerprint(model) -> float:
-    """The sum of all weights, computed where they live (sharded jax arrays span hosts)."""
+    """The sum of all weights, computed where they live (sharded jax arrays span hosts); a
+    bfloat16 one's in float32 (a LoRA run's frozen base): its own sum rounds, and TensorFlow
+    cannot hand NumPy a bfloat16 scalar."""
     import keras
-    return sum(float(keras.ops.convert_to_numpy(keras.ops.sum(w.value))) for w in model.weights)
+
+    def total(value):
+        if keras.backend.standardize_dtype(value.dtype) == "bfloat16":
+            value = keras.ops.cast(value, "float32")
+        return float(keras.ops.convert_to_numpy(keras.ops.sum(value)))
+    return sum(total(w.value) for w in model.weights)
