@@ -9,6 +9,7 @@
     python scripts/benchmark.py --planner_table
     python scripts/benchmark.py --attention_kernels
     python scripts/benchmark.py --checkpoint
+    python scripts/benchmark.py --memory [--memory_size=0.85b]
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -82,6 +83,11 @@ asynchronous (`checkpoint.asynchronous`), on each engine, for a model of 300
 million parameters with Adam (3.6 GB per checkpoint) saved to local disk by
 the toolkit's checkpointers, in turns, with training steps between saves
 (checkpoint_saves.py).
+
+--memory: the peak host memory of one LoRA step over a Llama 3 checkpoint of
+0.85B parameters in bfloat16, over its float base and over its int8 base,
+each a whole run in a process of its own, against the checkpoint's bytes
+(memory_benchmark.py; docs/performance.md, "Host memory").
 """
 
 import contextlib
@@ -134,6 +140,9 @@ _ATTENTION = flags.DEFINE_bool("attention_kernels", False, "keras-hub's Llama at
                                 "fused kernel calls and HBM peaks (attention_kernels.py).")
 _CHECKPOINT = flags.DEFINE_bool("checkpoint", False, "Blocked seconds per save, synchronous "
                                  "against asynchronous, on both engines.")
+_MEMORY = flags.DEFINE_bool("memory", False, "Peak host memory of a LoRA step over a 0.85B Llama 3, "
+                            "over its float base and its int8 base (memory_benchmark.py).")
+_MEMORY_SIZE = flags.DEFINE_string("memory_size", "0.85b", "--memory: llama_checkpoint.py's size.")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -506,6 +515,9 @@ def _benchmark(report):
     elif _CHECKPOINT.value:
         emit(json.dumps({"benchmark": "checkpoint", "results": [
             script_json("checkpoint_saves.py", engine) for engine in ("tf", "jax")]}, indent=2))
+    elif _MEMORY.value:
+        emit(json.dumps({"benchmark": "memory", "result": script_json(
+            "memory_benchmark.py", f"--size={_MEMORY_SIZE.value}")}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))

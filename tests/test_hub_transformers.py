@@ -180,12 +180,16 @@ def test_a_lora_over_an_int8_or_int4_base_trains_on_a_mesh_and_its_adapter_loads
     result = probe("jax", tmp_path, data_dir, "1,2,2", ("llama:lora_int8", "llama:lora_int4"), ("llama",),
                    env=FOUR_DEVICES)["llama"]
     # The quantization error of the logits before training, as a share of the largest logit,
-    # measured on this random tiny Llama 3: 0.048 (int8) and 0.91 (int4, 16 levels per output
-    # feature). Trained real models lose far less; these bound what Keras's quantizers do here.
-    worst = {"int8": 0.1, "int4": 1.5}
+    # measured on this random tiny Llama 3: 0.048 (int8), 0.91 (int4, 16 levels per output
+    # feature) and 0.39 (int4 in groups of 16 input features). These bound what Keras's
+    # quantizers do here; docs/fine_tuning.md measures a trained model.
+    worst = {"int8": 0.1, "int4": 1.0}
     for mode, bound in worst.items():
         checks = result[f"lora_{mode}"]
         assert checks["quantized_kernels"] == 14 == checks["split_quantized"], checks  # 2 blocks x 7
+        # int4's scales and zero points, one per group, split as their kernels are.
+        assert checks["scales"] == (28 if mode == "int4" else 14), checks
+        assert checks["split_scales"] == (28 if mode == "int4" else 0), checks
         assert 0 < checks["before"] / checks["scale"] <= bound, checks
         assert checks["losses"][-1] < checks["losses"][0] - 0.5, checks
         # The merged export is the base dequantized plus the update: the run's own logits.
@@ -194,6 +198,8 @@ def test_a_lora_over_an_int8_or_int4_base_trains_on_a_mesh_and_its_adapter_loads
         # quantization error.
         assert checks["peft_base_is_the_checkpoint"] and checks["peft"] / checks["scale"] <= bound, checks
     assert result["lora_int8"]["before"] < result["lora_int4"]["before"], result
+    # Groups come closer to the float model than one scale per output feature.
+    assert result["lora_int4"]["before"] < 0.8 * result["lora_int4"]["before_per_feature"], result
 
 
 

@@ -236,10 +236,16 @@ def quantized_run(name, checkpoint, mode, first, tokens):
     model's (the quantization error), its losses, its merged export read by transformers, and
     its PEFT adapter on the float checkpoint."""
     config = config_for(name, checkpoint, 4, LORA_TARGETS["lora"], quantize=mode)
+    per_feature = {}
+    if mode == "int4":  # in groups of 16 of the tiny model's 32 or 64 input features
+        config.model.quantize_block_size = -1
+        per_feature["before_per_feature"] = gap(keras.ops.convert_to_numpy(build(config)(tokens)), first)
+        config.model.quantize_block_size = 16
     untrained = build(config)
     config.train.update(steps=16, learning_rate=3e-2)  # long enough for the loss to fall
     config.checkpoint.every_steps = 16
     quantized = [w for w in untrained.weights if w.path.endswith("/kernel") and "int8" in str(w.dtype)]
+    scales = [w for w in untrained.weights if w.path.endswith(("/kernel_scale", "/kernel_zero"))]
     before = keras.ops.convert_to_numpy(untrained(tokens))
     workdir = os.path.join(out, name, f"lora_{mode}")
     history = loop.train(config, workdir)
@@ -248,9 +254,10 @@ def quantized_run(name, checkpoint, mode, first, tokens):
     folder = os.path.join(workdir, "export")
     with open(f"{folder}/peft/adapter_config.json") as file:
         adapter = json.load(file)
-    return {"quantized_kernels": len(quantized),
-            "split_quantized": sum(len(set(w.value.sharding.device_set)) > 1 and
-                                   not w.value.sharding.is_fully_replicated for w in quantized),
+    split = lambda weights: sum(len(set(w.value.sharding.device_set)) > 1 and
+                                not w.value.sharding.is_fully_replicated for w in weights)
+    return {"quantized_kernels": len(quantized), "split_quantized": split(quantized),
+            "scales": len(scales), "split_scales": split(scales), **per_feature,
             "before": gap(before, first), "scale": float(np.max(np.abs(first))),
             "losses": [float(x) for x in history.history["loss"]],
             "moved": gap(expected, before),

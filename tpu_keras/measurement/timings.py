@@ -26,6 +26,9 @@ here too), and `rewards`, the reward functions scoring the completions.
 Beside the seconds, `peak_host_bytes` is the process's peak resident memory
 so far (the kernel's high-water mark, `ru_maxrss`): host memory is what
 limits loading a large model on a TPU VM, and a figure like the speed.
+`peak_host_bytes_before` gives the same mark as each phase first began:
+the peak less its value before `model` is what the model cost the host,
+apart from the libraries and the data pipeline.
 
 `checkpoints` is the time the loop blocked on saves: copying the state to
 host memory and, with asynchronous saves, waiting for a write still in
@@ -79,9 +82,11 @@ class RunTimings:
         # Seconds of work that overlapped the phases: {"checkpoint_writes": s, "checkpoint_waits": s}.
         self.background = {}
         self.always_shown = {"compile"}  # in the time line even when under 0.05 s
+        self.peak_before = {}  # {phase: the peak resident memory as it first began}
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        self.peak_before.setdefault(name, peak_host_bytes())
         start = time.perf_counter()
         try:
             yield
@@ -111,7 +116,7 @@ class RunTimings:
         return {"wall_seconds": round(wall, 3),
                 "seconds": {name: round(value, 3) for name, value in seconds.items()},
                 "outside_steps_fraction": round(1 - seconds["steps"] / wall, 4) if wall else 0.0,
-                "peak_host_bytes": peak_host_bytes(),
+                "peak_host_bytes": peak_host_bytes(), "peak_host_bytes_before": dict(self.peak_before),
                 "background": {name: round(value, 3) for name, value in self.background.items()},
                 "compile_cache": {**self.compile_cache, "note": describe_cache(self.compile_cache)}}
 

@@ -276,7 +276,8 @@ def host_copy(task, preset: str = "", merged: bool = True):
     """The same task in host memory with `task`'s weights, and the preset's preprocessor when
     it has a tokenizer. LoRA's factors are not in the copy: each adapted kernel holds its
     update merged in (`merged`), or its base alone (PEFT's base model). A quantized base
-    (`model.quantize`) is dequantized: the copy is a float model."""
+    (`model.quantize`) is dequantized, and a frozen bfloat16 one read into float32: the
+    copy is a float model."""
     backbone = task.backbone
     # Made without running initialisers (jax would compile a random initialiser for each
     # shape, most of an export's time): each variable is assigned the run's value.
@@ -284,15 +285,16 @@ def host_copy(task, preset: str = "", merged: bool = True):
     dequantized = {id(layer._kernel): layer for layer in backbone._flatten_layers(include_self=False)
                    if quantized.is_quantized(layer)}
     config = complete_get_config(backbone).get_config()
-    if dequantized:
-        policy = backbone.dtype_policy  # its config holds each quantized layer's policy
-        config["dtype"] = getattr(policy, "default_policy", policy).name
+    if dequantized or lora.adapted_layers(backbone):
+        policy = backbone.dtype_policy  # a quantized one's config holds each layer's policy
+        # A LoRA run's frozen bfloat16 base (lora.base_policy): copied into float32 variables.
+        config["dtype"] = lora.float_policy(getattr(policy, "default_policy", policy).name)
     with _on_host(), keras.StatelessScope(initialize_variables=False):
         host_backbone = complete_get_config(families.repaired(type(backbone).from_config(config)))
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}
         host = type(task).from_config(task_config)
-    scales = {id(layer.kernel_scale) for layer in dequantized.values()}
+    scales = {id(v) for layer in dequantized.values() for v in quantized.auxiliary(layer)}
     sources = {path: weight for path, weight in weight_paths.weights(task).items()
                if not lora.is_factor(path) and id(weight) not in scales}
     targets = weight_paths.weights(host)
@@ -309,11 +311,12 @@ def host_copy(task, preset: str = "", merged: bool = True):
         for key, target in targets.items():  # by name: same-shaped weights cannot swap
             source = sources[key]
             if id(source) in dequantized:
-                value = quantized.float_kernel(dequantized[id(source)]).astype(target.dtype)
+                value = quantized.float_kernel(dequantized[id(source)])
             else:
                 value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
             if id(source) in updates:
-                value = (value.astype("float32") + lora.delta(updates[id(source)])).astype(value.dtype)
+                value = value.astype("float32") + lora.delta(updates[id(source)])
+            value = value.astype(target.dtype, copy=False)  # a frozen bfloat16 base's: float32
             if target._value is None:  # made without its initialiser: the run's value is its first
                 target._initialize_with_initializer(lambda shape, dtype, value=value: value)
                 target._initializer = None

@@ -16,7 +16,9 @@ pipelines give and to return float32 logits:
 
 The backbone is built in `train.precision`'s dtype policy, passed
 explicitly: `from_preset` replaces a preset's dtype with its `dtype`
-argument even when that is None.
+argument even when that is None. A LoRA run's base under bfloat16 compute
+is built in `bfloat16` (`lora.base_policy`): frozen, it needs no float32 copy;
+the factors stay float32, and the head computes float32 logits as before.
 
 Layout: the rules of the backbone's family (`models.families`), checked
 like any builder's; for a family without rules of its own, or with
@@ -52,8 +54,8 @@ from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
 _TOOLKIT_KEYS = {
-    "causal_lm": ("preset",) + lora.KEYS + ("quantize", "layout_map", "context_length",
-                                            "example_end_token"),
+    "causal_lm": ("preset",) + lora.KEYS + ("quantize", "quantize_block_size", "layout_map",
+                                            "context_length", "example_end_token"),
     "image_classifier": ("preset",) + lora.KEYS + ("layout_map", "num_classes"),
 }
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
@@ -71,7 +73,8 @@ def builder(task_name: str, kwargs: dict) -> Builder:
     own = set(inspect.signature(backbone_cls.__init__).parameters) - {"self", "kwargs", "dtype"}
     arguments = _TOOLKIT_KEYS[kind] + tuple(sorted(own))
     lora_settings(backbone_cls, kwargs)  # a one-line error before anything is built
-    quantized.check(kwargs.get("quantize", ""), kwargs.get("lora_rank", 0))
+    quantized.check(kwargs.get("quantize", ""), kwargs.get("lora_rank", 0),
+                    kwargs.get("quantize_block_size", 0))
     if kind == "causal_lm":
         vocabulary = backbone_config(backbone_cls, kwargs).get("vocabulary_size")
         metric, headline = ((bits_per_byte, "bits_per_byte") if vocabulary == 256
@@ -81,7 +84,7 @@ def builder(task_name: str, kwargs: dict) -> Builder:
         metric = lambda: keras.metrics.SparseCategoricalAccuracy(name="accuracy")
         headline, tokens_per_example = "accuracy", lambda kw: 0
     return Builder(
-        make=functools.partial(_make, task_cls, kind),
+        make=functools.partial(_make_in_base_policy, task_cls, kind),
         loss=token_mean_loss,
         metrics=lambda: [metric()], headline=headline, tokens_per_example=tokens_per_example,
         layout=functools.partial(_layout, backbone_cls),
@@ -160,10 +163,24 @@ def _kind(keras_hub, task_cls) -> str:
                     "build other tasks in your own code and give them tpu_keras.distributed_steps")
 
 
+def _make_in_base_policy(task_cls, kind, **kwargs):
+    """`_make` under Keras's global dtype policy set to the one the run's base is made in
+    (`lora.base_policy`: bfloat16 for a LoRA run's frozen base under bfloat16 compute), not
+    only given to the backbone: keras-hub 0.32's SmolLM3 layers take the global one."""
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(lora.base_policy(policy.name, kwargs.get("lora_rank", 0)))
+    try:
+        return _make(task_cls, kind, run_policy=policy.name, **kwargs)
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
 def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
-          lora_rslora=False, quantize="", layout_map="toolkit", context_length=128,
-          example_end_token=-1, num_classes=10, **backbone_kwargs):
-    """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits."""
+          lora_rslora=False, quantize="", quantize_block_size=0, layout_map="toolkit",
+          context_length=128, example_end_token=-1, num_classes=10, run_policy="",
+          **backbone_kwargs):
+    """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits.
+    `run_policy`: the run's dtype policy, where the global one is the base's (`_make_in_base_policy`)."""
     del layout_map  # the rules' business
     dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
     backbone_cls = task_cls.backbone_cls
@@ -171,12 +188,17 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
         # A preset the run writes from these arguments (`prepare_preset`), not written yet:
         # `plan` builds the architecture it will hold.
         preset = ""
+    targets = families.of_backbone(backbone_cls).lora_targets if quantize else ()
+    block = quantized.block_size(quantize, quantize_block_size)
     if preset:
         try:
             load = not hub_presets.is_kept(preset)  # a run's kept model: its checkpoint's weights
+            # A transformers checkpoint's projections are quantized as they are read.
+            quantizing = quantized.WhileLoading(quantize, targets, block) if quantize else None
             with host_placement.placed_from_host(loading=load):  # no whole weight on one device
                 backbone = hub_presets.load_backbone(backbone_cls, preset, dtype=dtype,
-                                                     load_weights=load, **backbone_kwargs)
+                                                     load_weights=load, quantizing=quantizing,
+                                                     **backbone_kwargs)
         except (OSError, ValueError, ConnectionError) as error:
             if not hub_presets.is_handle(preset):
                 raise
@@ -186,11 +208,14 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
     else:
         _check_architecture_given(task_cls, backbone_cls, backbone_kwargs)
         backbone = families.repaired(backbone_cls(dtype=dtype, **backbone_kwargs))
+    if run_policy and run_policy != dtype:  # a frozen bfloat16 base: the run's float32 logits
+        lora.float32_head(backbone)
     adapted = lora_settings(backbone_cls, dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
                                                lora_targets=lora_targets, lora_rslora=lora_rslora))
-    if quantize:  # the frozen base, quantized once its weights are in (models.quantized)
+    if quantize and not getattr(backbone, "_tpu_keras_quantized_while_loading", False):
+        # A keras-hub preset's or a new model's base, quantized once its weights are in.
         with host_placement.placed_from_host():
-            quantized.quantize_base(backbone, quantize, families.of_backbone(backbone_cls).lora_targets)
+            quantized.quantize_base(backbone, quantize, targets, block)
     if adapted:
         lora.attach(backbone, families.of_backbone(backbone_cls).lora_targets, adapted)
     name = task_cls.__name__.lower()
@@ -275,7 +300,9 @@ def _layout(backbone_cls, kwargs):
         return []  # replicated; on a mesh that splits weights, the Placer names what to cover
     made = rules + lora.factor_rules(rules, _adapted_targets(backbone_cls, kwargs))
     if kwargs.get("quantize"):
-        made += quantized.rules(rules, family.lora_targets if family else (), kwargs["quantize"])
+        made += quantized.rules(rules, family.lora_targets if family else (), kwargs["quantize"],
+                                quantized.block_size(kwargs["quantize"],
+                                                     kwargs.get("quantize_block_size", 0)))
     return made
 
 

@@ -89,19 +89,29 @@ def passed_through(preset: str) -> dict:
     return arguments
 
 
-def load_backbone(backbone_cls, preset: str, load_weights: bool = True, **kwargs):
+def load_backbone(backbone_cls, preset: str, load_weights: bool = True, quantizing=None, **kwargs):
     """`backbone_cls.from_preset(preset, load_weights, **kwargs)`; from a transformers folder,
     built from `describe`'s arguments (the keys keras-hub's converter leaves out passed
-    through, `kwargs` over them) and given the checkpoint's weights in their own precision."""
+    through, `kwargs` over them) and given the checkpoint's weights in their own precision.
+
+    `quantizing` (a `quantized.WhileLoading`): the projections quantized as they are read,
+    from a transformers folder; returns whether it was (a keras-hub preset's weights are
+    read whole, then quantized by the caller)."""
     loader = _loader(preset)
     converter = getattr(loader, "converter", None)
     if converter is None:
         return families.repaired(backbone_cls.from_preset(preset, load_weights=load_weights, **kwargs))
+    import keras
     from keras_hub.src.utils.preset_utils import jax_memory_cleanup
-    # keras-hub's TransformersPresetLoader.load_backbone builds cls(**{**converted, **kwargs}).
-    backbone = families.repaired(backbone_cls.from_preset(preset, load_weights=False,
-                                                          **{**passed_through(preset), **kwargs}))
+    quantizing = quantizing if load_weights else None
+    # Without values where the projections are quantized as read: their float kernels never get one.
+    with keras.StatelessScope(initialize_variables=False) if quantizing else contextlib.nullcontext():
+        # keras-hub's TransformersPresetLoader.load_backbone builds cls(**{**converted, **kwargs}).
+        backbone = families.repaired(backbone_cls.from_preset(preset, load_weights=False,
+                                                              **{**passed_through(preset), **kwargs}))
     if load_weights:
+        if quantizing:
+            quantizing.prepare(backbone)
         jax_memory_cleanup(backbone)
         family = families.of_model_type(loader.config.get("model_type"))
         renamed = family is not None and loader.config["model_type"] in family.converter_model_types
@@ -109,32 +119,76 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, **kwargs
         # keras-hub 0.32's Qwen 3.5 converter prints an audit of the names it read; under the
         # text model's names it would list every weight as not read.
         quiet = contextlib.redirect_stdout(io.StringIO()) if prefixes else contextlib.nullcontext()
-        with _exact_safetensors(preset, prefixes) as weights, quiet:
+        with _exact_safetensors(preset, prefixes, quantizing) as weights, quiet:
             converter.convert_weights(backbone, weights, loader.config)
+            if quantizing:
+                _check_all_read(preset, weights, quantizing)  # the files still open
+    backbone._tpu_keras_quantized_while_loading = bool(quantizing)
     return backbone
 
 
-def _exact_safetensors(preset, prefixes=None):
+def _exact_safetensors(preset, prefixes=None, quantizing=None):
     """keras-hub's safetensors reader, whose converter hooks see arrays that keep their dtype:
     keras-hub 0.32's Mistral converter casts every weight to float16 as it loads it
     (`hf_tensor.astype(np.float16)`), which put a float32 checkpoint's logits 8e-3 from
-    transformers'. `prefixes` ({the converter's: the checkpoint's}) rename what it asks for."""
+    transformers'. `prefixes` ({the converter's: the checkpoint's}) rename what it asks for;
+    `quantizing` (a `quantized.WhileLoading`) takes the projections' kernels."""
     from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
 
+    import safetensors
+
     class ExactSafetensors(SafetensorLoader):
+        read = set()  # the checkpoint's names read so far
+
         def get_tensor(self, hf_weight_key):
             for asked, written in (prefixes or {}).items():
                 if hf_weight_key.startswith(asked):
                     hf_weight_key = written + hf_weight_key[len(asked):]
-            return super().get_tensor(hf_weight_key)
+            try:
+                tensor = super().get_tensor(hf_weight_key)
+            except KeyError:
+                raise UserError(f"model.preset={preset!r} holds no tensor {hf_weight_key}, which "
+                                "keras-hub's converter reads for this model; point model.preset "
+                                "at a complete checkpoint of it") from None
+            except (safetensors.SafetensorError, OSError) as error:
+                raise UserError(f"model.preset={preset!r}: a weight file cannot be read "
+                                f"({first_line(error, 120)}); it is damaged or cut short: copy "
+                                "it again from its source") from None
+            self.read.add(hf_weight_key)
+            return tensor
 
         def port_weight(self, keras_variable, hf_weight_key, hook_fn=None):
             tensor = self.get_tensor(hf_weight_key)
             if hook_fn:
                 tensor = hook_fn(tensor.view(_KeepsPrecision), list(keras_variable.shape))
-            keras_variable.assign(np.asarray(tensor))
+            if quantizing is not None and quantizing.takes(keras_variable):
+                quantizing.quantize(keras_variable, np.asarray(tensor))
+            else:
+                keras_variable.assign(np.asarray(tensor))
 
     return ExactSafetensors(preset)
+
+
+# Tensors transformers writes that no model reads (older Llama checkpoints' rotary tables).
+_NEVER_READ = ("rotary_emb.inv_freq",)
+
+
+def _check_all_read(preset: str, weights, quantizing) -> None:
+    """A base quantized while it loads reads every tensor of its checkpoint: one that keras-hub's
+    converter never asked for is a weight of another model, which the quantized base would
+    silently lack."""
+    if quantizing.unread():
+        raise UserError(f"model.preset={preset!r}: keras-hub's converter never filled "
+                        f"{quantizing.unread()[0]}; point model.preset at a checkpoint of this model")
+    if weights.safetensor_config is not None:
+        names = set(weights.safetensor_config["weight_map"])
+    else:
+        names = {name for file in weights.safetensor_files.values() for name in file.keys()}
+    unknown = sorted(name for name in names - weights.read if not name.endswith(_NEVER_READ))
+    if unknown:
+        raise UserError(f"model.preset={preset!r} holds {len(unknown)} tensor(s) this model does "
+                        f"not have, such as {unknown[0]}; point model.preset at a checkpoint of "
+                        "this model's architecture (its config.json describes another)")
 
 
 class _KeepsPrecision(np.ndarray):

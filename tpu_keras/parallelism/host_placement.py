@@ -40,6 +40,7 @@ Keras is unchanged.
 # (optional: absent on a plain install; the tf engine runs without JAX); NumPy (start-up
 # time: not every caller needs it).
 import contextlib
+import inspect
 
 
 @contextlib.contextmanager
@@ -75,13 +76,34 @@ def _split_on_assign():
             value = _shards_of(value, variable._dtype, getattr(layout, "backend_layout", layout))
         return assign(variable, value)
 
+    initialize = variable_cls._initialize_with_initializer
+
+    def initialize_any(variable, initializer):
+        if inspect.isfunction(initializer):
+            initializer = _Callable(initializer)
+        return initialize(variable, initializer)
+
     variable_cls.assign = assign_from_host
+    variable_cls._initialize_with_initializer = initialize_any
     core.should_shard_at_init = lambda layout, shape: True
     try:
         yield
     finally:
         variable_cls.assign = assign
+        variable_cls._initialize_with_initializer = initialize
         core.should_shard_at_init = should_shard_at_init
+
+
+class _Callable:
+    """A function initializer as an object. Keras 3.15 splits a weight at init by jitting
+    `initializer.__call__`, which for a plain function is a method-wrapper jax.jit refuses
+    (`cannot create weak reference`): Dense's int4 `g_idx` under `model.quantize_block_size`."""
+
+    def __init__(self, function):
+        self._function = function
+
+    def __call__(self, shape, dtype=None, **kwargs):
+        return self._function(shape, dtype, **kwargs)
 
 
 def _shards_of(value, dtype, sharding):
