@@ -58,13 +58,7 @@ def write(folder: str, size: str = "0.85b", shard_mib: int = 500, seed: int = 0)
         yield "model.embed_tokens.weight", lambda: matrix(vocabulary, hidden)
         for i in range(layers):
             layer = f"model.layers.{i}."
-            shapes = {"self_attn.q_proj": (heads * head_dim, hidden),
-                      "self_attn.k_proj": (kv_heads * head_dim, hidden),
-                      "self_attn.v_proj": (kv_heads * head_dim, hidden),
-                      "self_attn.o_proj": (hidden, heads * head_dim),
-                      "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
-                      "mlp.down_proj": (hidden, intermediate)}
-            for name, shape in shapes.items():
+            for name, shape in projection_shapes(hidden, intermediate, heads, kv_heads, head_dim).items():
                 yield f"{layer}{name}.weight", lambda shape=shape: matrix(*shape)
             yield f"{layer}input_layernorm.weight", norm
             yield f"{layer}post_attention_layernorm.weight", norm
@@ -97,8 +91,19 @@ def _save_shard(save_file, folder, number, shard) -> list:
     return list(shard)
 
 
-def _write_tokenizer(folder) -> list[int]:
-    """A byte-level BPE: the 256 byte symbols, a few merges, Llama 3's special tokens last."""
+def projection_shapes(hidden, intermediate, heads, kv_heads, head_dim) -> dict:
+    """{transformers' name in a Llama-like block: [out, in] shape} of its projections."""
+    return {"self_attn.q_proj": (heads * head_dim, hidden),
+            "self_attn.k_proj": (kv_heads * head_dim, hidden),
+            "self_attn.v_proj": (kv_heads * head_dim, hidden),
+            "self_attn.o_proj": (hidden, heads * head_dim),
+            "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+            "mlp.down_proj": (hidden, intermediate)}
+
+
+def train_tokenizer(folder, special):
+    """A byte-level BPE, saved as FOLDER/tokenizer.json: the 256 byte symbols, a few merges
+    learnt from `TEXT`, the `special` tokens last."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -106,8 +111,14 @@ def _write_tokenizer(folder) -> list[int]:
     trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tokenizer.train_from_iterator(TEXT, trainer)
-    tokenizer.add_special_tokens(SPECIAL)
+    tokenizer.add_special_tokens(special)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    return tokenizer
+
+
+def _write_tokenizer(folder) -> list[int]:
+    """Llama 3's special tokens over `train_tokenizer`'s BPE; their ids."""
+    tokenizer = train_tokenizer(folder, SPECIAL)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as file:
         json.dump({"bos_token": SPECIAL[0], "eos_token": SPECIAL[1]}, file)
     return [tokenizer.token_to_id(token) for token in SPECIAL]

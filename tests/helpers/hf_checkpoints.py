@@ -16,8 +16,12 @@ checkpoints ship (Llama 3's `rms_norm_eps` of 1e-5, Gemma's tied head and
 
 import json
 import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import llama_checkpoint  # noqa: E402  (its BPE tokenizer and Llama block, shared)
 
 # The checkpoints of the tests: name -> (model_type, config keys over the family's own).
 # Those the tests only read and export have one layer (on a jax mesh each weight's first
@@ -58,8 +62,7 @@ FAMILY = {
     "mistral": {"rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False,
                 "hidden_act": "silu", "sliding_window": None},
 }
-TEXT = ["def main():\n    return 0\n", "import os\nprint(os.getcwd())\n",
-        "for i in range(10):\n    print(i * i)\n", "class A:\n    pass\n"] * 4
+TEXT = llama_checkpoint.TEXT
 
 
 def transformers_logits(folder, tokens, adapter=None):
@@ -119,12 +122,7 @@ def _write_weights(folder, config, seed, dtype):
         weights["lm_head.weight"] = matrix(vocabulary_size, HIDDEN)
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (HEADS * head_dim, HIDDEN),
-                  "self_attn.k_proj": (KV_HEADS * head_dim, HIDDEN),
-                  "self_attn.v_proj": (KV_HEADS * head_dim, HIDDEN),
-                  "self_attn.o_proj": (HIDDEN, HEADS * head_dim),
-                  "mlp.gate_proj": (INTERMEDIATE, HIDDEN), "mlp.up_proj": (INTERMEDIATE, HIDDEN),
-                  "mlp.down_proj": (HIDDEN, INTERMEDIATE)}
+        shapes = llama_checkpoint.projection_shapes(HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, head_dim)
         for name, shape in shapes.items():
             weights[f"{layer}{name}.weight"] = matrix(*shape)
             if family == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj",
@@ -138,17 +136,9 @@ def _write_weights(folder, config, seed, dtype):
 
 
 def _write_tokenizer(folder, family) -> tuple[int, list[int]]:
-    """A byte-level BPE: the 256 byte symbols, a few merges, the family's special tokens last."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(TEXT, trainer)
-    tokenizer.add_special_tokens(SPECIAL[family])
-    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    """The family's special tokens over a small byte-level BPE (`llama_checkpoint.train_tokenizer`)."""
     special = SPECIAL[family]
+    tokenizer = llama_checkpoint.train_tokenizer(folder, special)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as file:
         json.dump({"bos_token": None if family == "qwen2" else special[0],
                    "eos_token": special[0] if family == "qwen2" else special[1]}, file)

@@ -190,11 +190,11 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
         preset = ""
     targets = families.of_backbone(backbone_cls).lora_targets if quantize else ()
     block = quantized.block_size(quantize, quantize_block_size)
+    # A transformers checkpoint's projections are quantized as they are read.
+    quantizing = quantized.WhileLoading(quantize, targets, block) if quantize else None
     if preset:
         try:
             load = not hub_presets.is_kept(preset)  # a run's kept model: its checkpoint's weights
-            # A transformers checkpoint's projections are quantized as they are read.
-            quantizing = quantized.WhileLoading(quantize, targets, block) if quantize else None
             with host_placement.placed_from_host(loading=load):  # no whole weight on one device
                 backbone = hub_presets.load_backbone(backbone_cls, preset, dtype=dtype,
                                                      load_weights=load, quantizing=quantizing,
@@ -212,7 +212,7 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
         lora.float32_head(backbone)
     adapted = lora_settings(backbone_cls, dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
                                                lora_targets=lora_targets, lora_rslora=lora_rslora))
-    if quantize and not getattr(backbone, "_tpu_keras_quantized_while_loading", False):
+    if quantizing is not None and not quantizing.prepared:
         # A keras-hub preset's or a new model's base, quantized once its weights are in.
         with host_placement.placed_from_host():
             quantized.quantize_base(backbone, quantize, targets, block)

@@ -95,8 +95,8 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, quantizi
     through, `kwargs` over them) and given the checkpoint's weights in their own precision.
 
     `quantizing` (a `quantized.WhileLoading`): the projections quantized as they are read,
-    from a transformers folder; returns whether it was (a keras-hub preset's weights are
-    read whole, then quantized by the caller)."""
+    from a transformers folder (its `prepared` says so); a keras-hub preset's weights are
+    read whole, for the caller to quantize."""
     loader = _loader(preset)
     converter = getattr(loader, "converter", None)
     if converter is None:
@@ -123,7 +123,6 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, quantizi
             converter.convert_weights(backbone, weights, loader.config)
             if quantizing:
                 _check_all_read(preset, weights, quantizing)  # the files still open
-    backbone._tpu_keras_quantized_while_loading = bool(quantizing)
     return backbone
 
 
@@ -138,7 +137,9 @@ def _exact_safetensors(preset, prefixes=None, quantizing=None):
     import safetensors
 
     class ExactSafetensors(SafetensorLoader):
-        read = set()  # the checkpoint's names read so far
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.read = set()  # the checkpoint's names read so far
 
         def get_tensor(self, hf_weight_key):
             for asked, written in (prefixes or {}).items():

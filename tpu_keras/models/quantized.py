@@ -102,13 +102,21 @@ def quantize_base(backbone, mode: str, targets: Sequence, block: int = PER_FEATU
     check_block(layers, block)
     for layer in layers:
         if _has_values(layer):
-            layer.quantize(mode, config=_weights_only(mode, block))
+            _quantize(layer, mode, block)
         else:
             _quantized_shapes(layer, mode, block)
-        if mode == "int4":
-            _keep_the_kernel_packed(layer)
+            if mode == "int4":
+                _keep_the_kernel_packed(layer)
         done.append(layer)
     return done
+
+
+def _quantize(layer, mode: str, block: int) -> None:
+    """Keras's `layer.quantize` of the float kernel the layer holds, weight-only; an int4
+    layer then computes with the toolkit's product (`_keep_the_kernel_packed`)."""
+    layer.quantize(mode, config=_weights_only(mode, block))
+    if mode == "int4":
+        _keep_the_kernel_packed(layer)
 
 
 class WhileLoading:
@@ -123,6 +131,7 @@ class WhileLoading:
     def __init__(self, mode: str, targets: Sequence, block: int = PER_FEATURE):
         self.mode, self.targets, self.block = mode, targets, block
         self._pending = {}
+        self.prepared = False  # whether a backbone was read this way (`prepare`)
 
     def prepare(self, backbone) -> None:
         """Takes the projections' kernels out of Keras's variables to initialise, and
@@ -137,6 +146,7 @@ class WhileLoading:
         global_state.set_global_attribute(
             "uninitialized_variables", [v for v in waiting if id(v) not in self._pending])
         initialize_all_variables()
+        self.prepared = True
 
     def takes(self, variable) -> bool:
         """Whether `variable` is a projection's float kernel, which `quantize` fills."""
@@ -150,9 +160,7 @@ class WhileLoading:
         del layer._kernel  # the float kernel, never given a value
         object.__setattr__(layer, "_kernel", value)  # what Keras's quantize reads, in host memory
         layer._tracker.lock()
-        layer.quantize(self.mode, config=_weights_only(self.mode, self.block))
-        if self.mode == "int4":
-            _keep_the_kernel_packed(layer)
+        _quantize(layer, self.mode, self.block)
 
     def unread(self) -> list[str]:
         """The projections the checkpoint held no tensor for."""
