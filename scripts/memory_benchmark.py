@@ -7,8 +7,11 @@ Writes the checkpoint (`llama_checkpoint.py`: bfloat16 safetensors shards, as
 transformers' save_pretrained lays them out) unless one is given, then runs
 `python -m tpu_keras.train` twice, each in a process of its own, as a user
 would: `configs/finetune.py` with `model.preset` the checkpoint, LoRA of
-rank 4, 4 CPU devices split as fsdp=4, a batch of 4 x 64 tokens, one step,
-a checkpoint and the PEFT adapter written. The second run adds
+rank 4, 4 CPU devices split as fsdp=4, each transformer block recomputed
+in the backward pass (train.remat='blocks': no device keeps every block's
+gathered weights), the logits split over the vocabulary
+(layout.split_logits: no device gathers the output head), a batch of
+4 x 64 tokens, one step, a checkpoint and the PEFT adapter written. The second run adds
 `model.quantize=int8`. Each run's own `timings.json` gives its peak
 resident memory and the mark before its model was built (the libraries and
 the data pipeline); the difference is what the model cost the host. Prints
@@ -37,7 +40,8 @@ def lora_step(checkpoint: str, workdir: str, data: str, *extra: str) -> dict:
                f"--config.data.text.files={data}", f"--config.data.text.eval_files={data}",
                "--config.cluster.virtual_devices=4", "--config.mesh.model=1", "--config.mesh.fsdp=4",
                "--config.train.batch_size=4", "--config.model.context_length=64",
-               "--config.model.lora_rank=4", "--config.train.steps=1", "--config.log.every_steps=1",
+               "--config.model.lora_rank=4", "--config.train.remat=blocks", "--config.train.steps=1",
+               "--config.layout.split_logits=True", "--config.log.every_steps=1",
                "--config.checkpoint.every_steps=1", "--config.train.eval_every=1",
                "--config.train.eval_steps=1", "--config.export.formats=('peft',)", *extra]
     started = time.perf_counter()

@@ -191,9 +191,40 @@ def test_uncovered_large_weight_is_refused(refused):
 
 @pytest.mark.slow
 def test_remat_keeps_the_losses_and_lowers_xla_temporary_bytes(data_dir):
+    """'activations' on the gpt, 'blocks' on keras-hub's Llama: the same losses as without."""
     out = run_command([sys.executable, "tests/helpers/remat_probe.py", data_dir], timeout=400).stdout
-    runs = {r["remat"]: r for r in (json.loads(line[len("REMAT "):]) for line in out.splitlines()
-                                    if line.startswith("REMAT "))}
-    for step, (a, b) in enumerate(zip(runs["none"]["losses"], runs["activations"]["losses"])):
-        assert abs(a - b) <= 1e-5, (step, runs)
-    assert runs["activations"]["temp_bytes"] < runs["none"]["temp_bytes"], runs
+    runs = {(r["model"], r["remat"]): r for r in (json.loads(line[len("REMAT "):]) for line in out.splitlines()
+                                                  if line.startswith("REMAT "))}
+    for model, remat in (("gpt", "activations"), ("llama", "blocks")):
+        kept, recomputed = runs[model, "none"], runs[model, remat]
+        for step, (a, b) in enumerate(zip(kept["losses"], recomputed["losses"])):
+            assert abs(a - b) <= 1e-5, (model, step, runs)
+        assert recomputed["temp_bytes"] < kept["temp_bytes"], (model, runs)
+
+
+@pytest.mark.slow
+def test_logits_split_over_the_vocabulary_train_as_the_batch_split_ones(data_dir, tmp_path):
+    """layout.split_logits on 4 devices split as fsdp=4: the same losses, to float32's rounding
+    of the loss's sums taken in another order."""
+    logged = {}
+    for split in (False, True):
+        out = train("configs/llama_stdlib.py:tiny", tmp_path / str(split), "--config.engine=jax",
+                    f"--config.data.data_dir={data_dir}", "--config.cluster.virtual_devices=4",
+                    "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.layout.replicate_below=1024",
+                    f"--config.layout.split_logits={split}", "--config.export.formats=()").stdout
+        logged[split] = [float(x) for x in re.findall(r"step \d+/20 \|.*? loss ([\d.]+)", out)]
+    assert len(logged[False]) == 2 and len(logged[True]) == 2, logged
+    for a, b in zip(logged[False], logged[True]):
+        assert abs(a - b) <= 2e-3 * abs(a), logged
+
+
+@pytest.mark.slow
+def test_blocks_remat_trains_the_same_on_the_tf_engine(data_dir, tmp_path):
+    """'blocks' on tf, where `keras.remat` is tf.recompute_grad: the same logged losses."""
+    logged = {}
+    for remat in ("none", "blocks"):
+        out = train("configs/llama_stdlib.py:tiny", tmp_path / remat, "--config.engine=tf",
+                    f"--config.data.data_dir={data_dir}", f"--config.train.remat={remat}",
+                    "--config.export.formats=()").stdout
+        logged[remat] = re.findall(r"step \d+/20 \|.*? loss ([\d.]+)", out)
+    assert len(logged["none"]) == 2 and logged["blocks"] == logged["none"], logged

@@ -23,6 +23,10 @@ CPU = "--compiler=cpu"
 # above it by more than XLA's workspace would hide.
 UNDER_CPU = (0.55, 1.05)
 GPT = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
+# keras-hub's Llama over fsdp=8, its 4,096-element weights split too, 1 sequence per device.
+LLAMA_FSDP = ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--config.engine=jax",
+              "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.layout.replicate_below=4096",
+              "--config.train.batch_size=8", "--measure", CPU, "--json"]
 BAD_INPUTS = {
     "unknown-slice": (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
     "indivisible-batch": (["--tpu=v5p-64", "--config.train.batch_size=33"],
@@ -69,7 +73,7 @@ def plans():
 
 @pytest.fixture(scope="module")
 def measured():
-    """The four plans that XLA:CPU checks, on 8 fake devices, in one process: each call
+    """The plans that XLA:CPU checks, on 8 fake devices, in one process: each call
     after the first also shows that a plan leaves no mesh or dtype policy behind (the
     third call's optimizer slots would otherwise be placed by the first call's mesh)."""
     done = run_in_one_process("tpu_keras.plan", {
@@ -83,6 +87,14 @@ def measured():
                             "--config.model.width=512", "--config.model.num_heads=8",
                             "--config.model.context_length=512", "--config.data.tfds.name=stdlib_bytes/ctx512",
                             "--config.train.batch_size=8", "--measure", CPU, "--json"],
+        "llama_remat_none": LLAMA_FSDP + ["--config.train.remat=none"],
+        "llama_remat_blocks": LLAMA_FSDP + ["--config.train.remat=blocks"],
+        "llama_auto": ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", "--config.engine=jax",
+                       "--auto", "--json"],
+        # a vocabulary of 16,384 against 1,024 tokens a step: the head outweighs the hidden states
+        "llama_head_gathered": LLAMA_FSDP + ["--config.model.vocabulary_size=16384"],
+        "llama_logits_split": LLAMA_FSDP + ["--config.model.vocabulary_size=16384",
+                                            "--config.layout.split_logits=True"],
     }, timeout=600)
     for name, result in done.items():
         assert result.returncode == 0, (name, result.stderr[-2000:])
@@ -194,6 +206,32 @@ def test_pure_fsdp_gathers_weights_not_activations(measured):
     assert UNDER_CPU[0] <= result["per_device"]["total"] / measured["total"] <= UNDER_CPU[1], (result, measured)
     sent = result["sent_per_step"]["total"] / measured["sent_per_step"]["total"]
     assert abs(sent - 1) <= 0.05, (result["sent_per_step"], measured["sent_per_step"])
+
+
+@pytest.mark.slow
+def test_blocks_remat_keeps_each_blocks_input_alone_and_gathers_its_weights_again(measured, plans):
+    """train.remat='blocks' (models.block_remat) under fsdp: the compiled step keeps less, as
+    each block's activations and gathered weights are made again in the backward pass, and
+    so gathers the blocks' weights twice; the plan counts the block inputs alone."""
+    kept, remade = measured["llama_remat_none"], measured["llama_remat_blocks"]
+    assert remade["measured"]["temporaries"] < kept["measured"]["temporaries"], (kept, remade)
+    gathered = [run["measured"]["sent_per_step"]["all_gather"] for run in (kept, remade)]
+    assert gathered[1] >= 1.5 * gathered[0] > 0, gathered
+    assert remade["per_device"]["activations"] < 0.5 * kept["per_device"]["activations"], (kept, remade)
+    # --auto weighs it for a model with transformer blocks (keras-hub's), not for the gpt
+    assert {c["remat"] for c in measured["llama_auto"]["candidates"]} == {"none", "activations", "blocks"}
+    assert {c["remat"] for c in json.loads(plans["auto_json"].stdout)["candidates"]} == {"none", "activations"}
+
+
+@pytest.mark.slow
+def test_logits_split_over_the_vocabulary_gather_the_hidden_states_not_the_head(measured):
+    """layout.split_logits (models.vocabulary_split): each device multiplies the step's
+    gathered hidden states by its own slice of the head, so the step never holds the
+    whole head."""
+    gathered, split = (measured[name]["measured"] for name in ("llama_head_gathered", "llama_logits_split"))
+    assert split["temporaries"] < 0.7 * gathered["temporaries"], (gathered, split)
+    sent = [run["sent_per_step"]["all_gather"] for run in (gathered, split)]
+    assert sent[1] < sent[0], sent
 
 
 @pytest.mark.slow

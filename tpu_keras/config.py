@@ -23,11 +23,12 @@ from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.parallelism.rules import refuse_across_slices, rules_from_pairs
 
 NONFINITE_POLICIES = ("stop", "restore_and_skip")
-# keras.RematScope modes. 'activations': the outputs of activation functions (an
-# MLP's wide hidden layer, after GELU) are recomputed in the backward pass instead
-# of kept. Keras 3.15's 'full' mode fails on both engines for layers called with
-# keyword arguments (docs/design.md), so it is not offered.
-REMAT_MODES = ("none", "activations")
+# What the backward pass recomputes instead of keeping, cheapest first. 'activations' (a
+# keras.RematScope mode): the outputs of activation functions (an MLP's wide hidden layer,
+# after GELU). 'blocks' (models.block_remat): each transformer block whole, its fsdp-gathered
+# weights too. Keras 3.15's 'full' mode fails on both engines for layers called with keyword
+# arguments (docs/design.md), so it is not offered.
+REMAT_MODES = ("none", "activations", "blocks")
 # DIR/export/: the SavedModel, a keras-hub preset, a transformers folder, LoRA factors (keras-hub's
 # file, a PEFT adapter).
 EXPORT_FORMATS = ("saved_model", "keras_hub", "transformers", "lora", "peft")
@@ -63,7 +64,11 @@ def defaults() -> ml_collections.ConfigDict:
     # extra_rules: added to the builder's rules (or to `rules`), in the same form.
     # Weights this large (elements) must match a rule when mesh.model > 1, and are
     # split over fsdp when mesh.fsdp > 1.
-    config.layout = dict(rules=(), extra_rules=(), replicate_below=65_536)
+    # split_logits: under fsdp alone (mesh.model 1), a keras-hub causal LM's logits are
+    # computed split over the vocabulary: each device gathers the step's last hidden states,
+    # not the output head (models.vocabulary_split; for steps of fewer tokens than the
+    # vocabulary, as in fine-tuning).
+    config.layout = dict(rules=(), extra_rules=(), replicate_below=65_536, split_logits=False)
 
     # Where to run. strategy: auto | tpu | multi_worker | mirrored | one_device.
     config.cluster = dict(
@@ -146,7 +151,7 @@ def defaults() -> ml_collections.ConfigDict:
         steps_per_execution=0,  # steps per execution; 0: auto (TPU: the log interval, else 10)
         jit_compile=False,    # XLA on the tf engine; the jax engine and TPUs always compile
         precision="auto",     # 'float32' | 'mixed_bfloat16'; auto: bf16 on TPU, else float32
-        remat="none",         # 'activations': recompute activation outputs in the backward pass
+        remat="none",         # 'activations' | 'blocks': what the backward pass recomputes
         # A NaN/Inf loss: 'stop' (keep the last good checkpoint), or 'restore_and_skip'
         # (reload it and leave out the batch that diverged, at most max_nonfinite_skips times).
         on_nonfinite="stop",
@@ -224,6 +229,12 @@ def check(config: ml_collections.ConfigDict) -> None:
                 raise UserError(f"layout.{key} entry {rule!r} is not a (regex, axes) pair such as "
                                 "(r'dense\\d+/kernel', (None, 'model'))")
             refuse_across_slices(rules_from_pairs([rule])[0], mesh)
+    fsdp, model = config.mesh.get("fsdp", 1), config.mesh.get("model", 1)
+    if config.layout.split_logits and (fsdp == 1 or model != 1):
+        raise UserError(f"layout.split_logits splits a causal LM's logits over fsdp where fsdp alone "
+                        f"splits its output head, and this mesh has fsdp={fsdp}, model={model}: set "
+                        "mesh.fsdp above 1 and mesh.model=1, or leave layout.split_logits False (a "
+                        "model axis splits the head already)")
     for name in config.export.formats:
         if name not in EXPORT_FORMATS:
             raise UserError(f"export.formats has {name!r}, which is not one of {EXPORT_FORMATS}"

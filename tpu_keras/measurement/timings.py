@@ -24,7 +24,7 @@ prompts (its first call compiles the sampler; evaluation's sampling counts
 here too), and `rewards`, the reward functions scoring the completions.
 
 Beside the seconds, `peak_host_bytes` is the process's peak resident memory
-so far (the kernel's high-water mark, `ru_maxrss`): host memory is what
+so far (the kernel's high-water mark for this program): host memory is what
 limits loading a large model on a TPU VM, and a figure like the speed.
 `peak_host_bytes_before` gives the same mark as each phase first began:
 the peak less its value before `model` is what the model cost the host,
@@ -135,7 +135,16 @@ class RunTimings:
 
 
 def peak_host_bytes() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    """This process's peak resident memory so far, in bytes: Linux's `VmHWM`, which starts
+    anew with the program. `ru_maxrss` (elsewhere) is kept across `execve`, so a run started
+    by a larger process would report that process's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import families, hub_presets, lora, quantized, segments
+from tpu_keras.models import families, hub_presets, lora, quantized, segments, vocabulary_split
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import RESERVED, Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
@@ -234,7 +234,8 @@ def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA,
             logits = segments.ExamplesApart(task, example_end_token, name="examples_apart")(tokens)
         else:
             logits = task(segments.task_inputs(task, tokens))
-        return keras.Model(tokens, keras.ops.cast(logits, "float32"), name=name)
+        logits = vocabulary_split.split(keras.ops.cast(logits, "float32"), task, (name, "examples_apart"))
+        return keras.Model(tokens, logits, name=name)
     task = task_cls(backbone=backbone, num_classes=num_classes, preprocessor=None,
                     compile=False)
     images = keras.Input(backbone.input_shape[1:], name="images")

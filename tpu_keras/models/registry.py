@@ -25,6 +25,7 @@ from typing import Callable
 import keras
 
 from tpu_keras import parallelism
+from tpu_keras.models import block_remat
 from tpu_keras.errors import UserError, closest
 
 
@@ -127,11 +128,13 @@ def absolute_imports(names) -> tuple[str, ...]:
 
 
 def placer(model_config, layout_config, mesh: dict) -> parallelism.Placer:
-    """The `Placer` for this model on `mesh`: its rules, its ties, `layout.replicate_below`."""
+    """The `Placer` for this model on `mesh`: its rules, its ties, `layout.replicate_below`
+    and `layout.split_logits`."""
     builder, kwargs = get(model_config)
     return parallelism.Placer(_rules(builder, kwargs, layout_config), mesh,
                               layout_config.get("replicate_below", parallelism.REPLICATE_BELOW),
-                              ties=builder.ties(kwargs))
+                              ties=builder.ties(kwargs),
+                              split_logits=bool(layout_config.get("split_logits", False)))
 
 
 def _rules(builder, kwargs, layout_config):
@@ -144,21 +147,33 @@ def _rules(builder, kwargs, layout_config):
 def build(model_config, remat: str = "none") -> keras.Model:
     """Builds the model `model_config` names, under the current strategy scope or distribution.
 
-    `remat` ('none' or 'activations') is the `keras.RematScope` mode its
-    layers are made in: Keras fixes a layer's rematerialisation when the layer
-    is created. It only builds: laying the weights out and checking the
-    layout rules against them is the caller's (`tpu_keras.training.setup.build_model`).
+    `remat` is `train.remat` (`made_with_remat`). It only builds: laying the
+    weights out and checking the layout rules against them is the caller's
+    (`tpu_keras.training.setup.build_model`).
     """
     builder, kwargs = get(model_config)
     try:
-        with remat_scope(remat):
-            return builder.make(**kwargs)
+        return made_with_remat(lambda: builder.make(**kwargs), remat, model_config)
     except (TypeError, ValueError) as error:  # a model.* value the builder cannot use
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise UserError(f"model {dict(model_config).get('name')!r} cannot be built "
                         f"from model={kwargs} ({reason}); check the model.* values") from None
 
 
+def made_with_remat(make: Callable[[], keras.Model], remat: str, model_config) -> keras.Model:
+    """`make()` under `train.remat`: 'activations' is a `keras.RematScope` mode, which Keras
+    fixes when a layer is made; 'blocks' wraps each transformer block once it is made
+    (`models.block_remat`)."""
+    with remat_scope(remat):
+        model = make()
+    if remat == "blocks" and not block_remat.apply(model):
+        raise UserError(f"train.remat='blocks' recomputes each transformer block, and model "
+                        f"{dict(model_config).get('name')!r} has none the toolkit knows (a keras-hub "
+                        "backbone's transformer_layers); use train.remat='activations'")
+    return model
+
+
 def remat_scope(remat: str):
-    """The `keras.RematScope` for `train.remat` ('none' is Keras's None)."""
-    return keras.RematScope(mode=None if remat == "none" else remat)
+    """The `keras.RematScope` for `train.remat` (Keras's None for 'none' and for 'blocks',
+    which `made_with_remat` applies after the build)."""
+    return keras.RematScope(mode=remat if remat == "activations" else None)

@@ -55,6 +55,16 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
     def __init__(self, placer: Placer, **kwargs):
         super().__init__(**kwargs)
         self.placer = placer
+        self.vocabulary_outputs: set[str] = set()  # `models.vocabulary_split`'s, left to it
+
+    def vocabulary_layout(self) -> keras.distribution.TensorLayout | None:
+        """With `layout.split_logits` (`models.vocabulary_split`): logits split over the
+        vocabulary, across fsdp; else None."""
+        return _Layout((None, None, "fsdp"), self.device_mesh) if self.placer.split_logits else None
+
+    def free_outputs(self, paths) -> None:
+        """Leaves the outputs of the layers at `paths` to XLA: the logits' way to their split."""
+        self.vocabulary_outputs.update(f"{path}/output" for path in paths)
 
     def get_variable_layout(self, variable):
         placement = self.placer.place(variable.path, variable.shape, dtype_name(variable.dtype))
@@ -75,6 +85,8 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         it by the rules, so only the batch could be named; left to XLA.
         """
         mesh = self.placer.mesh
+        if path in self.vocabulary_outputs:
+            return None
         if path.endswith("/output") and mesh.get("fsdp", 1) > 1 and mesh.get("model", 1) == 1:
             return _Layout((BATCH_AXES,), self.device_mesh)
         return None

@@ -113,9 +113,12 @@ class Placer:
     """
 
     def __init__(self, rules: Sequence[Rule], mesh: dict[str, int],
-                 replicate_below: int = REPLICATE_BELOW, ties: Sequence["Tie"] = ()):
+                 replicate_below: int = REPLICATE_BELOW, ties: Sequence["Tie"] = (),
+                 split_logits: bool = False):
         self.rules, self.mesh, self.replicate_below = list(rules), dict(mesh), replicate_below
         self.ties = list(ties)
+        # layout.split_logits (models.vocabulary_split), where fsdp alone splits the head
+        self.split_logits = split_logits and self.mesh.get("fsdp", 1) > 1 and self.mesh.get("model", 1) == 1
         # Only a model axis makes an uncovered large weight a likely mistake (fsdp splits it).
         self._splits_weights = any(size > 1 for axis, size in self.mesh.items()
                                    if axis not in _BATCH_ONLY)

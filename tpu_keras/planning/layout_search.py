@@ -15,8 +15,8 @@ several slices (`--tpu=2xv5litepod-256`) every candidate is one slice's
 mesh, with data parallelism across the slices (weights never split across
 them), and a byte across slices costs what the data-center network makes
 it cost, not what the chip interconnect does. Without published bandwidth
-(v2, v3) the least bytes decide. Ties go to no rematerialisation (no
-recomputation), then to less memory. Meshes the layout rules cannot take (a dimension that does
+(v2, v3) the least bytes decide. Ties go to the least recomputation
+(no remat, then 'activations', then 'blocks'), then to less memory. Meshes the layout rules cannot take (a dimension that does
 not divide, a large weight no model rule covers) are listed as skipped,
 with the reason.
 """
@@ -54,7 +54,7 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         except UserError as error:
             skipped.append({"mesh": mesh, "reason": str(error)})
             continue
-        for remat in REMAT_MODES:
+        for remat in footprint.remat_modes:
             candidates.append(_candidate(footprint, found, slices, mesh, remat,
                                          update_batch // splits, usable))
     fitting = [c for c in candidates if c["fits"]]
@@ -175,7 +175,7 @@ def _preference(c: dict):
         return (float("inf"), float("inf"), 0, 0)
     seconds = c["network"]["seconds"]
     return (c["sent_per_step"]["total"] if seconds is None else seconds, c["sent_per_step"]["total"],
-            c["remat"] != "none", c["per_device"]["total"])
+            REMAT_MODES.index(c["remat"]), c["per_device"]["total"])
 
 
 def _layout(c: dict, slices: int) -> str:

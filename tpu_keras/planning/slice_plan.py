@@ -24,12 +24,13 @@ Nothing is allocated; it needs the jax extra. `--measure` checks the plan
 against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 """
 
-# Imported inside functions: Keras (the engine must be selected first: engine.select); JAX
-# (optional: absent on a plain install; the tf engine runs without JAX); NumPy (start-up
-# time: not every caller needs it).
+# Imported inside functions: Keras and the models that import it (the engine must be
+# selected first: engine.select); JAX (optional: absent on a plain install; the tf engine
+# runs without JAX); NumPy (start-up time: not every caller needs it).
 import functools
 
 from tpu_keras import data_section
+from tpu_keras.config import REMAT_MODES
 from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
@@ -58,6 +59,12 @@ class Footprint:
         self.builder, self.kwargs = models.registry.get(config.model)
         self.model, self.optimizer = layout_report.abstract_model(config)
 
+    @functools.cached_property
+    def remat_modes(self) -> tuple:
+        """The `train.remat` settings this model takes: 'blocks' where it has transformer blocks."""
+        from tpu_keras.models import block_remat
+        return tuple(m for m in REMAT_MODES if m != "blocks" or block_remat.blocks(self.model))
+
     @functools.lru_cache(maxsize=None)
     def activation_line(self, remat: str, mesh: tuple[int, int, int] = (1, 1, 1)) -> tuple[float, float]:
         """(constant, per example): the activation bytes per device at batch b are
@@ -78,14 +85,15 @@ class Footprint:
 
     @functools.lru_cache(maxsize=None)
     def _model_with(self, remat: str):
-        """The model built under `remat` (Keras fixes remat when a layer is made), no memory
+        """The model built under `remat` (`registry.made_with_remat`), no memory
         behind it. On the jax engine its attention is the TPU's fused kernel where a run on
         the slice routes it there (`models.splash_attention`), which keeps no scores."""
         import keras
         from tpu_keras import models
         from tpu_keras.models import splash_attention
-        with keras.StatelessScope(initialize_variables=False), models.registry.remat_scope(remat):
-            model = self.builder.make(**self.kwargs)
+        with keras.StatelessScope(initialize_variables=False):
+            model = models.registry.made_with_remat(lambda: self.builder.make(**self.kwargs), remat,
+                                                    self.config.model)
         if self.config.engine == "jax":
             splash_attention.route_layers(model, one_device=True)
         return model
