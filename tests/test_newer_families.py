@@ -1,11 +1,12 @@
 """The families people fine-tune now, each a checkpoint transformers' own save_pretrained writes
 with its tokenizer files (tests/helpers/hf_pretrained.py): Qwen 3, SmolLM3 (tied, one NoPE
-layer), Gemma 3's and Gemma 4's text models (five sliding-window layers, one global;
-SentencePiece; Gemma 4 with per-layer token embeddings), Qwen 3.5's (three Gated DeltaNet
-layers, one full). Their logits are transformers' own on one device and on a jax mesh, their
-exports round-trip, a LoRA on every projection is PEFT's, and what keras-hub cannot build is
-refused in one line. A module of its own: xdist's workers take whole modules, and these runs
-are as long as the older families' (tests/test_hub_transformers.py)."""
+layer), Gemma 3's and Gemma 4's text models (sliding-window layers and global ones;
+SentencePiece; Gemma 4 with per-layer token embeddings and layers that reuse earlier ones' keys
+and values), Qwen 3.5's (a Gated DeltaNet layer and a full attention one). Their logits are
+transformers' own on one device and on a jax mesh, their exports round-trip, a LoRA on every
+projection is PEFT's, and what keras-hub cannot build is refused in one line. A module of its
+own: xdist's workers take whole modules, and these runs are as long as the older families'
+(tests/test_hub_transformers.py)."""
 
 import json
 

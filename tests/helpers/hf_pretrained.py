@@ -34,31 +34,34 @@ CHECKPOINTS = {
                 {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "no_rope_layers": [1, 0],
                  "head_dim": HIDDEN // HEADS,  # SmolLM3Backbone has no head size of its own
                  "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0}}),
-    # Gemma 3's text model, 6 layers: five sliding (a window of 8) and one global, as it ships.
+    # Gemma 3's text model, 6 layers: five sliding (a window of 8) and one global, as it ships;
+    # Gemma3Backbone makes every sixth layer global, so fewer would hold none.
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "spm", ["<pad>", "<eos>", "<bos>", "<unk>"],
                     {"num_hidden_layers": 6, "sliding_window": 8, "rms_norm_eps": 1e-6,
                      "query_pre_attn_scalar": HEAD_DIM, "tie_word_embeddings": True}),
     # Gemma 4's text model as its small sizes (E2B, E4B) ship: sliding and global layers (the
     # global ones with heads of their own size and partial rotary positions), per-layer token
-    # embeddings, and the last layers reusing earlier layers' keys and values.
+    # embeddings, and the last layers reusing earlier layers' keys and values. Four layers, the
+    # fewest that hold each: a sliding and a global one, then one of each reusing its kind's.
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", "spm", ["<pad>", "<eos>", "<bos>", "<unk>"],
-                    {"num_hidden_layers": 6, "sliding_window": 8, "rms_norm_eps": 1e-6,
-                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                    {"num_hidden_layers": 4, "sliding_window": 8, "rms_norm_eps": 1e-6,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2,
                      "num_kv_shared_layers": 2,
                      "global_head_dim": 2 * HEAD_DIM, "hidden_size_per_layer_input": 8,
                      "vocab_size_per_layer_input": "vocab_size", "tie_word_embeddings": True}),
-    # Qwen 3.5's text model as it ships: three Gated DeltaNet (linear attention) layers to one
-    # full attention layer, the latter with an output gate and a quarter of its head rotated.
+    # Qwen 3.5's text model: a Gated DeltaNet (linear attention) layer and a full attention one,
+    # the latter with an output gate and a quarter of its head rotated (released sizes have
+    # three of the former to one of the latter; two layers are the fewest that hold both).
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "bpe",  # its tokenizer's vision tokens too
                      ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                       "<|image_pad|>", "<|video_pad|>"],
-                     {"num_hidden_layers": 4, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                     {"num_hidden_layers": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                       # keys of 32 features: with 8, keys were so alike that float32's own rounding
                       # in the chunked rule reached 7e-5 of the logits (transformers in float32
                       # against itself in float64); released sizes have 128
                       "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
                       "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-                      "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
+                      "layer_types": ["linear_attention", "full_attention"]}),
 }
 TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM",
          "gemma4_text": "Gemma4CausalLM", "qwen3_5_text": "Qwen3_5CausalLM"}

@@ -5,7 +5,7 @@
 The gpt builder (learned positions, which restart per example) and keras-hub's
 Llama 3, Qwen 3, SmolLM3, Gemma 3 and 4 (rotary positions; SmolLM3 leaves them
 out of every other layer, Gemma 3 and 4 have sliding-window layers) and Qwen 3.5
-(three Gated DeltaNet layers, `tpu_keras.models.gated_delta_net`, in chunks of
+(a Gated DeltaNet layer, `tpu_keras.models.gated_delta_net`, in chunks of
 8 tokens here so that examples cross chunks), each built as a run builds it with
 `model.example_end_token=0` (tf: one device; jax: a mesh of data 2 x model 2
 on 4 devices), read two rows of three whole examples each, every one ending
@@ -57,15 +57,16 @@ MODELS = {
                    num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=48,
                    head_dim=8, use_post_ffw_norm=True, use_post_attention_norm=True,
                    use_sliding_window_attention=True, sliding_window_size=6, context_length=LENGTH),
-    # Gemma 3's pattern, global heads of their own size, per-layer token embeddings, positions
-    # as an input
-    "gemma4": dict(name="keras_hub:Gemma4CausalLM", vocabulary_size=64, image_size=None, num_layers=6,
+    # a sliding layer and a global one (Gemma3Backbone's pattern needs six; Gemma 4 takes
+    # layer_types), global heads of their own size, per-layer token embeddings, positions as an input
+    "gemma4": dict(name="keras_hub:Gemma4CausalLM", vocabulary_size=64, image_size=None, num_layers=2,
+                   layer_types=["sliding_attention", "full_attention"],
                    num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=48,
                    head_dim=8, global_head_dim=16, sliding_window_size=6, hidden_size_per_layer_input=4,
                    global_rope_partial_rotary_factor=0.25, context_length=LENGTH),
-    # three Gated DeltaNet layers (2 key heads repeated to 4 value heads), then full attention
-    "qwen3_5": dict(name="keras_hub:Qwen3_5CausalLM", vocabulary_size=64, num_layers=4,
-                    layer_types=["linear_attention"] * 3 + ["full_attention"], num_query_heads=4,
+    # a Gated DeltaNet layer (2 key heads repeated to 4 value heads), then full attention
+    "qwen3_5": dict(name="keras_hub:Qwen3_5CausalLM", vocabulary_size=64, num_layers=2,
+                    layer_types=["linear_attention", "full_attention"], num_query_heads=4,
                     num_key_value_heads=2, head_dim=8, hidden_dim=32, intermediate_dim=48,
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                     linear_value_head_dim=8, linear_conv_kernel_dim=4, context_length=LENGTH),

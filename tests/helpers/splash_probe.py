@@ -133,14 +133,15 @@ figures = {
     "llama": compare(keras_hub.models.LlamaBackbone(num_layers=2, **SMALL)),
     "qwen3": compare(keras_hub.models.Qwen3Backbone(num_layers=2, head_dim=16, **SMALL)),
     "gemma3": compare(gemma3),
-    # five sliding layers, one global with heads of its own size and partial rotary positions
+    # a sliding layer, a global one with heads of its own size and partial rotary positions
+    # (Gemma 3's six are its backbone's fixed pattern; Gemma 4 takes layer_types)
     "gemma4": compare(keras_hub.models.Gemma4Backbone(
-        image_size=None, num_layers=6, head_dim=16, global_head_dim=32, sliding_window_size=window,
-        global_rope_partial_rotary_factor=0.25, **SMALL)),
-    # three Gated DeltaNet layers (the toolkit's rule, as a run computes them), one gated full
+        image_size=None, num_layers=2, layer_types=["sliding_attention", "full_attention"], head_dim=16,
+        global_head_dim=32, sliding_window_size=window, global_rope_partial_rotary_factor=0.25, **SMALL)),
+    # a Gated DeltaNet layer (the toolkit's rule, as a run computes it), one gated full
     # attention layer with a quarter of each head rotated
     "qwen3_5": compare(segments_routed(keras_hub.models.Qwen3_5Backbone(
-        num_layers=4, head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_layers=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
         sliding_window_size=None, **SMALL))),
 }
