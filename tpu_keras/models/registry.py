@@ -25,8 +25,8 @@ from typing import Callable
 import keras
 
 from tpu_keras import parallelism
-from tpu_keras.models import block_remat
 from tpu_keras.errors import UserError, closest
+from tpu_keras.models import block_remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,16 +164,11 @@ def made_with_remat(make: Callable[[], keras.Model], remat: str, model_config) -
     """`make()` under `train.remat`: 'activations' is a `keras.RematScope` mode, which Keras
     fixes when a layer is made; 'blocks' wraps each transformer block once it is made
     (`models.block_remat`)."""
-    with remat_scope(remat):
+    # Keras's None for 'none' and for 'blocks', which is applied below
+    with keras.RematScope(mode=remat if remat == "activations" else None):
         model = make()
     if remat == "blocks" and not block_remat.apply(model):
         raise UserError(f"train.remat='blocks' recomputes each transformer block, and model "
                         f"{dict(model_config).get('name')!r} has none the toolkit knows (a keras-hub "
                         "backbone's transformer_layers); use train.remat='activations'")
     return model
-
-
-def remat_scope(remat: str):
-    """The `keras.RematScope` for `train.remat` (Keras's None for 'none' and for 'blocks',
-    which `made_with_remat` applies after the build)."""
-    return keras.RematScope(mode=remat if remat == "activations" else None)
