@@ -1,6 +1,7 @@
 """A base quantized as it is read (tests/helpers/quantize_probe.py): the same logits as one
-quantized once loaded, int4 in groups, and the bad input of a quantized base; and what
-quantizing costs a trained model (scripts/quantization_quality.py)."""
+quantized once loaded, int4 in groups, and the bad input of a quantized base; read by two
+hosts, each its share (tests/helpers/host_share_probe.py); and what quantizing costs a
+trained model (scripts/quantization_quality.py)."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import run_command, train
 
-pytestmark = pytest.mark.slow  # keras-hub: a 2 x 2 mesh and nine models; a run and four more
+pytestmark = pytest.mark.slow  # keras-hub: a 2 x 2 mesh and nine models; two hosts; a run and four more
 
 
 def test_quantized_while_read_equals_quantized_once_loaded_and_bad_input_is_one_line(tmp_path):
@@ -40,6 +41,60 @@ def test_quantized_while_read_equals_quantized_once_loaded_and_bad_input_is_one_
     assert "cut short" in result["truncated_error"], result
     for key in ("block_error", "lacking_error", "extra_error", "truncated_error"):
         assert "\n" not in result[key], result[key]
+
+
+def test_two_hosts_each_read_their_share_of_the_projections_and_build_the_same_base(tmp_path):
+    """A simulated 2-host launch quantizes while reading with each projection read by one host
+    (counted by the loader's log line): each host reads at most half of the projections' bytes
+    plus one tensor, and every weight, and the logits, equal one process's."""
+    checkpoint = tmp_path / "transformers"
+    run_command([sys.executable, "scripts/llama_checkpoint.py", "--size=tiny", "--shard_mib=4",
+                 str(checkpoint)])
+    cases = ["int8/0", "int4/-1", "int4/64"]
+    probe = [sys.executable, "tests/helpers/host_share_probe.py", str(checkpoint), *cases]
+    one = probed(run_command(probe, timeout=300).stdout)
+    launched = run_command([sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--devices_per_host=2",
+                            "--timeout=300", "--", *probe], timeout=400).stdout
+    two = probed(launched)
+    assert sorted(one) == sorted((case, 0) for case in cases), sorted(one)
+    assert sorted(two) == sorted((case, host) for case in cases for host in (0, 1)), sorted(two)
+    for (case, host), got in two.items():
+        expected = one[case, 0]
+        differ = [path for path, digest in expected["digests"].items() if got["digests"][path] != digest]
+        assert not differ and got["digests"].keys() == expected["digests"].keys(), (case, host, differ)
+        assert got["logits"] == expected["logits"], (case, host)
+    sizes = projection_bytes(checkpoint)
+    reads = re.findall(r"\[host (\d)\] .*base: host \d of 2 read and quantized (\d+) of (\d+) "
+                       r"projections \(([\d,]+) bytes\)", launched)
+    assert len(reads) == 2 * len(cases), launched[-3000:]
+    for case in range(len(cases)):
+        both = reads[2 * case:2 * case + 2]
+        assert {host for host, *_ in both} == {"0", "1"}, both
+        assert sum(int(count) for _, count, _, _ in both) == len(sizes) == int(both[0][2]), both
+        assert sum(int(read.replace(",", "")) for *_, read in both) == sum(sizes), both
+        for *_, read in both:
+            assert int(read.replace(",", "")) <= sum(sizes) / 2 + max(sizes), (both, sum(sizes), max(sizes))
+
+
+def probed(output: str) -> dict:
+    """{(case, host): the probe's report} from tests/helpers/host_share_probe.py's output."""
+    reports = [json.loads(line.split("PROBE ", 1)[1]) for line in output.splitlines() if "PROBE {" in line]
+    return {(report["case"], report["host"]): report for report in reports}
+
+
+def projection_bytes(checkpoint) -> list:
+    """The bytes of each attention and MLP projection in a Llama transformers checkpoint, from
+    its safetensors headers."""
+    from safetensors import safe_open
+    sizes = []
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(shard), "np") as file:
+            for name in file.keys():
+                if re.search(r"\.(q|k|v|o|gate|up|down)_proj\.weight$", name):
+                    tensor = file.get_slice(name)
+                    sizes.append(math.prod(tensor.get_shape()) * 2)  # bfloat16
+                    assert tensor.get_dtype() == "BF16", name
+    return sizes
 
 
 def test_quantization_quality_measures_the_runs_own_loss_and_each_quantized_base(tmp_path, data_dir):

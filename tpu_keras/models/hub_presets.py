@@ -23,6 +23,7 @@ import json
 import os
 import re
 
+from absl import logging
 import numpy as np
 
 from tpu_keras import workdir
@@ -123,6 +124,7 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, quantizi
             converter.convert_weights(backbone, weights, loader.config)
             if quantizing:
                 _check_all_read(preset, weights, quantizing)  # the files still open
+                logging.info("%s", quantizing.report())
     return backbone
 
 
@@ -136,15 +138,19 @@ def _exact_safetensors(preset, prefixes=None, quantizing=None):
 
     import safetensors
 
+    def written_as(hf_weight_key):
+        for asked, written in (prefixes or {}).items():
+            if hf_weight_key.startswith(asked):
+                return written + hf_weight_key[len(asked):]
+        return hf_weight_key
+
     class ExactSafetensors(SafetensorLoader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.read = set()  # the checkpoint's names read so far
 
         def get_tensor(self, hf_weight_key):
-            for asked, written in (prefixes or {}).items():
-                if hf_weight_key.startswith(asked):
-                    hf_weight_key = written + hf_weight_key[len(asked):]
+            hf_weight_key = written_as(hf_weight_key)
             try:
                 tensor = super().get_tensor(hf_weight_key)
             except KeyError:
@@ -159,6 +165,11 @@ def _exact_safetensors(preset, prefixes=None, quantizing=None):
             return tensor
 
         def port_weight(self, keras_variable, hf_weight_key, hook_fn=None):
+            if quantizing is not None and quantizing.takes(keras_variable):
+                if not quantizing.reads(keras_variable):  # another host reads it
+                    self.read.add(written_as(hf_weight_key))
+                    quantizing.quantize(keras_variable, None)
+                    return
             tensor = self.get_tensor(hf_weight_key)
             if hook_fn:
                 tensor = hook_fn(tensor.view(_KeepsPrecision), list(keras_variable.shape))

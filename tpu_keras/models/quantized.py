@@ -33,6 +33,7 @@ each device holds those of its own slice.
 """
 
 # Imported inside functions: JAX (optional: the jax engine's alone, which `check` demands).
+import contextlib
 import math
 from typing import Sequence
 
@@ -105,8 +106,6 @@ def quantize_base(backbone, mode: str, targets: Sequence, block: int = PER_FEATU
             _quantize(layer, mode, block)
         else:
             _quantized_shapes(layer, mode, block)
-            if mode == "int4":
-                _keep_the_kernel_packed(layer)
         done.append(layer)
     return done
 
@@ -114,9 +113,10 @@ def quantize_base(backbone, mode: str, targets: Sequence, block: int = PER_FEATU
 def _quantize(layer, mode: str, block: int) -> None:
     """Keras's `layer.quantize` of the float kernel the layer holds, weight-only; an int4
     layer then computes with the toolkit's product (`_keep_the_kernel_packed`)."""
+    shape = tuple(layer._kernel.shape)
     layer.quantize(mode, config=_weights_only(mode, block))
     if mode == "int4":
-        _keep_the_kernel_packed(layer)
+        _keep_the_kernel_packed(layer, shape)
 
 
 class WhileLoading:
@@ -126,22 +126,33 @@ class WhileLoading:
     placed as shards: the float model never exists, on the host or on the devices.
 
     Keras's own `layer.quantize` does the quantizing, on a float kernel of the variable's
-    dtype as the loaded model would hold it: the same values as quantizing after loading."""
+    dtype as the loaded model would hold it: the same values as quantizing after loading.
+
+    In a run of several processes (hosts) each projection is read by one of them (`reads`:
+    the one that has read the fewest elements so far, so that none reads more than its share
+    of the projections plus one tensor) and quantized there; its quantized variables reach
+    the other hosts' devices as their shards (`host_placement.from_one_host`). The other
+    weights (embeddings, norms, the head) every host reads."""
 
     def __init__(self, mode: str, targets: Sequence, block: int = PER_FEATURE):
         self.mode, self.targets, self.block = mode, targets, block
-        self._pending = {}
+        self._pending, self._owners = {}, {}
+        self._hosts, self._host, self._loads = 1, 0, [0]
+        self.read_bytes = self.read_count = self.total_count = 0
         self.prepared = False  # whether a backbone was read this way (`prepare`)
 
     def prepare(self, backbone) -> None:
         """Takes the projections' kernels out of Keras's variables to initialise, and
         initialises the rest (within `host_placement.placed_from_host(loading=True)`: zeros,
         as shards, until loaded)."""
+        import jax
         from keras.src.backend.common import global_state
         from keras.src.backend.common.variables import initialize_all_variables
         layers = projections(backbone, self.targets)
         check_block(layers, self.block)
         self._pending = {id(layer._kernel): layer for layer in layers}
+        self._hosts, self._host = jax.process_count(), jax.process_index()
+        self._loads = [0] * self._hosts
         waiting = global_state.get_global_attribute("uninitialized_variables", [])
         global_state.set_global_attribute(
             "uninitialized_variables", [v for v in waiting if id(v) not in self._pending])
@@ -152,19 +163,92 @@ class WhileLoading:
         """Whether `variable` is a projection's float kernel, which `quantize` fills."""
         return id(variable) in self._pending
 
-    def quantize(self, variable, value: np.ndarray) -> None:
-        """Quantizes the checkpoint's `value` of the float kernel `variable` into its layer."""
+    def reads(self, variable) -> bool:
+        """Whether this host reads the checkpoint's tensor of the projection `variable` (asked
+        once per projection, in the same order on every host)."""
+        owner = min(range(self._hosts), key=self._loads.__getitem__)
+        self._loads[owner] += math.prod(variable.shape)
+        self._owners[id(variable)] = owner
+        self.total_count += 1
+        return owner == self._host
+
+    def quantize(self, variable, value) -> None:
+        """Quantizes the checkpoint's `value` of the float kernel `variable` into its layer;
+        `value` is None where another host reads it (`reads`)."""
         layer = self._pending.pop(id(variable))
-        value = np.asarray(value, dtype=variable.dtype)  # as the variable would have held it
-        layer._tracker.unlock()
-        del layer._kernel  # the float kernel, never given a value
-        object.__setattr__(layer, "_kernel", value)  # what Keras's quantize reads, in host memory
-        layer._tracker.lock()
-        _quantize(layer, self.mode, self.block)
+        if value is not None:
+            self.read_bytes += np.asarray(value).nbytes  # in the checkpoint's dtype
+            self.read_count += 1
+            value = np.asarray(value, dtype=variable.dtype)  # as the variable would have held it
+        if self._hosts == 1:
+            _drop_float_kernel(layer, value)
+            _quantize(layer, self.mode, self.block)
+            return
+        owner = self._owners.pop(id(variable))
+        caught = {}
+        if value is not None:
+            _drop_float_kernel(layer, value)
+            with _assignments_caught(caught):
+                _quantize(layer, self.mode, self.block)
+        else:
+            _quantized_shapes(layer, self.mode, self.block)
+        from tpu_keras.parallelism import host_placement
+        for name in _assigned(self.mode, self.block):
+            quantized = getattr(layer, name)
+            value = caught.pop(id(quantized)) if caught else None
+            quantized.assign(host_placement.from_one_host(value, owner, quantized))
+        assert not caught, f"{layer.path}: Keras assigned {len(caught)} variable(s) more"
 
     def unread(self) -> list[str]:
         """The projections the checkpoint held no tensor for."""
         return [layer.path for layer in self._pending.values()]
+
+    def report(self) -> str:
+        """What this host read of the projections, for the log."""
+        read = f"{self.read_count} of {self.total_count} projections ({self.read_bytes:,} bytes)"
+        if self._hosts == 1:
+            return f"{self.mode} base: {read} quantized as they were read"
+        return (f"{self.mode} base: host {self._host} of {self._hosts} read and quantized {read}; "
+                "the other hosts' reached its devices as shards")
+
+
+def _drop_float_kernel(layer, value) -> None:
+    """The layer's float kernel (a variable never given a value) replaced by `value` in host
+    memory, what Keras's quantize reads; None once another host reads it. Without Keras's
+    `Layer.__delattr__`, which collects garbage for every variable it drops (0.3 s each
+    with a large model in memory)."""
+    layer._tracker.unlock()
+    layer._untrack_variable(layer._kernel)
+    object.__delattr__(layer, "_kernel")
+    object.__setattr__(layer, "_kernel", value)
+    layer._tracker.lock()
+
+
+def _assigned(mode: str, block: int) -> tuple:
+    """The variables Keras 3.15's `quantize` assigns, in order: the rest it initialises."""
+    grouped = mode == "int4" and block != PER_FEATURE
+    return ("_kernel", "kernel_scale") + (("kernel_zero",) if grouped else ())
+
+
+@contextlib.contextmanager
+def _assignments_caught(caught: dict):
+    """Within: a value assigned to a variable named as a quantized kernel's are (`_assigned`)
+    is kept in `caught` ({id(variable): value}), the variable left as it is; the rest (int4's
+    group of each input feature, which every host computes) are assigned."""
+    from keras.src.backend.jax import core
+    assign = core.JaxVariable.assign
+    names = {"kernel", "kernel_scale", "kernel_zero"}
+
+    def catch(variable, value):
+        if variable.name not in names:
+            return assign(variable, value)
+        caught[id(variable)] = np.asarray(value)
+
+    core.JaxVariable.assign = catch
+    try:
+        yield
+    finally:
+        core.JaxVariable.assign = assign
 
 
 def projections(backbone, targets: Sequence) -> list:
@@ -207,7 +291,7 @@ def check_block(layers: Sequence, block: int) -> None:
                     f"input features of {misfit}; set model.quantize_block_size={suggestion}")
 
 
-def _keep_the_kernel_packed(layer) -> None:
+def _keep_the_kernel_packed(layer, shape: tuple) -> None:
     """The layer's int4 product, in place of Keras 3.15's `_int4_call`, whose backward pass
     keeps each layer's unpacked kernel (a byte per weight) from the forward pass until
     it is used: for a whole model that is a second base in memory (the 8B Llama of
@@ -329,15 +413,18 @@ def _has_values(layer) -> bool:
 
 def _quantized_shapes(layer, mode: str, block: int = PER_FEATURE) -> None:
     """What `layer.quantize` leaves behind, without the values: the quantized variables and
-    the quantized dtype policy (`plan` compiles for their shapes)."""
+    the quantized dtype policy (`plan` compiles for their shapes; a host fills them with what
+    another read, `WhileLoading`)."""
     config = _weights_only(mode, block)
     shape = tuple(layer._kernel.shape)
     if isinstance(layer, keras.layers.EinsumDense):
         layer._set_quantization_info()
+    _drop_float_kernel(layer, None)
     layer._tracker.unlock()
-    del layer._kernel
     layer.quantized_build(shape, mode, config)
     layer._tracker.lock()
     layer.quantization_config = config
     policy = "int8" if mode == "int8" else f"int4/{block}"
     layer.dtype_policy = keras.dtype_policies.get(f"{policy}_from_{layer.dtype_policy.name}")
+    if mode == "int4":
+        _keep_the_kernel_packed(layer, shape)

@@ -149,3 +149,48 @@ def _zeros(shape, dtype, layout):
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return _shards_of(np.broadcast_to(np.zeros((), jnp.dtype(dtype)), tuple(shape)), dtype, sharding)
+
+
+def from_one_host(value, owner: int, variable):
+    """The value of `variable` that process `owner` alone holds in host memory (`value`; None
+    on every other process), laid out as the variable is on every process's devices: a
+    weight read by one host of a multi-host run (`models.quantized.WhileLoading`).
+
+    Each process contributes a row of an array split over the processes (the owner's value,
+    the others' zeros, broadcast from one zero: no host memory), and one program picks the
+    owner's row into the variable's layout: the compiler sends each device its slice. A
+    device holds one whole value while it runs, as `placed_from_host` allows."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    shape, dtype = tuple(variable.shape), jax.numpy.dtype(variable.dtype)
+    layout = getattr(variable, "_layout", None)
+    sharding = getattr(layout, "backend_layout", layout)
+    hosts = jax.process_count()
+    by_host = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(hosts, -1)
+    if sharding is None:
+        sharding = NamedSharding(Mesh(by_host, ("hosts", "local")), PartitionSpec())
+    if set(sharding.device_set) != set(by_host.flat):
+        raise ValueError(f"{variable.path} is laid out on {len(sharding.device_set)} of the "
+                         f"{by_host.size} devices; a weight read by one host is placed on all")
+    if value is None:
+        row = np.broadcast_to(np.zeros((), dtype), (1, *shape))
+    else:
+        row = np.asarray(value, dtype=dtype).reshape((1, *shape))
+    rows = jax.make_array_from_callback(
+        (hosts, *shape), NamedSharding(Mesh(by_host, ("hosts", "local")), PartitionSpec("hosts")),
+        lambda index: row[(slice(None),) + tuple(index[1:])])
+    return _row_picker(owner, sharding)(rows)
+
+
+_PICKERS = {}
+
+
+def _row_picker(owner: int, sharding):
+    """A program that takes row `owner` of its argument, laid out by `sharding` (one per pair:
+    JAX compiles it once per shape)."""
+    import jax
+    key = (owner, sharding)
+    if key not in _PICKERS:
+        _PICKERS[key] = jax.jit(lambda rows: rows[owner], out_shardings=sharding)
+    return _PICKERS[key]
