@@ -1,18 +1,23 @@
 """GRPO, offline: a small Llama learns to complete sums ('17+25=') that a program checks.
 
+    python -m tpu_keras.train --config=configs/grpo_stdlib.py:sft --workdir=/tmp/arithmetic_sft
     python -m tpu_keras.train --config=configs/grpo_stdlib.py --workdir=/tmp/grpo
     python -m tpu_keras.train --config=configs/grpo_stdlib.py:tiny --workdir=/tmp/grpo_tiny
+
+The first command is the warm start, and it comes first: both GRPO runs read
+its preset from the folder beside their own workdir
+(`{workdir}/../arithmetic_sft/export/keras_hub`), ':tiny' too.
 
 Needs the 'hub' and 'jax' extras. The prompts are generated
 (tpu_keras.data.arithmetic writes them under data.data_dir on first use), each
 line a prompt and its `answer`; two reward functions of
-configs/arithmetic_rewards.py score each completion: `digits` (the share of
-its characters that are digits) and `correct` (1 for the sum itself). The
-model is llama_stdlib's byte-level Llama, a LoRA fine-tune of a preset: here
-a freshly initialised one the run writes to DIR/base_preset, an offline
-stand-in for a downloaded checkpoint (point model.preset at a real one; with
-beta above 0 its base is the reference, with no second copy). The mesh
-splits the weights over fsdp x model, on 4 CPU devices here.
+configs/arithmetic_rewards.py score each completion: `correct` (1 for the sum
+itself) and `close` (partial credit for a near miss). The model is
+llama_stdlib's byte-level Llama: ':sft' trains it from scratch on the sums with
+their answers written out (the warm start), and GRPO trains a LoRA of that
+preset, an offline stand-in for a downloaded checkpoint (point model.preset at
+a real one; with beta above 0 its base is the reference, with no second
+copy). The mesh splits the weights over fsdp x model, on 4 CPU devices here.
 
 The log gives the mean reward and each function's, and evaluation the same
 over the validation prompts with one fixed random stream; docs/fine_tuning.md

@@ -44,6 +44,7 @@ _TYPE_CHECKS = [True]  # off only inside `without_type_checks()`
 def defaults() -> ml_collections.ConfigDict:
     """The full schema. Each config file overrides what it needs."""
     config = ml_collections.ConfigDict(type_safe=_TYPE_CHECKS[-1])
+    # Seeds the weights' initialisation and the training data's order.
     config.seed = 0
     # TensorFlow op determinism: the same run gives the same weights, bit for bit,
     # whether it ran through or was killed and resumed. Slower; tf engine.
@@ -51,31 +52,41 @@ def defaults() -> ml_collections.ConfigDict:
     # Keras 3 on TensorFlow ('tf', tf.distribute) or on JAX ('jax', keras.distribution).
     config.engine = "tf"
 
-    # Devices as a (data, fsdp, model) grid. data and fsdp split the batch; fsdp also
-    # splits every weight of layout.replicate_below elements or more (fully-sharded
-    # data parallelism); model splits weights by the builder's layout rules. fsdp
-    # and model need the jax engine. -1: the devices the other axes leave.
-    # slices: TPU slices joined by the data-center network (multislice, jax engine): data
-    # parallel across them, data x fsdp x model inside each (docs/running_on_a_tpu_pod.md,
-    # "Several slices").
-    config.mesh = dict(slices=1, data=-1, fsdp=1, model=1)
+    # Devices as a (data, fsdp, model) grid; fsdp and model need the jax engine. -1: the
+    # devices the other axes leave (docs/parallelism.md).
+    config.mesh = dict(
+        # TPU slices joined by the data-center network (multislice, jax engine): data
+        # parallel across them, data x fsdp x model inside each (docs/running_on_a_tpu_pod.md,
+        # "Several slices").
+        slices=1,
+        data=-1,  # splits the batch
+        # Splits the batch, and every weight of layout.replicate_below elements or more
+        # (fully-sharded data parallelism).
+        fsdp=1,
+        model=1,  # splits weights by the builder's layout rules (tensor parallelism)
+    )
 
-    # rules: replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
-    # extra_rules: added to the builder's rules (or to `rules`), in the same form.
-    # Weights this large (elements) must match a rule when mesh.model > 1, and are
-    # split over fsdp when mesh.fsdp > 1.
-    # split_logits: under fsdp alone (mesh.model 1), a keras-hub causal LM's logits are
-    # computed split over the vocabulary: each device gathers the step's last hidden states,
-    # not the output head (models.vocabulary_split; for steps of fewer tokens than the
-    # vocabulary, as in fine-tuning).
-    config.layout = dict(rules=(), extra_rules=(), replicate_below=65_536, split_logits=False)
+    # Where each weight lives on the mesh (docs/parallelism.md, "Layout rules").
+    config.layout = dict(
+        # Replace the builder's layout rules when set: ((regex, (axis or None, ...)), ...).
+        rules=(),
+        extra_rules=(),  # added to the builder's rules (or to `rules`), in the same form
+        # Weights this large (elements) must match a rule when mesh.model > 1, and are
+        # split over fsdp when mesh.fsdp > 1.
+        replicate_below=65_536,
+        # Under fsdp alone (mesh.model 1), a keras-hub causal LM's logits are computed split
+        # over the vocabulary: each device gathers the step's last hidden states, not the
+        # output head (models.vocabulary_split; for steps of fewer tokens than the
+        # vocabulary, as in fine-tuning).
+        split_logits=False,
+    )
 
-    # Where to run. strategy: auto | tpu | multi_worker | mirrored | one_device.
+    # Where to run (docs/running_on_a_tpu_pod.md, "Clusters").
     config.cluster = dict(
-        strategy="auto",
+        strategy="auto",      # auto | tpu | multi_worker | mirrored | one_device
         tpu="",               # TPU name, or 'local' on a TPU VM
-        zone="",
-        project="",
+        zone="",              # the TPU's zone, where its name alone does not find it
+        project="",           # the TPU's Google Cloud project, likewise
         virtual_devices=0,    # >1 splits the CPU into that many replicas
     )
 
@@ -85,42 +96,71 @@ def defaults() -> ml_collections.ConfigDict:
         data_dir="~/tensorflow_datasets",  # TFDS datasets; '{data_dir}' in a path stands for it
         preprocess="",        # see tpu_keras.data.preprocess.PREPROCESSORS
         inputs="x",           # feature names used by preprocess='features'
-        targets="y",
+        targets="y",          # label feature names used by preprocess='features'
         shuffle_buffer=10_000,  # examples shuffled together (in memory)
         cache=False,          # keep each host's decoded examples in memory
         deterministic=True,   # False lets tf.data reorder for speed
         service_address="",   # a tf.data service dispatcher, e.g. grpc://host:5050
         log_example_ids=False,  # append each training batch's example ids to DIR/example_ids/
-        # A TFDS dataset (ours are prepared offline on first use); splits take slices: 'train[:90%]'.
-        tfds=dict(name="", train_split="train", eval_split="validation"),
-        # TFRecord files of tf.train.Examples by glob, with a feature spec such as {'x': 'float32[4]'}.
-        tfrecords=dict(files="", eval_files="", features={}),
-        # Plain text, tokenized and packed (tpu_keras.data.text): a glob of .txt files (a
-        # document each) or .jsonl files (a document per line, under `field`); or with
-        # data.tfds.name, that dataset's text feature `field`. document_masks: documents
-        # packed apart (tpu_keras.data.packing), each attending to itself alone; else one stream.
-        text=dict(files="", eval_files="", field="", document_masks=False),
+        # A TFDS dataset (ours are prepared offline on first use).
+        tfds=dict(
+            name="",               # e.g. 'mnist', 'stdlib_bytes/ctx128'
+            train_split="train",   # splits take slices: 'train[:90%]'
+            eval_split="validation",  # the split validation reads
+        ),
+        # TFRecord files of tf.train.Examples.
+        tfrecords=dict(
+            files="",              # a glob of the training files
+            eval_files="",         # a glob of the evaluation files
+            features={},           # the feature spec, such as {'x': 'float32[4]'}
+        ),
+        # Plain text, tokenized and packed (tpu_keras.data.text).
+        text=dict(
+            # A glob of .txt files (a document each) or .jsonl files (a document per line,
+            # under `field`); empty with data.tfds.name: that dataset's text feature `field`.
+            files="",
+            eval_files="",         # the same, for evaluation
+            field="",              # the text's key in a .jsonl line or a TFDS example
+            # Documents packed apart (tpu_keras.data.packing), each attending to itself
+            # alone; False: one stream.
+            document_masks=False,
+        ),
         # Instruction data: each .jsonl line a prompt and a response; the loss and the metrics
         # count the response's tokens alone (tpu_keras.data.documents), each example packed
-        # apart. truncate: an example longer than a row is cut to it (its end token lost);
-        # False: a one-line error naming its file and line.
-        instructions=dict(files="", eval_files="", prompt_field="prompt",
-                          response_field="response", truncate=False),
+        # apart.
+        instructions=dict(
+            files="",              # a glob of .jsonl files
+            eval_files="",         # the same, for evaluation
+            prompt_field="prompt",  # the prompt's key in a line
+            response_field="response",  # the response's key in a line
+            # An example longer than a row is cut to it (its end token lost); False: a
+            # one-line error naming its file and line.
+            truncate=False,
+        ),
         # Preference pairs for DPO: each .jsonl line a prompt, a chosen and a rejected
         # response (tpu_keras.data.preferences); the loss is DPO's (train.dpo_beta).
-        preferences=dict(files="", eval_files="", prompt_field="prompt", chosen_field="chosen",
-                         rejected_field="rejected"),
-        # Prompts for GRPO: each .jsonl line a prompt (under prompt_field) that the policy
-        # completes inside the run; the line's other fields go to the reward functions
-        # (grpo.rewards) beside the prompts and completions (docs/fine_tuning.md, "GRPO").
-        prompts=dict(files="", eval_files="", prompt_field="prompt"),
+        preferences=dict(
+            files="",              # a glob of .jsonl files
+            eval_files="",         # the same, for evaluation
+            prompt_field="prompt",  # the prompt's key in a line
+            chosen_field="chosen",  # the preferred response's key
+            rejected_field="rejected",  # the other response's key
+        ),
+        # Prompts for GRPO: each .jsonl line a prompt that the policy completes inside the
+        # run; the line's other fields go to the reward functions (grpo.rewards) beside the
+        # prompts and completions (docs/fine_tuning.md, "GRPO").
+        prompts=dict(
+            files="",              # a glob of .jsonl files
+            eval_files="",         # the same, for evaluation
+            prompt_field="prompt",  # the prompt's key in a line
+        ),
         # How text, instructions and preferences become tokens.
         tokens=dict(
             # 'bytes' | a keras_hub tokenizer class with its vocabulary file (a SentencePiece
             # proto; a BPE vocab.json with merges) | 'preset': model.preset's tokenizer.
             tokenizer="bytes",
-            vocabulary="",
-            merges="",
+            vocabulary="",         # the tokenizer's file: a SentencePiece proto, a vocab.json
+            merges="",             # a byte-pair tokenizer's merges.txt
             context_length=0,  # packed sequences hold context_length + 1 tokens; 0: model's
             # Where each file's token count is kept, made once and read by every host and
             # restart (tpu_keras.data.token_counts); empty: DIR/token_counts.
@@ -131,20 +171,24 @@ def defaults() -> ml_collections.ConfigDict:
         ),
     )
 
-    # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments.
-    config.model = dict(name="")
+    # Which builder (tpu_keras.models.REGISTRY) and its keyword arguments: free-form,
+    # checked against the builder's own (docs/models.md).
+    config.model = dict(
+        name="",              # 'gpt', 'mlp', 'cnn', 'keras_hub:Llama3CausalLM', ...
+    )
 
+    # How the model trains.
     config.train = dict(
         batch_size=64,        # global: split evenly over all replicas
         # Micro-batches of batch_size whose mean gradient makes one update (a larger
         # batch than memory holds). steps, the schedule, logs and checkpoints count updates.
         grad_accum_steps=1,
-        steps=1000,
+        steps=1000,           # updates in all
         optimizer="adamw",    # any keras.optimizers name
         learning_rate=1e-3,   # peak, reached after warmup_steps
-        warmup_steps=100,
+        warmup_steps=100,     # linear warmup from 0 to learning_rate
         min_learning_rate_ratio=0.1,  # cosine decays to this fraction of the peak
-        weight_decay=0.01,
+        weight_decay=0.01,    # for adamw, adam, lion and sgd; 0: none
         clipnorm=1.0,         # clips the global gradient norm; 0: no clipping
         eval_every=200,       # steps between validations
         eval_steps=0,         # 0: the whole eval split
@@ -155,7 +199,7 @@ def defaults() -> ml_collections.ConfigDict:
         # A NaN/Inf loss: 'stop' (keep the last good checkpoint), or 'restore_and_skip'
         # (reload it and leave out the batch that diverged, at most max_nonfinite_skips times).
         on_nonfinite="stop",
-        max_nonfinite_skips=3,
+        max_nonfinite_skips=3,  # batches left out at most, before the run stops
         # Compiled steps reused across processes (tpu_keras.training.compile_cache): 'auto'
         # is ~/.cache/tpu_keras/compile_cache, or WORKDIR/compile_cache on gs://; a folder;
         # '' or 'off'.
@@ -189,19 +233,24 @@ def defaults() -> ml_collections.ConfigDict:
         log_completions=False,
     )
 
+    # Checkpoints in DIR/checkpoints, from which the same command resumes (docs/reliability.md).
     config.checkpoint = dict(
-        every_steps=200,
-        keep=3,
+        every_steps=200,      # steps between saves (and one at the end)
+        keep=3,               # the latest saves kept
         # Write checkpoints on a background thread while training goes on: the loop blocks
         # only to copy the state into host memory (docs/reliability.md). False: every save
         # is written and committed before the next step.
         asynchronous=True,
     )
 
-    # What the run leaves in DIR/export/ (tpu_keras.models.export): any of EXPORT_FORMATS;
-    # () is every one that applies (a keras-hub task: all of them; any other model: saved_model).
-    config.export = dict(formats=())
+    # What the run leaves in DIR/export/ (tpu_keras.models.export).
+    config.export = dict(
+        # Any of saved_model, keras_hub, transformers, lora, peft; () is every one that
+        # applies (a keras-hub task: all of them; any other model: saved_model).
+        formats=(),
+    )
 
+    # What the run reports as it goes.
     config.log = dict(
         every_steps=50,       # one log line, and TensorBoard scalars, per interval
         # (first, last): a TensorBoard profile of these steps (1-based, whole host
