@@ -355,9 +355,11 @@ def test_packed_text_evaluation_tfds_text_and_sentencepiece(tmp_path, data_dir, 
 
 
 @pytest.mark.slow
-def test_instruction_tuning_learns_a_fixed_response(tmp_path, data_dir, stdlib_text):
+def test_instruction_tuning_learns_a_fixed_response(tmp_path):
     """configs/instruct_stdlib.py:tiny on prompts that all get one response: the loss on the
-    responses (val bits per token, counted on them alone) falls by half in 20 steps."""
+    responses (val bits per token, counted on them alone) falls by half in 20 steps. On an
+    empty data_dir: the run writes the SentencePiece vocabulary it reads itself."""
+    data_dir = tmp_path / "empty_home"
     with open(tmp_path / "pairs.jsonl", "w") as pairs:
         for i in range(1000):
             pairs.write(json.dumps({"prompt": f"Tell me about item {i}.\n",

@@ -242,6 +242,9 @@ CASES = [
     pytest.param(LM_TINY, ["--config.grpo.beta=0.1", DATA],
                  ["grpo.beta is set, but this run reads data.tfds", "set data.prompts.files"],
                  id="grpo-setting-on-other-data"),
+    pytest.param("{inputs}/grpo.py", ["--config.grpo.max_completion_length=100000"],
+                 ["grpo.max_completion_length=100000 leaves no room for a prompt in "
+                  "model.context_length=64 tokens", "set it below 64"], id="grpo-completion-fills-the-context"),
     pytest.param("{inputs}/grpo.py", ["--config.engine=tf"],
                  ["GRPO (data.prompts) samples inside the run on the jax engine", "engine='jax'"],
                  id="grpo-on-the-tf-engine"),

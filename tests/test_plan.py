@@ -37,6 +37,11 @@ BAD_INPUTS = {
     "multislice-v3": (["--tpu=2xv3-32"], ["Cloud TPU offers multislice on v4, v5e, v5p, v6e only, not on v3"]),
     "slices-mismatch": (["--tpu=v4-32", "--config.engine=jax", "--config.mesh.slices=2"],
                         ["mesh.slices=2 but --tpu=v4-32 is 1 slice(s)", "--tpu=2xv4-32"]),
+    # What train refuses, plan refuses in the same line (config.check, before either plans or runs).
+    "grpo-completion-fills-the-context": (
+        ["--config=configs/grpo_stdlib.py:tiny", "--tpu=v5litepod-4",
+         "--config.grpo.max_completion_length=100000"],
+        ["grpo.max_completion_length=100000 leaves no room for a prompt in model.context_length=16"]),
 }
 
 
@@ -63,7 +68,8 @@ def plans():
                          "--config.model.context_length=512", "--json"],
         "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
                          "--config.model.depth=1", "--auto"],
-        **{f"bad:{name}": ["--config=configs/lm_stdlib.py", *args] for name, (args, _) in BAD_INPUTS.items()},
+        **{f"bad:{name}": (args if args[0].startswith("--config=") else ["--config=configs/lm_stdlib.py", *args])
+           for name, (args, _) in BAD_INPUTS.items()},
     }, timeout=400)
     largest = json.loads(done["gpt"].stdout)["largest_global_batch"]
     return {**done, **run_in_one_process("tpu_keras.plan", {

@@ -253,8 +253,8 @@ def defaults() -> ml_collections.ConfigDict:
     # What the run reports as it goes.
     config.log = dict(
         every_steps=50,       # one log line, and TensorBoard scalars, per interval
-        # (first, last): a TensorBoard profile of these steps (1-based, whole host
-        # calls) in DIR/tensorboard; () is off.
+        # (first, last): a TensorBoard profile of these steps (1-based, whole
+        # executions, train.steps_per_execution) in DIR/tensorboard; () is off.
         profile_steps=(),
     )
     return config
@@ -433,6 +433,12 @@ def _check_grpo(config) -> None:
         raise UserError(f"grpo.num_generations={grpo.num_generations!r}: GRPO compares each "
                         "completion with the others of its prompt, so a group needs 2 or more; "
                         "set it to such as 8")
+    context = config.model.get("context_length", 0)
+    if isinstance(context, int) and 0 < context <= grpo.max_completion_length:
+        raise UserError(f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for "
+                        f"a prompt in model.context_length={context} tokens (a prompt and its "
+                        f"completion share the context); set it below {context}, or raise "
+                        "model.context_length")
     if train.batch_size % grpo.num_generations:
         raise UserError(f"train.batch_size={train.batch_size} is not a multiple of "
                         f"grpo.num_generations={grpo.num_generations}: a batch holds whole groups "

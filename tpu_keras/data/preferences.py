@@ -28,7 +28,7 @@ import os
 import tensorflow as tf
 
 from tpu_keras import data_section
-from tpu_keras.data import documents, sources, stdlib_preferences, text, tokenizers
+from tpu_keras.data import documents, sources, text, tokenizers
 from tpu_keras.errors import UserError
 
 PREPROCESSOR = "preference_pairs"
@@ -73,20 +73,9 @@ def recipe(config) -> Pairs:
     return Pairs(pairs.prompt_field, pairs.chosen_field, pairs.rejected_field)
 
 
-def _prepared(config):
-    """The data section with '{data_dir}' expanded, the offline pairs (and the vocabulary
-    beside them) written first where it names them."""
-    data_dir = os.path.expanduser(config.data_dir)
-    config = text.with_data_dir(config)
-    if any(config.preferences[key].startswith(stdlib_preferences.folder(data_dir) + os.sep)
-           for key in ("files", "eval_files")):
-        stdlib_preferences.prepare(data_dir)
-    return config
-
-
 def make_tokenizer(config) -> tokenizers.Tokenizer:
     """The tokenizer of the `data` section, the offline vocabulary written first if named."""
-    return tokenizers.make(_prepared(config).tokens)
+    return tokenizers.make(text.prepared(config).tokens)
 
 
 def open_source(config, training: bool) -> sources.Source:
@@ -97,7 +86,7 @@ def open_source(config, training: bool) -> sources.Source:
 
 def _open(config, training: bool) -> sources.Source:
     data_section.kind(config)  # one kind of data
-    config = _prepared(config)
+    config = text.prepared(config)
     key = "data.preferences.files" if training else "data.preferences.eval_files"
     pattern = config.preferences.files if training else config.preferences.eval_files
     if not pattern:

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf  # tf.io.gfile: the files may be on gs://
 
 from tpu_keras import data_section
-from tpu_keras.data import arithmetic, json_lines, text, tokenizers
+from tpu_keras.data import json_lines, text, tokenizers
 from tpu_keras.errors import UserError
 
 
@@ -52,21 +52,11 @@ class Prompts:
         return {name: [self.records[i].get(name) for i in positions] for name in names}
 
 
-def prepared(config):
-    """The data section with '{data_dir}' expanded, the offline sums written first where
-    its files name them."""
-    config = text.with_data_dir(config)
-    folder = arithmetic.folder(config.data_dir)
-    if any(config.prompts[key].startswith(folder) for key in ("files", "eval_files")):
-        arithmetic.prepare(config.data_dir)
-    return config
-
-
 def read(config, training: bool) -> Prompts:
     """The training (or evaluation) prompts of the `data` section, tokenized; one-line errors
     for missing files, lines that are not JSON objects and prompts that are not text."""
     data_section.kind(config)
-    config = prepared(config)
+    config = text.prepared(config)
     key = "files" if training else "eval_files"
     pattern, field = config.prompts[key], config.prompts.prompt_field
     paths = sorted(tf.io.gfile.glob(pattern)) if pattern else []

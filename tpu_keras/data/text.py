@@ -40,13 +40,15 @@ import tensorflow as tf
 
 from tpu_keras import data_section
 from tpu_keras.data import arithmetic, documents as documents_lib, packing as packing_lib, \
-    sources, stdlib_instructions, stdlib_text, token_counts, tokenizers
+    sources, stdlib_instructions, stdlib_preferences, stdlib_text, token_counts, tokenizers
 from tpu_keras.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
 DOCUMENTS_PER_BLOCK = 32  # documents tokenized together
 DATA_DIR = "{data_dir}"   # in the parts' files and data.tokens.vocabulary: data.data_dir
 _OPENED = {}              # (the data section, training) -> its PackedSource
+# The offline corpora, each written under data.data_dir the first time a path names it.
+_OFFLINE = (stdlib_text, stdlib_instructions, stdlib_preferences, arithmetic)
 
 
 def resolve(config, workdir: str = "") -> dict:
@@ -69,7 +71,7 @@ def resolve(config, workdir: str = "") -> dict:
 def example_end_token(config) -> int:
     """The token that ends each example of text packed apart (the data tokenizer's end
     token), for the model to keep each example to itself (`models.segments`)."""
-    return tokenizers.make(with_data_dir(config).tokens).eos_id
+    return tokenizers.make(prepared(config).tokens).eos_id
 
 
 def with_data_dir(config):
@@ -81,6 +83,20 @@ def with_data_dir(config):
         for key in ("files", "eval_files"):
             config[part][key] = config[part][key].replace(DATA_DIR, data_dir)
     config.tokens.vocabulary = config.tokens.vocabulary.replace(DATA_DIR, data_dir)
+    return config
+
+
+def prepared(config):
+    """`with_data_dir(config)`, with the offline corpora its paths name (the parts' files,
+    the vocabulary) written first: every reader of the data's files or vocabulary goes
+    through it, so a shipped config runs on an empty home whichever reads first."""
+    data_dir = os.path.expanduser(config.data_dir)
+    config = with_data_dir(config)
+    paths = [config.tokens.vocabulary] + [config[part][key] for part in data_section.TOKENIZED
+                                          for key in ("files", "eval_files")]
+    for offline in _OFFLINE:
+        if any(path.startswith(offline.folder(data_dir) + os.sep) for path in paths):
+            offline.prepare(data_dir)
     return config
 
 
@@ -257,12 +273,8 @@ def _open(config, training: bool, hosts) -> PackedSource:
         raise UserError("data.tokens.context_length is 0 and the model sets no context_length; "
                         "set data.tokens.context_length to the tokens per sequence the model reads")
     data_dir = os.path.expanduser(config.data_dir)
-    config = with_data_dir(config)
+    config = prepared(config)
     part = config[kind]
-    for offline in (stdlib_text, stdlib_instructions, arithmetic):  # offline, written on first use
-        if any(path.startswith(offline.folder(data_dir) + os.sep)
-               for path in (part.files, part.eval_files, config.tokens.vocabulary)):
-            offline.prepare(data_dir)
     tokenizer = tokenizers.make(config.tokens)
     recipe = document_recipe(config)
     if part.files:

@@ -43,7 +43,7 @@ import keras
 import numpy as np
 
 from tpu_keras import workdir as workdir_lib
-from tpu_keras.data import prompts as prompts_lib, tokenizers
+from tpu_keras.data import prompts as prompts_lib, text as text_lib, tokenizers
 from tpu_keras.errors import UserError
 from tpu_keras.models import grpo as grpo_lib, grpo_sampling, rewards as rewards_lib
 from tpu_keras.training import callbacks, finish, preemption
@@ -122,7 +122,7 @@ class Batches:
         self.config, self.grpo = config, grpo
         self.host, self.hosts = cluster.host_index, cluster.num_processes
         self.per_batch = config.train.batch_size // grpo.num_generations  # prompts, all hosts
-        self.tokenizer = tokenizers.make(prompts_lib.prepared(config.data).tokens)
+        self.tokenizer = tokenizers.make(text_lib.prepared(config.data).tokens)
         context = policy.input_shape[1]
         room = context - grpo.max_completion_length
         self.prompts = prompts_lib.read(config.data, training=True)
