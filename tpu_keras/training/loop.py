@@ -80,12 +80,9 @@ def train(config, workdir: str, started: float | None = None):
     # ----- fit -----------------------------------------------------------------
     # What a collective raises when a peer host is gone (connection refused or
     # reset, or MultiWorkerMirroredStrategy's health check gave up on it); on jax,
-    # XLA's runtime error, when its message says so (`_lost_a_peer`).
+    # any error whose message says so (`_lost_a_peer`).
     peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
                     tf.errors.DeadlineExceededError, tf.errors.CancelledError)
-    if cluster.engine == "jax":
-        import jax
-        peer_errors += (jax.errors.JaxRuntimeError,)
     policy = preference.policy_of(model)  # a DPO run's language model
     flops_per_example = flops.training_flops_per_example(policy)
     if policy is not model:  # a pair: two sequences, each also through the reference's forward
@@ -158,8 +155,8 @@ def _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data,
                         eval_data, eval_steps, run_callbacks, fit_returned)
         except nonfinite.NonFiniteStep as diverged:
             skipped = _skip_or_stop(diverged, skipped, train_cfg, checkpointer, cluster)
-        except peer_errors as error:
-            if cluster.num_processes == 1 or not _lost_a_peer(error):
+        except Exception as error:  # pylint: disable=broad-except  # a lost host, or raised again
+            if cluster.num_processes == 1 or not _lost_a_peer(error, peer_errors):
                 raise
             raise _LostPeer(f"lost contact with another host after step {checkpointer.step} "
                             f"({_peer_reason(error)}); the other hosts stop too; start every "
@@ -222,10 +219,13 @@ def _skip_or_stop(diverged, skipped, train_cfg, checkpointer, cluster):
 _PEER_LOST = re.compile(r"Gloo|Connection (reset|refused)|UNAVAILABLE|DEADLINE_EXCEEDED|heartbeat")
 
 
-def _lost_a_peer(error) -> bool:
-    """Whether `error` says another host is gone: every TensorFlow peer error does; of
-    jax's runtime errors, those whose message says so (an OOM does not)."""
-    return type(error).__name__ != "JaxRuntimeError" or bool(_PEER_LOST.search(str(error)))
+def _lost_a_peer(error, peer_errors) -> bool:
+    """Whether `error` says another host is gone: every TensorFlow peer error does; of any
+    other, one whose message says so (an OOM does not). By the message, since the error's
+    type depends on who ran the collective: XLA's step raises JaxRuntimeError, and Orbax's
+    barrier before a save (jax's process_allgather) a ValueError; the second, taken for a
+    failure of the run's own, waited for the save in flight, which waits on the lost host."""
+    return isinstance(error, peer_errors) or bool(_PEER_LOST.search(str(error)))
 
 
 def _peer_reason(error) -> str:
