@@ -5,10 +5,10 @@ section of docs/configuration.md, written from the schema's own source and comme
     python scripts/config_reference.py --check   # exit 1 if the section is out of date
 
 A key's text is its own comment in `defaults()`: the comment at the end of its
-line, or else the comment lines right above it. A section's text is the comment above its assignment. The
-values come from `defaults()` itself, so the table cannot drift from the
-schema; a key without a comment is an error here, so the schema cannot grow a
-key nobody explained.
+line, or else the comment lines right above it. A section's text is the
+comment above its assignment. The values come from `defaults()` itself, so
+the table cannot drift from the schema; a key without a comment is an error
+here, so the schema cannot grow a key nobody explained.
 """
 
 import argparse
@@ -27,10 +27,9 @@ DOCUMENT = os.path.join(REPO, "docs", "configuration.md")
 BEGIN, END = "<!-- reference: scripts/config_reference.py -->", "<!-- reference end -->"
 
 
-def comments_by_line(source: str) -> tuple[dict, dict]:
+def comments_by_line(source: str, lines: list) -> tuple[dict, dict]:
     """({line: text} of whole-line comments, {line: text} of comments after code)."""
     whole, trailing = {}, {}
-    lines = source.splitlines()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             row = token.start[0]
@@ -50,13 +49,13 @@ def _above(line: int, whole: dict) -> str:
 
 def described_keys() -> dict:
     """{'section.key' or 'key': text} for every key and section `defaults()` assigns."""
-    source = open(SOURCE).read()
-    whole, trailing = comments_by_line(source)
+    with open(SOURCE) as file:
+        source = file.read()
+    lines = source.splitlines()
+    whole, trailing = comments_by_line(source, lines)
     function = next(node for node in ast.walk(ast.parse(source))
                     if isinstance(node, ast.FunctionDef) and node.name == "defaults")
     texts = {}
-
-    lines = source.splitlines()
 
     def text_of(line: int, name: str) -> str:
         """The comment at the end of `line`, or above it where `name` starts the line."""

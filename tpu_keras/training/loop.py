@@ -42,7 +42,6 @@ def train(config, workdir: str, started: float | None = None):
     # ----- config, cluster, model, checkpointer: training.setup -------------------
     run_timings = timings.RunTimings(started)
     run = setup.set_up(config, workdir, trains=True, timings=run_timings)
-    import tensorflow as tf
     from tpu_keras import data
     from tpu_keras.measurement import flops, peak
     from tpu_keras.models import preference
@@ -78,11 +77,6 @@ def train(config, workdir: str, started: float | None = None):
                                            training=False, max_eval_steps=train_cfg.eval_steps)
 
     # ----- fit -----------------------------------------------------------------
-    # What a collective raises when a peer host is gone (connection refused or
-    # reset, or MultiWorkerMirroredStrategy's health check gave up on it); on jax,
-    # any error whose message says so (`_lost_a_peer`).
-    peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                    tf.errors.DeadlineExceededError, tf.errors.CancelledError)
     policy = preference.policy_of(model)  # a DPO run's language model
     flops_per_example = flops.training_flops_per_example(policy)
     if policy is not model:  # a pair: two sequences, each also through the reference's forward
@@ -107,7 +101,7 @@ def train(config, workdir: str, started: float | None = None):
                                                    logdir=os.path.join(workdir, "tensorboard")))
     try:
         history = _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data, eval_steps,
-                                  run_callbacks, fit_timer.fit_returned, skipped, peer_errors)
+                                  run_callbacks, fit_timer.fit_returned, skipped)
     except _LostPeer:
         raise  # its save in flight waits on the lost host: the run ends without it
     except BaseException:
@@ -141,7 +135,7 @@ class _LostPeer(UserError):
 
 
 def _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data, eval_steps,
-                    run_callbacks, fit_returned, skipped, peer_errors):
+                    run_callbacks, fit_returned, skipped):
     """Resumes and fits until `train.steps`, going back to the last good checkpoint after
     a NaN when `train.on_nonfinite` says so; returns the history."""
     from tpu_keras.training import nonfinite
@@ -156,7 +150,7 @@ def _fit_to_the_end(model, config, checkpointer, cluster, train_data, eval_data,
         except nonfinite.NonFiniteStep as diverged:
             skipped = _skip_or_stop(diverged, skipped, train_cfg, checkpointer, cluster)
         except Exception as error:  # pylint: disable=broad-except  # a lost host, or raised again
-            if cluster.num_processes == 1 or not _lost_a_peer(error, peer_errors):
+            if cluster.num_processes == 1 or not _lost_a_peer(error):
                 raise
             raise _LostPeer(f"lost contact with another host after step {checkpointer.step} "
                             f"({_peer_reason(error)}); the other hosts stop too; start every "
@@ -219,12 +213,17 @@ def _skip_or_stop(diverged, skipped, train_cfg, checkpointer, cluster):
 _PEER_LOST = re.compile(r"Gloo|Connection (reset|refused)|UNAVAILABLE|DEADLINE_EXCEEDED|heartbeat")
 
 
-def _lost_a_peer(error, peer_errors) -> bool:
-    """Whether `error` says another host is gone: every TensorFlow peer error does; of any
-    other, one whose message says so (an OOM does not). By the message, since the error's
-    type depends on who ran the collective: XLA's step raises JaxRuntimeError, and Orbax's
-    barrier before a save (jax's process_allgather) a ValueError; the second, taken for a
-    failure of the run's own, waited for the save in flight, which waits on the lost host."""
+def _lost_a_peer(error) -> bool:
+    """Whether `error` says another host is gone: every TensorFlow peer error does
+    (connection refused or reset, or MultiWorkerMirroredStrategy's health check gave up on
+    it); of any other, one whose message says so (an OOM does not). By the message, since
+    the error's type depends on who ran the collective: XLA's step raises JaxRuntimeError,
+    and Orbax's barrier before a save (jax's process_allgather) a ValueError; the second,
+    taken for a failure of the run's own, waited for the save in flight, which waits on the
+    lost host."""
+    import tensorflow as tf
+    peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                   tf.errors.DeadlineExceededError, tf.errors.CancelledError)
     return isinstance(error, peer_errors) or bool(_PEER_LOST.search(str(error)))
 
 
