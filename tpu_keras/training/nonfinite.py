@@ -23,7 +23,8 @@ checked once: a run never ends with exit 0 and non-finite weights.
 Loss scaling (float16, user code only: a run's `train.precision` has no
 float16) is Keras's: under a `keras.optimizers.LossScaleOptimizer` an overflow
 of the scaled gradients skips the update and halves the scale, on both
-engines (the tf engine keeps Keras's own step for it; `jax_steps` keeps the
+engines, in the toolkit's step (`tf_steps` hands the overflow to the
+optimizer and does not end the host call for it; `jax_steps` keeps the
 optimizer's new scale in the step it skips).
 """
 

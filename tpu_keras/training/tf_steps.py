@@ -21,7 +21,9 @@ with `strategy.reduce(..., axis=None)`. With `jit_compile`, XLA compiles
 each replica's forward and backward pass (on one replica, the whole step),
 so every strategy gets both XLA and many steps per call. The same step
 (`make_guarded_train_step`) logs the global gradient norm and applies no update
-whose gradient or loss is not finite. A loss that is a mean over weights is
+whose gradient or loss is not finite; under a `LossScaleOptimizer` (float16)
+it scales the loss and leaves an overflow to the optimizer, as Keras's own
+step does. A loss that is a mean over weights is
 one token mean over every replica and micro-batch (`token_mean`), in the
 step and in the evaluation's `test_step`.
 """
@@ -57,16 +59,14 @@ def make_train_function(self, force=False):
         # On one replica XLA compiles the whole step, optimizer included; with
         # more, only each replica's forward and backward pass (see make_guarded_train_step).
         whole = self.jit_compile and self.distribute_strategy.num_replicas_in_sync == 1
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            # A loss-scaling optimizer (float16) checks its gradients and skips
-            # steps in Keras's own step: keep it.
-            step, first_outputs = self.train_step, self.get_metrics_result
-        else:
-            step = make_guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole,
-                                      grad_accum_steps=self._tpu_keras_grad_accum_steps)
-            first_outputs = lambda: {**self.get_metrics_result(), GRAD_NORM: tf.constant(0.0)}
+        step = make_guarded_train_step(self, jit_forward_backward=self.jit_compile and not whole,
+                                       grad_accum_steps=self._tpu_keras_grad_accum_steps)
+        first_outputs = lambda: {**self.get_metrics_result(), GRAD_NORM: tf.constant(0.0)}
+        # Under loss scaling an overflow of the gradients is the optimizer's signal, not a
+        # divergence: the execution goes on, and a non-finite loss alone ends it.
+        watched = ("loss",) if _scales_loss(self.optimizer) else ("loss", GRAD_NORM)
         self.train_function = _host_loop(self, step, first_outputs, jit_whole_step=whole,
-                                         stop_on_nonfinite=True)
+                                         stop_on_nonfinite=watched)
     return self.train_function
 
 
@@ -111,16 +111,16 @@ def test_step(self, data):
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonfinite=False):
+def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonfinite=()):
     """Runs up to `steps_per_execution` steps per call to the host.
 
     `first_outputs()` gives tensors shaped as `step_fn`'s outputs, to start
     the loop from: the step then has one call site, so it is traced once (for
     a large model, most of the host loop's tracing time). `jit_whole_step`
     compiles `step_fn` with XLA as a whole, which works on one replica only
-    (keras-team/keras#19005). With `stop_on_nonfinite`, a step whose loss or
-    gradient norm is NaN or Inf ends the call, so the host sees the step
-    that diverged (see `nonfinite`).
+    (keras-team/keras#19005). A step whose output named in `stop_on_nonfinite`
+    (the loss, the gradient norm) is NaN or Inf ends the call, so the host
+    sees the step that diverged (see `nonfinite`).
     """
     strategy = model.distribute_strategy
     if jit_whole_step and not model.run_eagerly:
@@ -131,7 +131,7 @@ def _host_loop(model, step_fn, first_outputs, jit_whole_step=False, stop_on_nonf
         return tf.nest.map_structure(lambda v: _mean_over_replicas(strategy, v), outputs)
 
     def finite(outputs):
-        return tf.reduce_all([tf.math.is_finite(outputs[key]) for key in ("loss", GRAD_NORM)
+        return tf.reduce_all([tf.math.is_finite(outputs[key]) for key in stop_on_nonfinite
                               if key in outputs])
 
     def steps(iterator):
@@ -175,8 +175,19 @@ def make_guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=
     gradients are summed, each scaled by its share of the step (`token_mean`:
     its weights over every replica's, for a mean over weights; else 1 / k),
     before the one update.
+
+    Under a `keras.optimizers.LossScaleOptimizer` (float16; `compile` wraps
+    the optimizer in one under `mixed_float16`) the gradients are those of
+    the scaled loss, as in Keras's own step, and the jax engine's: the
+    optimizer's scale is read once per step and handed to the compiled pass
+    as a value. The norm logged is the unscaled gradients' (Inf in a step
+    that overflowed). The optimizer itself unscales them and, when they
+    overflowed, halves its scale and makes no update; the guard adds its own
+    skip of a step whose loss is not finite, in which the scale stays.
     """
-    def loss_and_gradients(trainable, non_trainable, metrics, x, y, sample_weight):
+    scaling = _scales_loss(model.optimizer)
+
+    def loss_and_gradients(trainable, non_trainable, metrics, x, y, sample_weight, loss_scale):
         with tf.GradientTape() as tape:
             tape.watch(trainable)
             y_pred, non_trainable, losses = model.stateless_call(
@@ -187,11 +198,12 @@ def make_guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=
                 trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred,
                 sample_weight=sample_weight, training=True)
             model._losses_override = []
+            scaled_loss = loss if loss_scale is None else loss * tf.cast(loss_scale, loss.dtype)
         # Dense, as on jax: an embedding's gradient comes as IndexedSlices with a row per
         # occurrence of a token, whose global norm is not the gradient's, and which
         # Keras's TensorFlow Adam applies as a sparse ("lazy") update.
         gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                     for g in tape.gradient(loss, trainable)]
+                     for g in tape.gradient(scaled_loss, trainable)]
         return loss, gradients, y_pred, non_trainable, metrics
 
     if jit_forward_backward and not model.run_eagerly:
@@ -211,10 +223,12 @@ def make_guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=
         # A token mean divides by the step's weights, every replica's (one scalar all-reduce).
         step_weight = (replica.all_reduce("SUM", token_mean.weight_sum(sample_weight))
                        if token_mean.applies(model, sample_weight) else None)
+        # The scale as a value (one read of the optimizer's variable), not a captured variable.
+        loss_scale = tf.cast(model.optimizer.scale_loss(1.0), tf.float32) if scaling else None
         losses, gradients, y_preds = [], None, []
         for part in parts:  # traced one after another
             loss, part_gradients, y_pred, non_trainable, metrics = loss_and_gradients(
-                trainable, non_trainable, metrics, *part)
+                trainable, non_trainable, metrics, *part, loss_scale)
             share = token_mean.share(model, part[2], step_weight, k, replicas)
             loss = loss * share
             part_gradients = [None if g is None else g * tf.cast(share, g.dtype) for g in part_gradients]
@@ -236,7 +250,13 @@ def make_guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=
         global_loss, gradients = replica.all_reduce("SUM", (loss, [g for g, _ in pairs]))
         grad_norm = tf.cast(tf.linalg.global_norm(gradients), tf.float32)
         finite = tf.math.is_finite(grad_norm) & tf.math.is_finite(global_loss)
-        _apply_if_finite(model.optimizer, gradients, [v for _, v in pairs], finite)
+        if scaling:
+            grad_norm = grad_norm / loss_scale
+            # An overflow goes to the optimizer too: it halves its scale and updates nothing.
+            update = finite | tf.logical_not(model.optimizer.check_finite(gradients))
+        else:
+            update = finite
+        _apply_if_finite(model.optimizer, gradients, [v for _, v in pairs], update)
         if step_weight is None:
             model._loss_tracker.update_state(loss * replicas, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         else:  # this replica's own token mean, counted by its weights
@@ -261,6 +281,10 @@ def _concat(pieces):
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *pieces)
 
 
+def _scales_loss(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
 def _apply_if_finite(optimizer, gradients, variables, finite):
     """`optimizer.apply(gradients, variables)` when `finite` (the same on every replica);
     otherwise nothing changes, not even the optimizer's step count.
@@ -268,7 +292,8 @@ def _apply_if_finite(optimizer, gradients, variables, finite):
     The gradients are already summed over replicas. Keras 3's TensorFlow
     optimizer would sum them again inside `apply`, and unlike Keras 2
     (`skip_gradients_aggregation=True`) it has no switch to say they are, so
-    its one summing hook is bypassed while the update is traced. The branch
+    its one summing hook is bypassed while the update is traced (a
+    `LossScaleOptimizer`'s inner optimizer's: that one applies them). The branch
     runs in cross-replica context, as Keras's LossScaleOptimizer does it: a
     `tf.cond` in replica context cannot hold the `merge_call` that applying
     gradients makes.
@@ -276,14 +301,16 @@ def _apply_if_finite(optimizer, gradients, variables, finite):
     def apply(gradients):
         optimizer.apply(gradients, variables)
 
+    applier = optimizer.inner_optimizer if _scales_loss(optimizer) else optimizer
+
     def cross_replica(strategy, gradients, finite):
-        optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+        applier._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
         try:
             tf.cond(strategy.experimental_local_results(finite)[0],
                     lambda: strategy.extended.call_for_each_replica(apply, args=(gradients,)),
                     lambda: None)
         finally:
-            del optimizer._all_reduce_sum_gradients
+            del applier._all_reduce_sum_gradients
 
     tf.distribute.get_replica_context().merge_call(cross_replica, args=(gradients, finite))
 
