@@ -95,7 +95,7 @@ def test_xla_per_replica_step_matches_the_unjitted_step_under_mirrored():
 LOSS_SCALE_SCRIPT = """
 import json, numpy as np, tensorflow as tf, keras, tpu_keras
 mirrored = tpu_keras.connect({"virtual_devices": 2}).strategy  # Mirrored over 2 CPU devices
-class Steps(keras.callbacks.Callback):  # the loss scale and grad_norm after each host call
+class Steps(keras.callbacks.Callback):  # the loss scale and grad_norm after each execution
     def __init__(self):
         super().__init__()
         self.scales, self.norms = [], []
@@ -173,8 +173,8 @@ def test_loss_scaling_runs_in_the_toolkits_step_on_tf_with_its_guard_and_accumul
     # Under Mirrored each replica's float16 backward pass sums its own 8 rows, so its overflows
     # are its own; the gradients are summed before the check, so no replica's overflow is applied.
     assert math.isfinite(runs["mirrored"]["loss"]), runs["mirrored"]
-    # 2 micro-batches a replica, 4 steps a host call (the scale only falls: growth after 1000
-    # steps): every step ran, each an update or a halving, though some host calls held overflows.
+    # 2 micro-batches a replica, 4 steps an execution (the scale only falls: growth after 1000
+    # steps): every step ran, each an update or a halving, though some executions held overflows.
     accumulated = runs["accumulated"]
     halvings = round(math.log2(2.0**24 / accumulated["scales"][-1]))
     assert len(accumulated["scales"]) == 5 and 0 < accumulated["updates"] < 20, accumulated

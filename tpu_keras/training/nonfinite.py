@@ -24,7 +24,7 @@ Loss scaling (float16, user code only: a run's `train.precision` has no
 float16) is Keras's: under a `keras.optimizers.LossScaleOptimizer` an overflow
 of the scaled gradients skips the update and halves the scale, on both
 engines, in the toolkit's step (`tf_steps` hands the overflow to the
-optimizer and does not end the host call for it; `jax_steps` keeps the
+optimizer and does not end the execution for it; `jax_steps` keeps the
 optimizer's new scale in the step it skips).
 """
 
