@@ -6,7 +6,9 @@
 
 The first command is the warm start, and it comes first: both GRPO runs read
 its preset from the folder beside their own workdir
-(`{workdir}/../arithmetic_sft/export/keras_hub`), ':tiny' too.
+(`{workdir}/../arithmetic_sft/export/keras_hub`), ':tiny' too. A GRPO run
+that finds none there stops with one line that names the ':sft' command to
+run first, its --workdir that folder (model.preset_written_by).
 
 Needs the 'hub' and 'jax' extras. The prompts are generated
 (tpu_keras.data.arithmetic writes them under data.data_dir on first use), each
@@ -36,7 +38,17 @@ import llama_stdlib  # noqa: E402  (a sibling config file)
 
 REWARDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arithmetic_rewards.py")
 # Where the warm start's preset is: the :sft run in a folder beside this run's.
-SFT_PRESET = "{workdir}/../arithmetic_sft/export/keras_hub"
+SFT_WORKDIR = "{workdir}/../arithmetic_sft"
+SFT_PRESET = SFT_WORKDIR + "/export/keras_hub"
+
+
+def sft_command() -> str:
+    """The warm start's command, which a GRPO run without its preset names: this file as
+    seen from the folder the run started in ('configs/grpo_stdlib.py' from the repository)."""
+    here = os.path.relpath(os.path.abspath(__file__))
+    if here.startswith(os.pardir):
+        here = os.path.abspath(__file__)
+    return f"python -m tpu_keras.train --config={here}:sft --workdir={SFT_WORKDIR}"
 
 
 def get_config(arg=None):
@@ -61,7 +73,7 @@ def get_config(arg=None):
         config.export.formats = ("keras_hub",)
         return config
     config.data.prompts.update(files=f"{sums}/train/*.jsonl", eval_files=f"{sums}/validation/*.jsonl")
-    config.model.update(preset=SFT_PRESET, lora_rank=8)
+    config.model.update(preset=SFT_PRESET, preset_written_by=sft_command(), lora_rank=8)
     config.grpo.update(num_generations=8, max_completion_length=4,
                        rewards=(f"{REWARDS}:correct", f"{REWARDS}:close"), beta=0.04)
     config.train.update(batch_size=64, steps=200, learning_rate=1e-2, eval_every=50)

@@ -5,8 +5,11 @@ The task's backbone comes from a preset (`model.preset`: a folder that
 `model_type`, model.safetensors, tokenizer.json), local or on gs://, or a
 handle such as `kaggle://...` or `hf://...`, which needs the network) or, to train from scratch, from the backbone's constructor
 arguments given as `model.*` keys; with a preset those keys override its
-config (`dropout=0.1`). The task is then wrapped to read what the toolkit's
-pipelines give and to return float32 logits:
+config (`dropout=0.1`). A preset that another command writes (a run's
+export) can say which, in `model.preset_written_by`: a run that finds no
+preset there names that command to run first, `{workdir}` in it this run's
+folder (`configs/grpo_stdlib.py`'s warm start). The task is then wrapped to
+read what the toolkit's pipelines give and to return float32 logits:
 
 - a causal LM (`...CausalLM`) takes token ids `(batch, model.context_length)`,
   the contract of the `gpt` builder, so data, metrics and
@@ -53,10 +56,11 @@ from tpu_keras.models.registry import RESERVED, Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
 
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
+_PRESET_KEYS = ("preset", "preset_written_by")
 _TOOLKIT_KEYS = {
-    "causal_lm": ("preset",) + lora.KEYS + ("quantize", "quantize_block_size", "layout_map",
-                                            "context_length", "example_end_token"),
-    "image_classifier": ("preset",) + lora.KEYS + ("layout_map", "num_classes"),
+    "causal_lm": _PRESET_KEYS + lora.KEYS + ("quantize", "quantize_block_size", "layout_map",
+                                             "context_length", "example_end_token"),
+    "image_classifier": _PRESET_KEYS + lora.KEYS + ("layout_map", "num_classes"),
 }
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
 LAYOUT_MAPS = ("toolkit", "keras_hub")
@@ -113,6 +117,7 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
         return own  # its config is known once it is downloaded, when the model is built
     if not preset or WORKDIR_PLACEHOLDER in preset:
         return {**defaults, **own}  # a preset the run writes (`prepare_preset`) is made from them
+    _check_written(preset, kwargs.get("preset_written_by", ""))
     saved_cls, saved = hub_presets.describe(preset)
     if not issubclass(saved_cls, backbone_cls):
         task = saved_cls.__name__.replace("Backbone", "CausalLM")
@@ -120,6 +125,18 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
                         f"{backbone_cls.__name__} that model.name needs; pick the matching task, "
                         f"such as model.name='{KERAS_HUB}{task}'")
     return {**defaults, **saved, **own}
+
+
+def _check_written(preset: str, written_by: str) -> None:
+    """A one-line error naming `model.preset_written_by`'s command when its preset is not
+    there yet (without one, `hub_presets` names the missing folder alone)."""
+    if not written_by or hub_presets.is_handle(preset):
+        return
+    import tensorflow as tf
+    if not tf.io.gfile.exists(preset):
+        raise UserError(f"model.preset={preset!r} does not exist yet; run `{written_by}` "
+                        "first, which writes it (model.preset_written_by), or point model.preset "
+                        "at another preset")
 
 
 def _defaults(backbone_cls) -> dict:
@@ -175,13 +192,13 @@ def _make_in_base_policy(task_cls, kind, **kwargs):
         keras.config.set_dtype_policy(policy)
 
 
-def _make(task_cls, kind, preset="", lora_rank=0, lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(),
-          lora_rslora=False, quantize="", quantize_block_size=0, layout_map="toolkit",
-          context_length=128, example_end_token=-1, num_classes=10, run_policy="",
-          **backbone_kwargs):
+def _make(task_cls, kind, preset="", preset_written_by="", lora_rank=0,
+          lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(), lora_rslora=False, quantize="",
+          quantize_block_size=0, layout_map="toolkit", context_length=128, example_end_token=-1,
+          num_classes=10, run_policy="", **backbone_kwargs):
     """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits.
     `run_policy`: the run's dtype policy, where the global one is the base's (`_make_in_base_policy`)."""
-    del layout_map  # the rules' business
+    del layout_map, preset_written_by  # the rules' business; the missing preset's hint
     dtype = keras.config.dtype_policy().name  # explicit: from_preset replaces the preset's
     backbone_cls = task_cls.backbone_cls
     if WORKDIR_PLACEHOLDER in preset:
@@ -324,6 +341,15 @@ def expand_preset(preset: str, workdir: str) -> str:
     """`model.preset` with `{workdir}` replaced by the run's folder: a preset the run writes
     itself (`prepare_preset`)."""
     return preset.replace(WORKDIR_PLACEHOLDER, workdir)
+
+
+def expand_command(command: str, workdir: str) -> str:
+    """`model.preset_written_by` with each `{workdir}...` path in it the run's folder's, its
+    `..` resolved on a local disk (`--workdir={workdir}/../sft` -> `--workdir=/tmp/sft`)."""
+    def expanded(match):
+        path = workdir + match.group(1)
+        return path if workdir_lib.is_remote(workdir) else os.path.normpath(path)
+    return re.sub(re.escape(WORKDIR_PLACEHOLDER) + r"(\S*)", expanded, command)
 
 
 def prepare_preset(model_config, workdir: str, is_chief: bool, wait_seconds: float = 300) -> None:

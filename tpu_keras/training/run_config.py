@@ -15,7 +15,8 @@ Each piece is a pure function of the config that returns values:
 - `training.defaults.resolve`: `train.precision` and `train.steps_per_execution`
   for this platform;
 - `models.hub.expand_preset` and `models.preset_copy.use`: `model.preset`, `{workdir}`
-  expanded, or the model the run kept once it has a checkpoint;
+  expanded, or the model the run kept once it has a checkpoint; `models.hub.expand_command`:
+  `model.preset_written_by`, the command its missing preset's error names;
 - `data.text.resolve`: `data.tokens.counts`, `.context_length` and
   `.vocabulary` of packed text (after the preset: the tokenizer may be its);
 - `data.text.example_end_token`: `model.example_end_token`, the data's end token,
@@ -45,6 +46,9 @@ def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections
     if "preset" in resolved.model:
         resolved.model.preset = preset_copy.use(hub.expand_preset(resolved.model.preset, workdir),
                                          workdir, checkpointed)
+    if resolved.model.get("preset_written_by"):
+        resolved.model.preset_written_by = hub.expand_command(resolved.model.preset_written_by,
+                                                              workdir)
     resolved.data.tokens.update(text.resolve(resolved, workdir))
     if data_section.kind(resolved.data) in ("text", "instructions") \
             and text.packing_of(resolved.data) is not None:
