@@ -40,7 +40,8 @@ def get_config(arg=None):
     config.data.preferences.update(files=f"{pairs}/train/*.jsonl",
                                    eval_files=f"{pairs}/validation/*.jsonl")
     config.model.update(context_length=128, preset="{workdir}/base_preset", lora_rank=8)
-    config.train.update(dpo_beta=0.1, learning_rate=1e-2)
+    config.train.learning_rate = 1e-2
+    config.dpo.beta = 0.1
     if arg == "tiny":
         config.train.eval_steps = 4  # 64 pairs: an accuracy to 1/128
     return config

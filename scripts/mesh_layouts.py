@@ -30,7 +30,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from tpu_keras import config as config_lib
+from tpu_keras import objectives
 from tpu_keras.cluster import libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.planning import network
@@ -75,7 +75,7 @@ def main(argv):
     if slices != 1:
         raise app.UsageError("one slice: ring hops are inside a slice (slices meet over the DCN)")
     config = _CONFIG.value
-    config_lib.check(config)
+    objectives.check(config)
     config.engine = "jax"
     chips = libtpu.devices(_TPU.value)
     shapes = [tuple(map(int, m.split(","))) for m in _MESH.value] or default_meshes(len(chips))

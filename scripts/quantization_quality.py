@@ -37,7 +37,7 @@ from absl import flags
 from ml_collections import config_flags
 import numpy as np
 
-from tpu_keras import cli, config as config_lib, data_section, workdir as workdir_lib
+from tpu_keras import cli, config as config_lib, data_section, objectives, workdir as workdir_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.training import setup
@@ -165,9 +165,10 @@ def main(argv):
         raise UserError(f"--block_sizes={','.join(_BLOCKS.value)}: give whole numbers, such as "
                         "-1,64,128") from None
     config = config_lib.read_run_config(_WORKDIR.value) if _WORKDIR.value else _CONFIG.value
-    kind = data_section.kind(config.data)
-    if kind in setup.OBJECTIVES:  # DPO's pairs, GRPO's prompts: no eval text to take a loss on
-        raise UserError(f"the config reads data.{kind} ({setup.OBJECTIVES[kind].upper()}), and this "
+    objective = objectives.of(config)
+    if objective.name != "sft":  # DPO's pairs, GRPO's prompts: no eval text to take a loss on
+        raise UserError(f"the config reads data.{data_section.kind(config.data)} "
+                        f"({objective.name.upper()}), and this "
                         "measures a language model's loss on eval text: give the config of a "
                         "supervised run of the same model with --config and --preset")
     engine.select("jax", config.cluster.virtual_devices)  # every row's, before Keras loads

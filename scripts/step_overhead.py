@@ -36,7 +36,7 @@ engine.select("jax")
 from ml_collections import config_flags  # noqa: E402
 
 from tpu_keras import cli  # noqa: E402
-from tpu_keras import config as config_lib  # noqa: E402
+from tpu_keras import objectives  # noqa: E402
 from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
 from tpu_keras.planning import slice_plan, tpu_compiler  # noqa: E402
 
@@ -93,7 +93,7 @@ def accumulation_extra(config, results) -> dict:
 def main(argv):
     del argv
     config = _CONFIG.value
-    config_lib.check(config)
+    objectives.check(config)
     results = {"toolkit": variant(config, "toolkit", 1), "keras": variant(config, "keras", 1),
                "toolkit_accumulating": variant(config, "toolkit", MICRO_BATCHES),
                "keras_accumulating": variant(config, "keras", MICRO_BATCHES)}

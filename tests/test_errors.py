@@ -222,8 +222,11 @@ CASES = [
                  ["prefs_same.jsonl:1 has the same text under data.preferences.chosen_field='chosen' "
                   "and data.preferences.rejected_field='rejected'", "fix the pair or drop the line"],
                  id="preference-pair-chosen-equals-rejected"),
-    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), "--config.train.dpo_beta=-0.5",
-                              DATA], ["train.dpo_beta=-0.5 must be a number above 0"], id="dpo-beta-not-positive"),
+    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), "--config.dpo.beta=-0.5",
+                              DATA], ["dpo.beta=-0.5 must be a number above 0"], id="dpo-beta-not-positive"),
+    pytest.param(LLAMA_TINY, [*DPO_PAIRS.format("prefs_same").split(), "--config.train.dpo_beta=0.2",
+                              DATA], ["--config.train.dpo_beta moved to --config.dpo.beta"],
+                 id="dpo-beta-of-before"),
     pytest.param(DIGITS_TINY, ["--config.data.tfds.name=", "--config.data.tfds.eval_split=validation",
                                "--config.data.preprocess=",
                                "--config.data.preferences.files={inputs}/prefs_same.jsonl",

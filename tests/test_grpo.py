@@ -3,7 +3,9 @@ group advantages (and Dr.GRPO's, unscaled), the clipped ratio's loss under each 
 loss types, the k3 KL and the clip fraction, within 1e-5; a prompt's tokens weigh exactly
 0, and a group whose rewards are all equal gives no gradient."""
 
+import glob
 import json
+import os
 import re
 import sys
 
@@ -277,7 +279,7 @@ def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path
     """The gpt builder (no KV cache: the sampler reads the whole sequence), a full fine-tune
     with beta > 0 (a frozen copy is the reference), two updates per batch of samples (the
     sampling policy's log-probabilities computed first), TRL's 'grpo' loss type, top-p and a
-    stop token."""
+    stop token; steps 3-4 profiled (the outer loop's profile, as a fit run's)."""
     (tmp_path / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
                                                  for a in range(8)))
     (tmp_path / "rewards.py").write_text(
@@ -285,7 +287,11 @@ def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path
         "    return [sum(c.isdigit() for c in text) for text in completions]\n")
     (tmp_path / "gpt_grpo.py").write_text(GPT_GRPO.format(sums=str(tmp_path / "sums.jsonl"),
                                                           rewards=f"{tmp_path / 'rewards.py'}:digits"))
-    out = train(str(tmp_path / "gpt_grpo.py"), tmp_path / "run").stdout
+    out = train(str(tmp_path / "gpt_grpo.py"), tmp_path / "run",
+                "--config.log.profile_steps=(3, 4)").stdout
+    assert re.search(r"profiling from step 3 into \S+tensorboard", out), out[-3000:]
+    traces = glob.glob(str(tmp_path / "run" / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert traces and all(os.path.getsize(t) > 0 for t in traces), traces
     assert "GRPO reference: a frozen copy of the model's" in out, out[-3000:]
     for step in (2, 4):  # two updates per batch: the second's ratio moves off 1
         assert re.search(rf"step {step}/4 \| clip_fraction \S+ \| grad_norm \S+ \| kl \S+ \| "

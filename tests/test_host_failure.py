@@ -129,4 +129,34 @@ def test_a_jax_host_killed_while_a_save_is_in_flight_ends_its_survivor_by_itself
     assert "host 0 stopped on its own, with exit code 2" in output, output[-3000:]
     assert re.search(r"\[host 0\] error: lost contact with another host after step \d+", output), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert stopped_after < 30, stopped_after  # the grace is 60 s: the survivor stopped itself
+    assert stopped_after < 5, stopped_after  # the grace is 60 s: the survivor stopped itself
+
+
+def test_a_grpo_host_killed_ends_its_survivor_by_itself(tmp_path):
+    """GRPO's sample-then-update runs in the same outer loop as fit: a host killed between
+    two batches of samples (each host samples and scores its own groups) ends the launch
+    within seconds, its survivor naming the lost host in one line, long before the grace."""
+    from test_grpo import GPT_GRPO
+    (tmp_path / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
+                                                 for a in range(8)))
+    (tmp_path / "rewards.py").write_text(
+        "def digits(prompts, completions, answer, **fields):\n"
+        "    return [sum(c.isdigit() for c in text) for text in completions]\n")
+    (tmp_path / "gpt_grpo.py").write_text(GPT_GRPO.format(sums=str(tmp_path / "sums.jsonl"),
+                                                          rewards=f"{tmp_path / 'rewards.py'}:digits"))
+    args = [sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--timeout=300", "--failure_grace=60",
+            "--", sys.executable, "-m", "tpu_keras.train", f"--config={tmp_path / 'gpt_grpo.py'}",
+            f"--workdir={tmp_path / 'run'}", "--config.train.steps=1000",
+            "--config.train.eval_every=1000", "--config.checkpoint.every_steps=4"]
+    with running(args) as launcher:
+        host1 = host_pids(read_until(launcher, r"hosts started: "))[1]
+        read_until(launcher, r"\[host 0\].*step 4/1000")
+        killed_at = time.monotonic()
+        os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
+        output = finish(launcher, timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    assert "host 1 failed first, with signal 9 (SIGKILL)" in output, output[-3000:]
+    assert "host 0 stopped on its own, with exit code 2" in output, output[-3000:]
+    assert re.search(r"\[host 0\] error: lost contact with another host after step \d+", output), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert stopped_after < 5, stopped_after  # the grace is 60 s: the survivor stopped itself

@@ -364,3 +364,35 @@ def test_collectives_that_span_slices_are_split_hierarchically():
     # Inside plus across is the flat ring's total.
     flat = compiled_traffic.sent_per_device(hlo, devices=8)
     assert sent["total"] == flat["total"] == sent["all_reduce"] + sent["all_reduce_across_slices"]
+
+
+# Config errors that train refuses before it runs: plan refuses each in the same line, since
+# both start with the one check of a config (tpu_keras.objectives.check).
+REFUSED_BY_BOTH = {
+    "grpo-completion-fills-the-context": ("configs/grpo_stdlib.py:tiny",
+                                          ["--config.grpo.max_completion_length=100000"]),
+    "grpo-batch-in-whole-groups": ("configs/grpo_stdlib.py:tiny", ["--config.train.batch_size=9"]),
+    "grpo-on-tf": ("configs/grpo_stdlib.py:tiny", ["--config.engine=tf"]),
+    "dpo-beta": ("configs/preference_stdlib.py:tiny", ["--config.dpo.beta=-1.0"]),
+    "dpo-beta-of-before": ("configs/preference_stdlib.py:tiny", ["--config.train.dpo_beta=0.2"]),
+    "objective-without-its-data": ("configs/lm_stdlib.py:tiny", ["--config.train.objective=dpo"]),
+    "another-objectives-section": ("configs/lm_stdlib.py:tiny", ["--config.grpo.beta=0.1"]),
+    "unknown-key": ("configs/lm_stdlib.py:tiny", ["--config.train.stesp=3"]),
+    "interval": ("configs/lm_stdlib.py:tiny", ["--config.train.eval_every=7"]),
+}
+
+
+def test_plan_refuses_what_train_refuses_in_the_same_line(tmp_path):
+    planned = run_in_one_process("tpu_keras.plan", {
+        name: [f"--config={config}", "--tpu=v5litepod-4", *args]
+        for name, (config, args) in REFUSED_BY_BOTH.items()}, timeout=300)
+    trained = run_in_one_process("tpu_keras.train", {
+        name: [f"--config={config}", f"--workdir={tmp_path / name}", *args]
+        for name, (config, args) in REFUSED_BY_BOTH.items()}, timeout=300)
+    errors = lambda result: [line for line in (result.stdout + result.stderr).splitlines()
+                             if line.startswith("error: ")]
+    for name in REFUSED_BY_BOTH:
+        assert trained[name].returncode == planned[name].returncode == 2, (name, trained[name])
+        assert len(errors(trained[name])) == 1 and errors(trained[name]) == errors(planned[name]), \
+            (name, errors(trained[name]), errors(planned[name]))
+        assert not (tmp_path / name).exists(), name  # refused before anything was written

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import assert_one_line_error, run_command, run_in_one_process
-from tpu_keras.planning import layout_search, slice_plan, tpu_compiler
+from tpu_keras.planning import reports, tpu_compiler
 
 LM = ["--config=configs/lm_stdlib.py", "--config.engine=jax"]
 
@@ -44,7 +44,7 @@ def compiled():
     }, timeout=600)
     # The text a plan prints is format_plan of its JSON: rendered here, not compiled twice.
     for name in ("two_slices", "llama_splash"):
-        printed = slice_plan.format_plan(json.loads(calls[name].stdout))
+        printed = reports.format_plan(json.loads(calls[name].stdout))
         calls[f"{name}_text"] = subprocess.CompletedProcess([], 0, printed + "\n", "")
     return calls
 
@@ -119,7 +119,7 @@ def test_auto_with_measure_lets_the_compiler_choose_among_the_best_planned(compi
     best = s["recommended"]
     assert (best["mesh"], best["remat"]) == (chosen["mesh"], chosen["remat"])
     assert s["measured"]["topology"] == "v5e:2x4" and s["measured"]["peak"] == chosen["peak"]
-    text = layout_search.format_search(s)  # what the command prints without --json
+    text = reports.format_search(s)  # what the command prints without --json
     assert "best-planned layouts, compiled by the TPU compiler (libtpu " in text
     assert "<- chosen" in text
     assert "the compiler's step-time estimate, the best of the 2 best-planned layouts compiled" in text
@@ -234,8 +234,8 @@ def test_a_grpo_plan_counts_the_sampler_and_a_copy_only_without_lora_and_compile
     # The sampling program is compiled for the slice too, and holds at least the plan's cache.
     assert lora["measured"]["sampling"]["fits"]
     assert lora["measured"]["sampling"]["temporaries"] >= lora["per_device"]["sampling"]
-    assert "GRPO's sampling program, compiled too" in slice_plan.format_plan(lora)
-    assert "GRPO: each step trains on 64 completions" in slice_plan.format_plan(lora)
+    assert "GRPO's sampling program, compiled too" in reports.format_plan(lora)
+    assert "GRPO: each step trains on 64 completions" in reports.format_plan(lora)
     # The frozen copy is an argument of the compiled step with beta > 0 alone (the compiler
     # pads small weights to its tiles, so at least the plan's bytes).
     assert "reference" not in alone["per_device"]

@@ -165,6 +165,9 @@ def _check_overrides(config, args) -> None:
         key, value = arg[len("--config."):].split("=", 1)
         if _is_new_model_key(config, key):
             continue  # a builder argument the file does not set: the builder checks it
+        if key in config_lib.MOVED_KEYS:
+            raise UserError(f"--config.{key} moved to --config.{config_lib.MOVED_KEYS[key]} (its "
+                            "objective's section)")
         current = config
         for part in key.split("."):
             if not isinstance(current, ml_collections.ConfigDict) or part not in current:

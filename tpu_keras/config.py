@@ -138,7 +138,7 @@ def defaults() -> ml_collections.ConfigDict:
             truncate=False,
         ),
         # Preference pairs for DPO: each .jsonl line a prompt, a chosen and a rejected
-        # response (tpu_keras.data.preferences); the loss is DPO's (train.dpo_beta).
+        # response (tpu_keras.data.preferences); the loss is DPO's (dpo.beta).
         preferences=dict(
             files="",              # a glob of .jsonl files
             eval_files="",         # the same, for evaluation
@@ -204,14 +204,24 @@ def defaults() -> ml_collections.ConfigDict:
         # is ~/.cache/tpu_keras/compile_cache, or WORKDIR/compile_cache on gs://; a folder;
         # '' or 'off'.
         compile_cache="auto",
-        # DPO's beta (data.preferences): how strongly the policy is held to the reference,
-        # the model as training started (tpu_keras.models.preference).
-        dpo_beta=0.1,
+        # What the run trains the model for (tpu_keras.objectives): 'sft', 'dpo', 'grpo' or
+        # one that model.imports registers; auto: dpo on data.preferences, grpo on
+        # data.prompts, else sft.
+        objective="auto",
     )
 
-    # GRPO (data.prompts): the policy samples a group of completions of each prompt, reward
-    # functions score them, and each completion's advantage is its reward against its
-    # group's (tpu_keras.models.grpo). The names are TRL's GRPOConfig's, with its meanings.
+    # DPO (train.objective 'dpo'; data.preferences): the policy learns to prefer each
+    # pair's chosen response over its rejected one (tpu_keras.objectives.dpo).
+    config.dpo = dict(
+        # How strongly the policy is held to the reference, the model as training started
+        # (TRL's beta).
+        beta=0.1,
+    )
+
+    # GRPO (train.objective 'grpo'; data.prompts): the policy samples a group of
+    # completions of each prompt, reward functions score them, and each completion's
+    # advantage is its reward against its group's (tpu_keras.objectives.grpo). The names
+    # are TRL's GRPOConfig's, with its meanings.
     config.grpo = dict(
         num_generations=8,          # G: completions per prompt; train.batch_size counts completions
         max_completion_length=64,   # new tokens per completion, its stop token included
@@ -289,9 +299,7 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise UserError(f"export.formats has {name!r}, which is not one of {EXPORT_FORMATS}"
                             f"{closest(str(name), EXPORT_FORMATS)}")
     train, log = config.train, config.log
-    _check_dpo_beta(config.train.dpo_beta)
     data_section.check(config.data, defaults().data)
-    _check_grpo(config)
     if train.precision not in PRECISIONS:
         raise UserError(f"train.precision={train.precision!r} is not one of "
                         f"{', '.join(map(repr, PRECISIONS))}{closest(train.precision, PRECISIONS)}")
@@ -336,6 +344,10 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
         written = json.load(file)
         if any(key in data_section.MOVED for key in written.get("data", {})):
             written["data"] = data_section.migrated(written["data"])  # a run before the parts
+        for path, place in MOVED_KEYS.items():  # a run before its key moved
+            (section, key), (new_section, new_key) = path.split("."), place.split(".")
+            if key in written.get(section, {}):
+                written.setdefault(new_section, {})[new_key] = written[section].pop(key)
         config.update(written)
     return config
 
@@ -396,73 +408,6 @@ def _same_kind(value, expected) -> bool:
     return expected is None or isinstance(value, type(expected))
 
 
-def _check_dpo_beta(beta) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0 \
-            or not math.isfinite(beta):
-        raise UserError(f"train.dpo_beta={beta!r} must be a number above 0; DPO's beta is how "
-                        "strongly the policy is held to the reference, such as 0.1")
-
-
-def _check_grpo(config) -> None:
-    """GRPO's settings: read by a run of data.prompts alone, on the jax engine, its batch in
-    whole groups and its intervals in whole batches of samples."""
-    grpo, train, kind = config.grpo, config.train, data_section.kind(config.data)
-    if kind != "prompts":
-        changed = [key for key, value in grpo.items()
-                   if data_section.differs(value, defaults().grpo[key])]
-        if changed and kind:
-            raise UserError(f"grpo.{changed[0]} is set, but this run reads data.{kind}, so grpo "
-                            "would be ignored; drop it, or set data.prompts.files to train with GRPO")
-        return
-    if config.engine != "jax":
-        raise UserError("GRPO (data.prompts) samples inside the run on the jax engine; set "
-                        "engine='jax'")
-    for key in ("service_address", "log_example_ids"):
-        if config.data[key]:
-            raise UserError(f"data.{key} does not apply to data.prompts: GRPO's batches are "
-                            "sampled inside the run; drop it (grpo.log_completions writes what "
-                            "each batch held)")
-    if not grpo.rewards:
-        raise UserError("grpo.rewards is empty; name the reward functions, such as "
-                        "('my_rewards:is_correct',) or ('rewards.py:is_correct',)")
-    if grpo.reward_weights and len(grpo.reward_weights) != len(grpo.rewards):
-        raise UserError(f"grpo.reward_weights has {len(grpo.reward_weights)} weights for "
-                        f"{len(grpo.rewards)} reward functions; give one per function, or ()")
-    if isinstance(grpo.num_generations, bool) or not isinstance(grpo.num_generations, int) \
-            or grpo.num_generations < 2:
-        raise UserError(f"grpo.num_generations={grpo.num_generations!r}: GRPO compares each "
-                        "completion with the others of its prompt, so a group needs 2 or more; "
-                        "set it to such as 8")
-    context = config.model.get("context_length", 0)
-    if isinstance(context, int) and 0 < context <= grpo.max_completion_length:
-        raise UserError(f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for "
-                        f"a prompt in model.context_length={context} tokens (a prompt and its "
-                        f"completion share the context); set it below {context}, or raise "
-                        "model.context_length")
-    if train.batch_size % grpo.num_generations:
-        raise UserError(f"train.batch_size={train.batch_size} is not a multiple of "
-                        f"grpo.num_generations={grpo.num_generations}: a batch holds whole groups "
-                        "(train.batch_size counts completions, as TRL's does)")
-    if grpo.loss_type not in GRPO_LOSS_TYPES:
-        raise UserError(f"grpo.loss_type={grpo.loss_type!r} is not one of {GRPO_LOSS_TYPES}"
-                        f"{closest(grpo.loss_type, GRPO_LOSS_TYPES)}")
-    if not 0 < grpo.top_p <= 1 or not grpo.temperature > 0:
-        raise UserError(f"grpo.top_p={grpo.top_p!r} and grpo.temperature={grpo.temperature!r}: "
-                        "set top_p above 0 and at most 1, and temperature above 0")
-    for name in ("checkpoint.every_steps", "log.every_steps", "train.eval_every", "train.steps"):
-        section, key = name.split(".")
-        if config[section][key] % grpo.num_iterations:
-            raise UserError(f"{name}={config[section][key]} must be a multiple of "
-                            f"grpo.num_iterations={grpo.num_iterations}: a batch of samples is "
-                            "trained on that many times before the next is sampled")
-    if train.on_nonfinite != "stop":
-        raise UserError("train.on_nonfinite='restore_and_skip' leaves out a batch of the data, and "
-                        "GRPO's batches are sampled by the policy; set train.on_nonfinite='stop'")
-    if train.steps_per_execution > 1:
-        raise UserError(f"train.steps_per_execution={train.steps_per_execution}: GRPO samples "
-                        "between updates, so each execution is one step; set it to 0 or 1")
-
-
 def a_type(kind: type) -> str:
     """'an int', 'a float', 'a tuple': a type's name as a sentence says it."""
     name = kind.__name__
@@ -502,9 +447,16 @@ def _check_ranges(config):
 _FREE_FORM = ("model", "data.tfrecords.features")
 
 
+# Keys of before that moved to another section: path -> its new path.
+MOVED_KEYS = {"train.dpo_beta": "dpo.beta"}
+
+
 def _check_keys(config, schema, prefix):
     for key, value in config.items():
         path = f"{prefix}{key}"
+        if path in MOVED_KEYS:
+            raise UserError(f"{path} moved to {MOVED_KEYS[path]} (its objective's section): set "
+                            f"{MOVED_KEYS[path]}={value!r} instead")
         if key not in schema and prefix == "data." and data_section.moved(key):
             raise UserError(data_section.moved(key))
         if key not in schema:

@@ -22,7 +22,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from tpu_keras import cli, cluster as cluster_lib
-from tpu_keras import config as config_lib
+from tpu_keras import config as config_lib, objectives
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.tools import cluster_info, slice_layout
@@ -44,7 +44,7 @@ def main(argv):
     config = _CONFIG.value if _CONFIG.value is not None else config_lib.defaults()
     if _ENGINE.value:
         config.engine = _ENGINE.value
-    config_lib.check(config)
+    objectives.check(config)
     if _TPU.value:
         layout = slice_layout.describe(config, _TPU.value)
         print(json.dumps(layout) if _JSON.value else slice_layout.format_layout(layout), flush=True)

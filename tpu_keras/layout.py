@@ -19,7 +19,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from tpu_keras import cli
-from tpu_keras import config as config_lib
+from tpu_keras import objectives
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.planning import layout_report
@@ -37,7 +37,7 @@ def main(argv):
         raise UserError("--config=configs/<name>.py[:variant] is required")
     config = _CONFIG.value
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
-    config_lib.check(config)
+    objectives.check(config)
     engine.select("jax")  # for the allocation-free build, whatever engine trains
     devices = _DEVICES.value or math.prod(size for size in dict(config.mesh).values() if size > 0)
     report = layout_report.describe(config, devices)

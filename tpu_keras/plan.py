@@ -32,10 +32,10 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from tpu_keras import cli
-from tpu_keras import config as config_lib
+from tpu_keras import objectives
 from tpu_keras.cluster import engine, topology
 from tpu_keras.errors import UserError
-from tpu_keras.planning import layout_search, slice_plan
+from tpu_keras.planning import layout_search, reports, slice_plan
 
 NOTHING_FITS = 1  # the exit status when the config (or, with --auto, every layout) does not fit
 
@@ -67,7 +67,7 @@ def main(argv):
     if _CONFIG.value is None or not _TPU.value:
         raise UserError("give --config=configs/<name>.py and --tpu=<slice>, e.g. --tpu=v5p-64")
     logging.set_verbosity(logging.WARNING)  # JAX's platform probing is not news here
-    config_lib.check(_CONFIG.value)
+    objectives.check(_CONFIG.value)  # what train checks first, in the same lines
     compiler = slice_plan.resolve_compiler(_COMPILER.value) if _MEASURE.value else "cpu"
     if _MEASURE.value and compiler == "tpu":  # the slice's own devices, described by libtpu
         engine.select("jax")
@@ -77,12 +77,12 @@ def main(argv):
     if not _AUTO.value:
         result = slice_plan.plan(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                   compiler)
-        print(json.dumps(result, indent=1) if _JSON.value else slice_plan.format_plan(result))
+        print(json.dumps(result, indent=1) if _JSON.value else reports.format_plan(result))
         fits = result["fits"]
     else:
         result = layout_search.search(_CONFIG.value, _TPU.value, _MARGIN.value, _MEASURE.value,
                                       compiler, _COMPILED.value)
-        print(json.dumps(result, indent=1) if _JSON.value else layout_search.format_search(result))
+        print(json.dumps(result, indent=1) if _JSON.value else reports.format_search(result))
         fits = result["recommended"] is not None and result.get("measured", {}).get("fits", True)
     if not fits:
         sys.stdout.flush()

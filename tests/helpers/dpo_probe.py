@@ -60,7 +60,7 @@ from tpu_keras.data import preferences  # noqa: E402
 from tpu_keras.models import lora, preference  # noqa: E402
 
 model, resolved = run.model, run.config
-beta = resolved.train.dpo_beta
+beta = resolved.dpo.beta
 path = sorted(preferences.open_source(resolved.data, training=False).files, key=lambda f: f.path)[0].path
 with open(path) as file:
     records = [json.loads(next(file)) for _ in range(8)]

@@ -111,7 +111,7 @@ report("ACCUM", {"between": largest(updated[1], updated[4]), "moved": largest(up
 
 # ----- the plan, against the CLI's plan of the model registered as a builder ----------
 from tpu_keras import config as tk_config  # noqa: E402
-from tpu_keras.planning import slice_plan  # noqa: E402
+from tpu_keras.planning import reports, slice_plan  # noqa: E402
 
 tpu_keras.models.register("transformer", loss=lambda: LOSS, metrics=lambda: [], headline="loss",
                           layout=lambda kwargs: RULES)(transformer)
@@ -121,7 +121,7 @@ config.layout.replicate_below = 4096
 config.train.update(batch_size=256, grad_accum_steps=2, remat="activations")
 cli_plan = json.loads(json.dumps(slice_plan.plan(config, "v5p-64")))  # what --json prints
 report("PLAN", {"user": json.loads(json.dumps(ns["plan"])), "cli": cli_plan,
-                "printed": str(ns["plan"]) == slice_plan.format_plan(cli_plan)})
+                "printed": str(ns["plan"]) == reports.format_plan(cli_plan)})
 
 # ----- XLA's check of the plan, from user code ----------------------------------------
 measured = tpu_keras.plan_model(transformer, RULES, loss=LOSS, replicate_below=4096,

@@ -73,6 +73,12 @@ def recipe(config) -> Pairs:
     return Pairs(pairs.prompt_field, pairs.chosen_field, pairs.rejected_field)
 
 
+def prompt_recipe(config):
+    """How a prompt starts in a run of `config` (the data section), as its training saw one:
+    a pair's prompt, or a document's (`text.document_recipe`)."""
+    return recipe(config) if data_section.kind(config) == "preferences" else text.document_recipe(config)
+
+
 def make_tokenizer(config) -> tokenizers.Tokenizer:
     """The tokenizer of the `data` section, the offline vocabulary written first if named."""
     return tokenizers.make(text.prepared(config).tokens)

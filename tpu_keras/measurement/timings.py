@@ -19,7 +19,7 @@ on tf, which does not report its compiles, the whole excess is `compile`.
 Only the process's own exit is missing here; `scripts/benchmark.py --run`
 times it from outside.
 
-GRPO's runs (`training.grpo_loop`) add `sampling`, the policy completing
+GRPO's runs (`objectives.grpo_steps`) add `sampling`, the policy completing
 prompts (its first call compiles the sampler; evaluation's sampling counts
 here too), and `rewards`, the reward functions scoring the completions.
 

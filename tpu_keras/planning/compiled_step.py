@@ -74,14 +74,15 @@ def measure(config, mesh: dict, batch_per_replica: int, state_bytes: int = 0,
 
 
 def _built(config):
-    """The model compiled as the run compiles it; GRPO's wrapped in its group model, whose
-    step (the policy's pass, the reference's, the clipped loss) is what a GRPO run compiles."""
-    from tpu_keras import data_section, models
+    """The model compiled as the run compiles it, wrapped as its objective wraps it (GRPO's
+    group model, whose step, the policy's pass, the reference's and the clipped loss, is
+    what a GRPO run compiles)."""
+    from tpu_keras import models, objectives
     cluster = cluster_lib.connect(config.cluster, engine="jax", mesh=config.mesh)
-    objective = "grpo" if data_section.kind(config.data) == "prompts" else ""
-    builder = None
-    if objective:
-        builder = setup.objective_builder(models.registry.get(config.model)[0], objective, config)
+    objective = objectives.of(config)
+    if not objective.plans_its_wrapper:
+        objective = objectives.Objective()  # the language model's own step
+    builder = objective.builder(models.registry.get(config.model)[0], config)
     return setup.build_model(config, cluster, builder, objective=objective)
 
 

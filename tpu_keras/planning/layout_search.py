@@ -28,8 +28,7 @@ from tpu_keras.config import REMAT_MODES
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import compiled_step, slice_plan, tpu_compiler
-from tpu_keras.planning.layout_report import format_bytes
-from tpu_keras.planning.slice_plan import MARGIN_NOTE, NETWORK_NOTE, Footprint, usable_bytes
+from tpu_keras.planning.slice_plan import Footprint, usable_bytes
 
 
 def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
@@ -178,121 +177,9 @@ def _preference(c: dict):
             REMAT_MODES.index(c["remat"]), c["per_device"]["total"])
 
 
-def _layout(c: dict, slices: int) -> str:
+def layout(c: dict, slices: int) -> str:
     """'data=8 x fsdp=2, remat none, 4 per batch split x 2 micro-batch(es)'."""
     return (f"{slice_plan.describe(c['mesh'], slices)}, remat {c['remat']}, "
             f"{c['batch_per_replica']} per batch split x {c['grad_accum_steps']} micro-batch(es)")
 
 
-def format_compiled(s: dict) -> list[str]:
-    """The compiled candidates, the plan's figures beside the TPU compiler's."""
-    header = ("data", "fsdp", "model", "remat", "batch", "accum", "plan", "compiler peak",
-              "plan sent", "compiled sent", "plan comm", "compiler step", "")
-    table = [header]
-    for row in s["compiled"]:
-        mesh, sent = row["mesh"], row["sent"]
-        table.append((str(mesh["data"]), str(mesh["fsdp"]), str(mesh["model"]), row["remat"],
-                      str(row["batch_per_replica"]), str(row["grad_accum_steps"]),
-                      format_bytes(row["plan_bytes"]),
-                      (format_bytes(row["peak"]) if row["peak"] else "?") + ("" if row["fits"]
-                                                                             else " NO FIT"),
-                      format_bytes(row["plan_sent"]), format_bytes(sent) if sent is not None else "-",
-                      slice_plan.format_seconds(row["plan_seconds"]),
-                      f"{row['step_seconds'] * 1e3:.2f} ms" if row["step_seconds"] else "none",
-                      "<- chosen" if row["chosen"] else ""))
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    compiler = s["measured"]["compiler"]
-    return ([f"the {len(s['compiled'])} best-planned layouts, compiled by the {compiler}, per "
-             "device:"]
-            + ["  " + "  ".join(cell.ljust(w) if i in (3, 12) else cell.rjust(w)
-                                for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
-               for r in table]
-            + ["  plan: the plan's bytes; compiler peak: arguments, outputs, temporaries and code; "
-               "sent: per update; plan comm: the plan's communication time; compiler step: the "
-               "compiler's estimate of the whole step"])
-
-
-def format_search(s: dict, rows: int = 12) -> str:
-    """The search as the command prints it: the best candidates, then the recommendation."""
-    fitting = [c for c in s["candidates"] if c["fits"]]
-    slices = s.get("slices", 1)
-    where = f"{slices} x {s['slice']}" if slices > 1 else s["slice"]
-    lines = [f"{s['model']} ({s['parameters']:,} parameters) on {where}: {s['devices']} devices "
-             f"on {s['hosts']} host(s), {format_bytes(s['usable_bytes_per_device'])} usable HBM per "
-             f"device ({format_bytes(s['hbm_bytes_per_device'])} less {s['margin']:.0%}), "
-             f"{s['precision']}",
-             f"batch per update: {s['update_batch']:,}; {len(s['candidates'])} candidates "
-             f"(mesh x remat), {len(fitting)} fit; {len(s['skipped'])} meshes skipped", ""]
-    if s.get("weights", {}).get("frozen"):
-        lines.insert(2, slice_plan.weights_line(s["weights"]))
-    header = ("data", "fsdp", "model", "remat", "batch", "accum", "params", "optimizer",
-              "grads", "activations", "total", "sent/update", "across slices", "time")
-    if slices == 1:
-        header = header[:-2] + header[-1:]
-    table = [header]
-    for c in fitting[:rows]:
-        mesh, d, n = c["mesh"], c["per_device"], c["network"]
-        row = (str(mesh["data"]), str(mesh["fsdp"]), str(mesh["model"]), c["remat"],
-               str(c["batch_per_replica"]), str(c["grad_accum_steps"]),
-               format_bytes(d["parameters"]), format_bytes(d["optimizer"]),
-               format_bytes(d["gradients"]),
-               format_bytes(d["activations"]) + ("*" if mesh["model"] > 1 else ""),
-               format_bytes(d["total"]), format_bytes(c["sent_per_step"]["total"]),
-               format_bytes(n["across_slices"]), slice_plan.format_seconds(n["seconds"]))
-        table.append(row if slices > 1 else row[:-2] + row[-1:])
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
-    if len(fitting) > rows:
-        lines.append(f"... and {len(fitting) - rows} more that fit (--json lists them all)")
-    lines += ["", "per device; data, fsdp, model: one slice's mesh"
-                  + (f", data parallel across the {slices} slices" if slices > 1 else "")
-                  + "; batch: examples per batch split per micro-batch; accum: micro-batches "
-                  "per update; sent: bytes each device sends per update"
-                  + ("; across slices: the part of it that crosses the data-center network"
-                     if slices > 1 else "") + "; time: its " + NETWORK_NOTE,
-              "* model > 1: activations split where tensor parallelism splits them, followed through "
-              "the traced step; the estimate errs high", MARGIN_NOTE]
-    for skip in s["skipped"][:3]:
-        lines.append(f"skipped {mesh_lib.describe(skip['mesh'])}: {skip['reason']}")
-    if "compiled" in s:
-        lines += ["", *format_compiled(s)]
-    best = s["recommended"]
-    if best is None and "compiled" in s:
-        lines += ["", f"nothing the TPU compiler compiled fits: compile more candidates "
-                      f"(--compiled={len(s['compiled']) * 2}), use a larger slice, a smaller "
-                      "model, or a smaller batch per update"]
-        return "\n".join(lines)
-    if best is None:
-        lines += ["", "nothing fits: use a larger slice, a smaller model, or a smaller batch per update "
-                      "(train.batch_size x train.grad_accum_steps)"]
-        return "\n".join(lines)
-    sent = best["sent_per_step"]
-    parts = ", ".join(f"{key.replace('_', ' ')} {format_bytes(value)}" for key, value in sent.items()
-                      if key != "total" and value)
-    least = ("the least estimated communication time" if best["network"]["seconds"] is not None
-             else "the least communication (no published bandwidth for this generation)")
-    if "compiled" in s:
-        least = (f"{s['chosen_by']}, the best of the {len(s['compiled'])} best-planned layouts "
-                 "compiled" + ("" if best is s["plan_recommended"] else
-                               "; the plan alone would have chosen "
-                               + _layout(s["plan_recommended"], slices)))
-    else:
-        least += " of those that fit"
-    lines += ["", f"recommended: {_layout(best, slices)}: {least}",
-              f"  {format_bytes(best['per_device']['total'])} per device; sends "
-              f"{format_bytes(sent['total'])} per update ({parts or 'nothing'})",
-              f"  {slice_plan.format_network(best['network'])}"]
-    if s.get("measured", {}).get("backend") == "tpu":
-        lines += ["  " + line for line in tpu_compiler.format_measured(best, s["measured"],
-                                                                        format_bytes)]
-        if "sent_per_step" in s["measured"]:
-            lines += slice_plan.measured_notes(sent, s["measured"])
-    elif "measured" in s:
-        m = s["measured"]
-        lines += [f"  XLA's compiled step on {m['devices']} {m['backend']} device(s) sends "
-                  f"{format_bytes(m['sent_per_step']['total'])} per device (plan / XLA = "
-                  f"{sent['total'] / max(1, m['sent_per_step']['total']):.2f})"]
-        lines += slice_plan.measured_notes(sent, m)
-    lines.append(f"  {s['flags']}")
-    return "\n".join(lines)

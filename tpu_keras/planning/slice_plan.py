@@ -29,13 +29,12 @@ against XLA (`compiled_step`); `--auto` searches the layouts (`layout_search`).
 # runs without JAX); NumPy (start-up time: not every caller needs it).
 import functools
 
-from tpu_keras import data_section
+from tpu_keras import objectives
 from tpu_keras.config import REMAT_MODES
 from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import compiled_step, layout_report, network, tpu_compiler
-from tpu_keras.planning.layout_report import format_bytes
 from tpu_keras.training import defaults
 
 
@@ -245,34 +244,34 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
                         f"batch splits ({'slices x ' if slices > 1 else ''}data x fsdp) of "
                         f"{slice_name}; use a multiple of {splits}")
     per_replica = global_batch // splits
-    # DPO (data.preferences): an example is a pair, two sequences through the model. Its
-    # reference's forward pass keeps nothing for the backward; with LoRA it is the base with
-    # the adapters off, otherwise a frozen copy of the weights (models.preference). GRPO
-    # (data.prompts): an example is a completion; the reference is DPO's, none with beta 0.
-    kind = data_section.kind(config.data)
-    sequences = 2 if kind == "preferences" else 1
+    # The objective's terms. DPO: an example is a pair, two sequences through the model, and
+    # its reference's forward pass keeps nothing for the backward; with LoRA the reference
+    # is the base with the adapters off, otherwise a frozen copy of the weights. GRPO: an
+    # example is a completion, sampled first; its reference is DPO's, none with beta 0.
+    objective = objectives.of(config)
+    terms = objective.plan_terms(config)
+    sequences = objective.sequences_per_example
     footprint = Footprint(config)
     remat = config.train.remat
     per_device = footprint.per_device(mesh, per_replica * sequences, remat)
     reference = 0
-    if (kind == "preferences" or (kind == "prompts" and config.grpo.beta > 0)) \
-            and not config.model.get("lora_rank"):
+    if terms["reference"]:
         reference = per_device["parameters"]
         per_device = {**per_device, "reference": reference, "total": per_device["total"] + reference}
-    if kind == "prompts":
+    if terms["sampling"]:
         per_device = _with_sampling(per_device, footprint, config, mesh, per_replica)
     largest = footprint.largest_batch(mesh, remat, usable - reference) // sequences
     sent = footprint.sent_per_step(mesh, per_replica * sequences, config.train.grad_accum_steps,
                                    slices)
     result = {
-        "model": config.model.name, "slice": found.name, "slices": slices,
+        "model": config.model.name, "objective": objective.name, "slice": found.name, "slices": slices,
         "generation": found.generation.name,
         "hosts": found.hosts * slices, "devices": found.devices * slices, "mesh": mesh,
         "hbm_bytes_per_device": found.hbm_bytes_per_device, "margin": margin,
         "usable_bytes_per_device": usable, "precision": footprint.precision, "remat": remat,
         "global_batch": global_batch, "per_replica_batch": per_replica,
         "sequences_per_example": sequences,
-        "num_generations": config.grpo.num_generations if kind == "prompts" else None,
+        "num_generations": config.grpo.num_generations if terms["sampling"] else None,
         "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
         "weights": footprint.weight_dtypes,
@@ -302,149 +301,3 @@ def _with_sampling(per_device: dict, footprint, config, mesh: dict, rows: int) -
     return {**per_device, "sampling": cache, "total": per_device["total"] + max(0, cache - step)}
 
 
-MARGIN_NOTE = ("HBM is what the devices report usable, not the published capacity; --margin "
-               "keeps room for XLA's own buffers, padding and fragmentation")
-
-
-def _sent_parts(sent: dict) -> str:
-    parts = [(key.replace("_", " "), value) for key, value in sent.items() if key != "total" and value]
-    return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts) or "nothing"
-
-
-def format_seconds(seconds) -> str:
-    if seconds is None:
-        return "no published bandwidth"
-    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
-def format_network(n: dict) -> str:
-    """'inside slices 1.2 GiB (ICI, 3.4 ms), across slices 10 MiB (DCN, 5.6 ms): 9.0 ms'."""
-    inside = f"inside the slice {format_bytes(n['inside_slice'])} (ICI, {format_seconds(n['ici_seconds'])})"
-    if n["slices"] == 1:
-        return inside
-    return (f"{inside}, across the {n['slices']} slices {format_bytes(n['across_slices'])} "
-            f"(DCN, {format_seconds(n['dcn_seconds'])}): {format_seconds(n['seconds'])} in all")
-
-
-NETWORK_NOTE = ("estimated time: bytes over the published bandwidth (ICI: half the bidirectional "
-                "figure per chip; DCN: the host network's share per chip), without latency or "
-                "overlap with compute")
-
-
-def measured_notes(sent: dict, m: dict) -> list[str]:
-    """The across-slice check, and what XLA:CPU sends that a TPU would not."""
-    lines = []
-    if m.get("slices", 1) > 1:
-        planned, compiled = network.across_slices(sent), network.across_slices(m["sent_per_step"])
-        tpu = m.get("backend") == "tpu"
-        how = ("in the transfers the TPU compiler hands the data-center network (DCN)" if tpu
-               else "by the compiled collectives whose groups span slices")
-        lines.append(f"  {'across slices':<16} {format_bytes(compiled):>11}  {how} (plan / "
-                     f"{'compiler' if tpu else 'XLA'} = {planned / max(1, compiled):.2f})")
-    if "cpu_sent_per_step" in m:
-        lines.append(f"  note: XLA:CPU's own program sends {format_bytes(m['cpu_sent_per_step']['total'])} "
-                     "after its backend passes, among them all-reduce-promotion and "
-                     "float-normalization-bf16, which widen bf16 collectives to float32 (a TPU "
-                     "reduces bf16 natively); the figures above are the SPMD partitioner's "
-                     "collectives, in the dtypes a TPU sends")
-    return lines
-
-
-def weights_line(weights: dict) -> str:
-    """'weights: frozen bfloat16 14.96 GiB, trainable float32 26.00 MiB (all devices together)'."""
-    parts = [f"{kind} {dtype} {format_bytes(size)}" for kind in ("frozen", "trainable")
-             for dtype, size in sorted(weights[kind].items(), key=lambda item: -item[1])]
-    return f"weights: {', '.join(parts)} (all devices together)"
-
-
-def format_plan(p: dict) -> str:
-    """The plan as the command prints it: bytes per device, whether it fits, the largest batch."""
-    mesh, d = p["mesh"], p["per_device"]
-    note = {"parameters": "exact (the layout tool's arithmetic)", "optimizer": "exact",
-            "gradients": "exact",
-            "activations": "estimate: what the backward pass keeps"
-                           + (f", remat {p['remat']}" if p.get("remat", "none") != "none"
-                              else ", no rematerialisation")
-                           + (", split as tensor parallelism splits them (errs high)"
-                              if mesh["model"] > 1 else "")}
-    where = f"{p['slices']} x {p['slice']}" if p.get("slices", 1) > 1 else p["slice"]
-    lines = [f"{p['model']} on {where}: {p['devices']} devices on {p['hosts']} host(s), "
-             f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
-             f"mesh {describe(mesh, p.get('slices', 1))}, global batch "
-             f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}"]
-    if p.get("weights", {}).get("frozen"):
-        lines.append(weights_line(p["weights"]))
-    if p.get("sequences_per_example", 1) == 2:
-        lines.append("DPO: each example is a pair, 2 sequences (chosen, rejected); the reference's "
-                     "forward pass keeps nothing for the backward, and " +
-                     ("it is a frozen copy of the weights" if "reference" in d else
-                      "it is the base with the adapters off, so it adds no weights"))
-    if "sampling" in d:
-        lines.append(f"GRPO: each step trains on {p['global_batch']:,} completions, "
-                     f"grpo.num_generations={p['num_generations']} per prompt, sampled by the "
-                     "policy first; the reference " +
-                     ("is a frozen copy of the weights" if "reference" in d else
-                      "adds no weights (LoRA's base with the adapters off, or none with beta 0)"))
-    lines += ["", "per device"]
-    labels = {"parameters": "parameters", "optimizer": "optimizer state",
-              "gradients": "gradients", "activations": "activations"}
-    if "reference" in d:
-        labels["reference"] = "reference"
-        note["reference"] = f"exact: {'GRPO' if 'sampling' in d else 'DPO'}'s frozen copy"
-    if "sampling" in d:
-        labels["sampling"] = "sampler cache"
-        note["sampling"] = ("estimate: the KV cache and logits of the per-replica completions; "
-                            "sampling and the step alternate, so the total counts the larger")
-    for key, label in labels.items():
-        lines.append(f"  {label:<16} {format_bytes(d[key]):>11}  {note[key]}")
-    lines.append(f"  {'total':<16} {format_bytes(d['total']):>11}")
-    lines += ["", f"sent per device per step: {format_bytes(p['sent_per_step']['total'])} "
-                  f"({_sent_parts(p['sent_per_step'])})",
-              f"  {format_network(p['network'])}", f"  {NETWORK_NOTE}"]
-    if p.get("measured", {}).get("backend") == "tpu":
-        lines += [""] + tpu_compiler.format_measured(p, p["measured"], format_bytes)
-        if "sent_per_step" in p["measured"]:
-            lines += measured_notes(p["sent_per_step"], p["measured"])
-    elif "measured" in p:
-        m = p["measured"]
-        lines += ["", f"XLA's figures for the compiled step on {m['devices']} {m['backend']} "
-                      "device(s), per device:",
-                  f"  {'total':<16} {format_bytes(m['total']):>11}  arguments "
-                  f"{format_bytes(m['arguments'])}, outputs {format_bytes(m['outputs'])}, "
-                  f"temporaries {format_bytes(m['temporaries'])} (plan / XLA = "
-                  f"{d['total'] / m['total']:.2f})",
-                  f"  {'activations':<16} {format_bytes(m['activations']):>11}  the temporaries "
-                  f"that grow with the batch (estimate / XLA = "
-                  f"{d['activations'] / max(1, m['activations']):.2f})",
-                  f"  {'sent per step':<16} {format_bytes(m['sent_per_step']['total']):>11}  by the "
-                  f"compiled collectives ({_sent_parts(m['sent_per_step'])}; plan / XLA = "
-                  f"{p['sent_per_step']['total'] / max(1, m['sent_per_step']['total']):.2f})"]
-        lines += measured_notes(p["sent_per_step"], m)
-    lines += ["", f"usable HBM: {format_bytes(p['usable_bytes_per_device'])} per device "
-                  f"({p['margin']:.0%} kept free)", MARGIN_NOTE]
-    share = d["total"] / p["usable_bytes_per_device"]
-    compiled = p.get("measured", {}) if p.get("measured", {}).get("backend") == "tpu" else None
-    if compiled:
-        lines.append(("fits by the TPU compiler: yes, " if compiled["fits"] else
-                      "fits by the TPU compiler: NO, ")
-                     + (f"peak {format_bytes(compiled['peak'])}, {compiled['share_of_hbm']:.1%} of "
-                        f"{format_bytes(compiled['hbm_bytes_per_device'])} HBM"
-                        if compiled.get("peak") else "out of memory")
-                     + ("" if compiled["fits"] else ": lower train.batch_size, split the weights "
-                        "over mesh.fsdp or mesh.model, set train.remat, or use a larger slice"))
-    if p.get("plan_fits", p["fits"]):
-        lines.append(("the plan: " if compiled else "")
-                     + (f"fits: yes, {share:.1%} of usable HBM" if share >= 0.001
-                        else "fits: yes, under 0.1% of usable HBM"))
-    else:
-        lines.append(f"{'the plan: ' if compiled else ''}fits: NO, {share:.0%} of usable HBM: lower train.batch_size, split the "
-                     "weights over mesh.fsdp or mesh.model (jax engine), or use a larger slice; "
-                     "--auto searches the layouts")
-    if p["largest_global_batch"]:
-        lines.append(f"largest global batch that fits: {p['largest_global_batch']:,} "
-                     f"({p['largest_global_batch'] // (mesh_lib.batch_splits(mesh) * p.get('slices', 1)):,} per "
-                     "replica)")
-    else:
-        lines.append("largest global batch that fits: none (the weights, optimizer state and "
-                     "gradients alone fill HBM)")
-    return "\n".join(lines)

@@ -46,7 +46,7 @@ import importlib.metadata
 import re
 import time
 
-from tpu_keras import data_section
+from tpu_keras import objectives
 from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.cluster.record import Cluster
 from tpu_keras.errors import UserError, first_line
@@ -116,7 +116,7 @@ def measure(config, tpu: str, mesh: dict, batch_per_replica: int, step: str = "t
             result.update(_figures(compiled, found, slices, len(chips)))
             result["splash_attention_layers"] = routed
             result.update(_estimate(result, model, config, found, len(chips)))
-            if data_section.kind(config.data) == "prompts":  # GRPO's other program
+            if objectives.of(config).plan_terms(config)["sampling"]:  # GRPO's other program
                 result["sampling"] = _sampling_figures(model, config, backend_mesh, batch_per_replica,
                                                        found)
                 result["fits"] = result["fits"] and result["sampling"]["fits"]
@@ -159,8 +159,8 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
         routed = (splash_attention.route(model, cluster)
                   if attention == "auto" and step == "toolkit" else 0)
         placer.check(model.weights)
-        if data_section.kind(config.data) == "prompts":  # GRPO's step: the group model's
-            model, builder = _group_model(model, builder, config)
+        if objectives.of(config).plans_its_wrapper:  # GRPO's step: the group model's
+            model, builder = _wrapped(model, builder, config)
         for variable in model.weights:
             # What Keras does as it initialises a variable: take its layout from the
             # distribution. The optimizer's slots then take their weight's layout.
@@ -173,18 +173,16 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     return model, config, device_mesh.backend_mesh, routed
 
 
-def _group_model(policy, builder, config):
-    """GRPO's group model around `policy` (with a frozen copy for a full fine-tune with
-    beta above 0, as the run holds one), and its builder."""
+def _wrapped(policy, builder, config):
+    """The objective's model around `policy` (GRPO's group model, with a frozen copy for a
+    full fine-tune that holds a reference, as the run holds one), and its builder."""
     from tpu_keras import models
-    from tpu_keras.models import grpo, lora
-    from tpu_keras.training import setup
-    with_reference = config.grpo.beta > 0
+    from tpu_keras.models import lora
+    objective = objectives.of(config)
     reference = None
-    if with_reference and not lora.adapted_layers(policy):
+    if objective.holds_reference(config) and not lora.adapted_layers(policy):
         reference = models.build(config.model, remat=config.train.remat)
-    model = grpo.GroupModel(policy, reference, with_reference, config.grpo.temperature)
-    return model, setup.objective_builder(builder, "grpo", config)
+    return objective.wrap(policy, reference, config), objective.builder(builder, config)
 
 
 def _sampling_figures(model, config, backend_mesh, batch_per_replica: int, found) -> dict:
@@ -435,94 +433,3 @@ def sent_terms(p: dict, m: dict) -> dict:
     return result
 
 
-def _format_terms(p: dict, m: dict, format_bytes) -> list[str]:
-    """Lines for the plan's terms against the compiler's, when the totals part by more than
-    `MEMORY_BOUND`: which term differs most, and why."""
-    by_term = terms(p, m)
-    if "differs_most" not in by_term:
-        return []
-    lines = ["  the plan against the compiler, term by term:"]
-    for term in ("weights and optimizer state", "gradients and activations", "program"):
-        t = by_term[term]
-        lines.append(f"    {term:<28} plan {format_bytes(t['plan']):>11}  compiler "
-                     f"{format_bytes(t['compiler']):>11}")
-    most = by_term[by_term["differs_most"]]
-    lines.append(f"    differs most: {by_term['differs_most']}: {most['why']}")
-    return lines
-
-
-def format_measured(p: dict, m: dict, format_bytes) -> list[str]:
-    """The compiler's lines of the plan: memory per device against HBM, the step-time
-    estimate and its MFU, and the collectives, most bytes first."""
-    where = (f"{m['devices']} device{'s' * (m['devices'] > 1)} ({m['topology']}"
-             + (f" x {m['slices']} slices" if m["slices"] > 1 else "") + ")")
-    hbm = format_bytes(m["hbm_bytes_per_device"])
-    if "out_of_memory" in m:
-        lines = [f"{m['compiler']} for {where}, {m['seconds']['compile']:.0f} s: out of memory",
-                 f"  does not fit: {m['out_of_memory']}"]
-        if m.get("peak"):
-            lines.append(f"  {'needs at least':<16} {format_bytes(m['peak']):>11}  of {hbm} HBM "
-                         f"per device ({m['share_of_hbm']:.0%}), by the compiler's words above")
-        return lines
-    lines = [f"{m['compiler']}, the step compiled for {where} in "
-             f"{m['seconds']['compile']:.0f} s, per device:"]
-    d = p["per_device"]
-    lines += [f"  {'arguments':<16} {format_bytes(m['arguments']):>11}  weights, optimizer state, "
-              "the batch",
-              f"  {'outputs':<16} {format_bytes(m['outputs']):>11}  less those written over a "
-              "donated argument",
-              f"  {'temporaries':<16} {format_bytes(m['temporaries']):>11}  gradients, activations, "
-              "workspace",
-              f"  {'program':<16} {format_bytes(m['program']):>11}  the compiled code",
-              f"  {'peak':<16} {format_bytes(m['peak']):>11}  {m['share_of_hbm']:.1%} of {hbm} HBM: "
-              + ("fits" if m["fits"] else "does NOT fit")
-              + f" (plan / compiler = {d['total'] / max(1, m['peak']):.2f})"]
-    lines += _format_terms(p, m, format_bytes)
-    if m.get("splash_attention_layers"):
-        lines.append(f"  {'attention':<16} {'splash':>11}  the TPU's fused kernel in "
-                     f"{m['splash_attention_layers']} layers ({m['fused_kernels']} kernel calls "
-                     "in the program)")
-    if "sampling" in m:
-        sampled = m["sampling"]
-        lines.append(f"  {'sampler':<16} " + (
-            f"{format_bytes(sampled['peak']):>11}  GRPO's sampling program, compiled too: its peak "
-            f"({format_bytes(sampled['temporaries'])} of temporaries, the KV cache among them; "
-            f"the plan's cache: {format_bytes(d.get('sampling', 0))}); "
-            + ("fits" if sampled["fits"] else "does NOT fit")
-            if "peak" in sampled else f"{'-':>11}  GRPO's sampling program does not fit: "
-                                      f"{sampled['out_of_memory']}"))
-    if m["step_seconds"] is not None:
-        mfu = (f", MFU {m['mfu']:.1%} ({m['mfu_of']} of the update over that time and the "
-               "bf16 peak)" if m.get("mfu") is not None else "")
-        covers = m.get("estimate_covers", "the step")
-        lines.append(f"  {'step time':<16} {m['step_seconds'] * 1e3:>8.2f} ms  the compiler's "
-                     f"estimate{mfu}" + ("" if covers == "the step" else f"; it covers {covers}"))
-    else:
-        lines.append(f"  {'step time':<16} {'none':>11}  the compiler gave no estimate for this "
-                     "program")
-    lines.append(f"  {'sent per step':<16} {format_bytes(m['sent_per_step']['total']):>11}  by the "
-                 f"compiled collectives (plan / compiler = "
-                 f"{p['sent_per_step']['total'] / max(1, m['sent_per_step']['total']):.2f}):")
-    by_network = {name: sum(c[f"{name.lower()}_bytes"] for c in m["collectives"])
-                  for name in ("ICI", "DCN")}
-    lines.append(f"    over the chip interconnect (ICI) {format_bytes(by_network['ICI'])}"
-                 + (f", over the data-center network (DCN) {format_bytes(by_network['DCN'])}"
-                    if m["slices"] > 1 else "") + "; the largest:")
-    shown = m["collectives"][:8]
-    for c in shown:
-        lines.append(f"    {c['op']:<18} {c['shape'][:40]:<40} x{c['count']:<4} over "
-                     f"{c['group_size']:>4} devices  {format_bytes(c['sent_bytes']):>11}  "
-                     f"{c['network']}")
-    rest = m["collectives"][len(shown):]
-    if rest:
-        lines.append(f"    and {len(rest)} more, {format_bytes(sum(c['sent_bytes'] for c in rest))} "
-                     "in all (--json lists each)")
-    if not m["collectives"]:
-        lines.append("    none")
-    by_kind = sent_terms(p, m)
-    if "differs_most" in by_kind:
-        kind = by_kind["differs_most"]
-        lines.append(f"    differs most: {kind.replace('_', '-')}, plan "
-                     f"{format_bytes(by_kind[kind]['plan'])} against compiled "
-                     f"{format_bytes(by_kind[kind]['compiler'])}: {by_kind[kind]['why']}")
-    return lines

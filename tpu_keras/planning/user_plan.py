@@ -17,14 +17,14 @@ import contextlib
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.parallelism import REPLICATE_BELOW, as_rules
-from tpu_keras.planning import slice_plan
+from tpu_keras.planning import reports, slice_plan
 
 
 class Plan(dict):
     """The plan, as `python -m tpu_keras.plan --json` gives it; printed, as the command prints it."""
 
     def __str__(self) -> str:
-        return slice_plan.format_plan(self)
+        return reports.format_plan(self)
 
 
 def plan_model(make_model, rules=(), *, loss, tpu: str, mesh: dict, batch: int,

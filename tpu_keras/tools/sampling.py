@@ -75,8 +75,7 @@ def from_run(workdir: str, config) -> Generator:
         tokenizer=tokenizers.BYTES)  # byte windows (stdlib_bytes): each byte a token
     tokenizer = tokenizers.make(tokens)
     # A prompt starts as training started one: instruction data puts the start token first.
-    recipe = (preferences.recipe(config.data) if kind == "preferences"
-              else text.document_recipe(config.data))
+    recipe = preferences.prompt_recipe(config.data)
     start = recipe.prompt_start(tokenizer) if tokenized else []
     context = model.input_shape[1]
     task = export.find_task(model)  # nested where the run packed examples apart

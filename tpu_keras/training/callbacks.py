@@ -22,12 +22,12 @@ class IntervalLogger(keras.callbacks.Callback):
 
     def __init__(self, *, total_steps: int, global_batch: int,
                  tokens_per_example: float = 0, flops_per_example: float = 0, peak_flops: float = 0.0,
-                 summary_dir: str | None = None):
+                 writer=None):
         super().__init__()
         self._total = total_steps
         self._batch, self._tokens = global_batch, tokens_per_example
         self._flops, self._peak = flops_per_example, peak_flops
-        self._writer = tf.summary.create_file_writer(summary_dir) if summary_dir else None
+        self._writer = writer  # the run's TensorBoard writer (training.controller), or None
         self._clock = None  # (time, steps done) at the end of the first execution
         self._last = None   # (time, steps done) at the end of the latest execution
 
@@ -56,11 +56,6 @@ class IntervalLogger(keras.callbacks.Callback):
                     # Model FLOPs utilization: the share of the peak the model's matmuls use.
                     scalars["mfu"] = scalars["model_flops_per_second"] / self._peak
         log_scalars(step, self._total, scalars, self._writer)
-
-    def close(self):
-        """Closes the TensorBoard event file (uploads its end on gs://)."""
-        if self._writer:
-            self._writer.close()
 
 
 class FitTimer(keras.callbacks.Callback):

@@ -15,7 +15,7 @@ The choices `auto` makes, and why (figures: docs/performance.md):
 
 import math
 
-from tpu_keras import data_section
+from tpu_keras import objectives
 
 CPU_STEPS_PER_EXECUTION = 10
 TPU_STEPS_PER_EXECUTION = 100  # without a log interval to match
@@ -52,6 +52,5 @@ def resolve(config, cluster) -> dict:
     with their values here: the run's resolved config takes them (`training.run_config`),
     so the config written to the workdir says what actually ran."""
     per_execution = steps_per_execution(config.train, cluster, config.log.every_steps)
-    if data_section.kind(config.data) == "prompts":  # GRPO samples between any two updates
-        per_execution = 1
+    per_execution = objectives.of(config).steps_per_execution(per_execution)  # GRPO's: 1
     return {"precision": precision(config.train, cluster.kind), "steps_per_execution": per_execution}

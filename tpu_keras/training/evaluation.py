@@ -24,7 +24,6 @@ import time
 
 from absl import logging
 
-from tpu_keras import data_section
 from tpu_keras.errors import UserError
 from tpu_keras.training import setup
 
@@ -40,9 +39,8 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     from tpu_keras import data
     from tpu_keras.training import checkpoint
     cluster, config, model, checkpointer = run.cluster, run.config, run.model, run.checkpointer
-    if data_section.kind(config.data) == "prompts":  # GRPO: completions sampled and scored
-        measure = _grpo_evaluation(config, cluster, model, workdir)
-    else:
+    measure = run.objective.evaluation(run, workdir)  # GRPO's: completions sampled and scored
+    if measure is None:
         eval_data, eval_steps = data.build(config.data, cluster, config.train.batch_size,
                                            training=False, max_eval_steps=config.train.eval_steps)
 
@@ -92,18 +90,6 @@ def evaluate(config, workdir: str, step: int | None = None, watch: bool = False,
     for writer in writers:
         writer.close()
     return results
-
-
-def _grpo_evaluation(config, cluster, model, workdir: str):
-    """GRPO's evaluation as its run evaluates: every prompt of data.prompts.eval_files
-    completed with evaluation's one random stream, the mean rewards (`training.grpo_loop`)."""
-    from tpu_keras.measurement import timings
-    from tpu_keras.training import grpo_loop
-    batches = grpo_loop.Batches(config, cluster, model.policy)
-    if not batches.evaluating:
-        raise UserError(f"the GRPO run in {workdir} has no data.prompts.eval_files to evaluate "
-                        "on; give them, as --config.data.prompts.eval_files=GLOB")
-    return lambda: batches.evaluate(timings.RunTimings(time.time()))
 
 
 def _agreed(steps: list, cluster) -> list:

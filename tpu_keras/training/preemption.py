@@ -36,14 +36,18 @@ def watch() -> None:
 
 
 class SaveOnPreemption(keras.callbacks.Callback):
-    """After each execution: if any host got SIGTERM, save on every host and raise `Preempted`."""
+    """After each execution: if any host got SIGTERM, save on every host and raise `Preempted`.
+    `steps_per_boundary`: only after a step that is a multiple of it, where a checkpoint
+    may fall (GRPO's: the end of a batch of samples)."""
 
-    def __init__(self, checkpointer, cluster):
+    def __init__(self, checkpointer, cluster, steps_per_boundary: int = 1):
         super().__init__()
-        self._checkpointer = checkpointer
+        self._checkpointer, self._every = checkpointer, steps_per_boundary
         self._any_host = _any_host_fn(cluster)
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._every > 1 and self._checkpointer.step % self._every:
+            return
         if self._any_host(_signalled.is_set()):
             if keras.backend.backend() == "jax":
                 self.model.jax_state_sync()  # Keras's jax loop keeps the state apart until then

@@ -27,15 +27,10 @@ import threading
 
 from absl import logging
 
-from tpu_keras import cluster as cluster_lib, config as config_lib, data_section
+from tpu_keras import cluster as cluster_lib, config as config_lib, data_section, objectives
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.training import compile_cache
-
-
-# The objectives a kind of data trains with, beside the builder's own loss: DPO on
-# preference pairs, GRPO on prompts.
-OBJECTIVES = {"preferences": "dpo", "prompts": "grpo"}
 
 
 @dataclasses.dataclass
@@ -43,7 +38,9 @@ class RunSetup:
     """What `set_up` made: the run's pieces, ready to train, evaluate or restore."""
     cluster: object          # tpu_keras.cluster.Cluster
     config: object           # the resolved config, frozen (training.run_config)
-    builder: object          # the model's registry entry (tpu_keras.models.registry.Builder)
+    objective: object        # what the model trains for (tpu_keras.objectives.Objective)
+    builder: object          # the model's registry entry (tpu_keras.models.registry.Builder),
+                             # with the objective's loss and metrics
     model_kwargs: dict       # ... and its keyword arguments
     model: object            # keras.Model, built and compiled as a run compiles it
     text_source: object      # packed text's eval source (data.text.PackedSource), or None
@@ -78,16 +75,17 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
     phase = timings.phase if timings is not None else lambda name: contextlib.nullcontext()
     if one_device:
         config = _on_one_device(config)
-    config_lib.check(config)
+    objectives.check(config)
     engine.select(config.engine, config.cluster.virtual_devices)  # before Keras loads
     if not one_device:
         compile_cache.prepare(config.train.compile_cache, workdir, config.engine)  # before TF starts
     import keras
     import tensorflow as tf
     from tpu_keras import data, models, workdir as workdir_lib
-    from tpu_keras.data import preferences
     from tpu_keras.models import export, frozen_base
     from tpu_keras.training import checkpoint, preemption, run_config
+    models.registry.import_all(config.model.get("imports", ()))  # the user's builders, objectives
+    objectives.check_registered(config)  # a user's own objective is registered by now
 
     if trains:
         workdir_lib.prepare(workdir)
@@ -112,22 +110,19 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         if resolved.deterministic and resolved.engine == "tf":
             tf.config.experimental.enable_op_determinism()
 
-    models.registry.import_all(resolved.model.get("imports", ()))  # the user's builders, families
     models.hub.prepare_preset(resolved.model, workdir, cluster.is_chief)  # a {workdir} preset
+    objective = objectives.of(resolved)
     builder, model_kwargs = models.registry.get(resolved.model)
     if trains:  # the tokenizer its export carries, read before the run trains
         export.check_tokenizer(resolved)
     text_source = None
-    kind = data_section.kind(resolved.data)
-    objective = OBJECTIVES.get(kind, "")
-    if objective:  # DPO's pairs model, GRPO's group model
-        builder = objective_builder(builder, objective, resolved)
-    elif not one_device and kind in ("text", "instructions"):
+    if not one_device and data_section.kind(resolved.data) in ("text", "instructions"):
         # Its tokens per byte turn bits per token into bits per byte.
         with phase("data"):
             text_source = data.text.open_source(resolved.data, training=False,
                                                 hosts=(cluster.host_index, cluster.num_processes))
         builder = with_text_metrics(builder, text_source.tokens_per_byte)
+    builder = objective.builder(builder, resolved)  # DPO's, GRPO's loss and metrics
     with phase("model"):
         model = build_model(resolved, cluster, builder, objective=objective)
     if trains and cluster.is_chief:  # the record first: a run with a kept model has one
@@ -137,25 +132,16 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
         compile_cache.keep_steps(model, compile_counter, resolved)
     if text_source is not None:
         data.text.check_vocabulary(text_source.tokenizer, model.output_shape[-1], resolved.data)
-    if objective == "dpo" and not one_device:
-        data.text.check_vocabulary(preferences.make_tokenizer(resolved.data),
-                                   model.policy.output_shape[-1], resolved.data)
+    if not one_device:
+        objective.check_model(resolved, model)
     saving = ({"keep": resolved.checkpoint.keep, "asynchronous": resolved.checkpoint.asynchronous}
               if trains else {})
     checkpointer = checkpoint.open_checkpointer(
         workdir, model, cluster, adapters_only=frozen_base.adapters_only(resolved.model), **saving)
-    return RunSetup(cluster=cluster, config=resolved, builder=builder, model_kwargs=model_kwargs,
+    return RunSetup(cluster=cluster, config=resolved, objective=objective, builder=builder,
+                    model_kwargs=model_kwargs,
                     model=model, text_source=text_source, checkpointer=checkpointer,
                     compile_counter=compile_counter)
-
-
-def objective_builder(builder, objective: str, config):
-    """The language model's registry `Builder` turned to `objective` ('dpo', 'grpo'): its
-    loss and metrics (`models.preference.builder`, `models.grpo.builder`)."""
-    from tpu_keras.models import grpo, preference
-    if objective == "dpo":
-        return preference.builder(builder, config.train.dpo_beta)
-    return grpo.builder(builder, config.grpo)
 
 
 def _on_one_device(config):
@@ -174,15 +160,14 @@ def with_text_metrics(builder, tokens_per_byte: float):
         bits_per_token_metric(), bits_per_byte(tokens_per_byte)])
 
 
-def build_model(config, cluster, builder=None, objective: str = ""):
+def build_model(config, cluster, builder=None, objective=None):
     """The config's model on `cluster`, with its layout rules checked, compiled as a run compiles it.
 
     `builder` replaces the registry's for `config.model` (packed text's metrics:
-    `with_text_metrics`; DPO's and GRPO's losses). `objective` 'dpo' wraps the model
-    in DPO's pairs model (`models.preference.PairsModel`), 'grpo' in GRPO's group model
-    (`models.grpo.GroupModel`); either holds the reference (`PolicyWrapper`), which
-    without LoRA layers is a second, frozen copy of the model, made here with the
-    model's layout and starting weights (none for GRPO with beta 0).
+    `with_text_metrics`; DPO's and GRPO's losses). `objective` (default: the config's)
+    wraps the model as it trains: DPO's pairs model, GRPO's group model; where it holds
+    a reference (`PolicyWrapper`), that is, without LoRA layers, a second, frozen copy of
+    the model, made here with the model's layout and starting weights.
 
     On jax this first sets the process's `keras.distribution` from the
     model's layout rules, so that Keras lays each weight out as it creates
@@ -203,16 +188,15 @@ def build_model(config, cluster, builder=None, objective: str = ""):
         if routed := splash_attention.route(model, cluster):
             logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
     placer.check(model.weights)
-    if objective:
-        from tpu_keras.models import grpo, lora, preference
-        with_reference = objective == "dpo" or config.grpo.beta > 0
-        reference = None
-        if with_reference and not lora.adapted_layers(model):  # a full fine-tune
+    objective = objective or objectives.of(config)
+    reference = None
+    if objective.holds_reference(config):
+        from tpu_keras.models import lora
+        if not lora.adapted_layers(model):  # a full fine-tune
             reference = _frozen_copy(config, cluster, model)
             logging.info("%s reference: a frozen copy of the model's %s starting weights",
-                         objective.upper(), f"{reference.count_params():,}")
-        model = (preference.PairsModel(model, reference) if objective == "dpo" else
-                 grpo.GroupModel(model, reference, with_reference, config.grpo.temperature))
+                         objective.name.upper(), f"{reference.count_params():,}")
+    model = objective.wrap(model, reference, config)
     optimization.compile_model(model, builder, config.train, cluster)
     return model
 
@@ -243,4 +227,6 @@ def describe(model, config) -> str:
         parts.append(f"remat {train_cfg.remat}")
     if train_cfg.grad_accum_steps > 1:
         parts.append(f"{train_cfg.grad_accum_steps} micro-batches of {train_cfg.batch_size} per update")
+    if (objective := objectives.of(config)).name != "sft":
+        parts.append(f"objective {objective.name}")
     return ", ".join(parts)

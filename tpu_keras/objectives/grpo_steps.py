@@ -1,5 +1,6 @@
-"""GRPO's run: sample, score, update, repeat. `train_with_grpo(run, workdir, timings)`; `training.loop`
-hands a run of `data.prompts` here once it is set up.
+"""GRPO's step source: sample, score, update, repeat (`SampleThenUpdate`), inside the run's
+outer loop (`training.controller`: checkpoints, preemption, the non-finite guard, lost
+hosts, profiles and the ending are its).
 
 Each batch of samples is `train.batch_size / grpo.num_generations` prompts
 (`data.prompts`), each completed `num_generations` times by the policy
@@ -8,13 +9,15 @@ completions on the host; each completion's advantage is its reward against
 its group's (`models.grpo.advantages`); then `grpo.num_iterations` updates
 train on the batch, each one step of the toolkit's (`model.train_on_batch`,
 so the non-finite guard, gradient accumulation and the token mean apply as
-in every run). With more than one, the sampling policy's log-probabilities
+in every run), with the controller's callbacks called around it as `fit`
+calls them, one "epoch" per log interval. With more than one, the sampling policy's log-probabilities
 are computed once before the first, for the ratio.
 
 A step is one update, as everywhere else: `train.steps`, the schedule, the
 log, evaluations and checkpoints count steps, and each of their intervals
-is a whole number of batches of samples (`config.check`), so a checkpoint
-falls between two batches. Which prompts a batch holds and its random
+is a whole number of batches of samples (`objectives.grpo`'s check), so a
+checkpoint falls between two batches (a preemption's too). Which prompts a
+batch holds and its random
 stream are functions of the batch's index (`data.prompts`,
 `models.grpo_sampling`), so a run resumed from a checkpoint samples the same
 completions and computes the same losses as the run that went through.
@@ -32,13 +35,13 @@ every prompt once, with one fixed random stream, so two evaluations differ
 by the policy alone. The time line gains `sampling` and `rewards`.
 """
 
-# Imported inside functions: TensorFlow (start-up time: the summary writer alone needs it).
+# Imported inside functions: TensorFlow (start-up time: the completions' writer alone needs it).
 import collections
+import contextlib
 import json
 import os
 import time
 
-from absl import logging
 import keras
 import numpy as np
 
@@ -46,71 +49,72 @@ from tpu_keras import workdir as workdir_lib
 from tpu_keras.data import prompts as prompts_lib, text as text_lib, tokenizers
 from tpu_keras.errors import UserError
 from tpu_keras.models import grpo as grpo_lib, grpo_sampling, rewards as rewards_lib
-from tpu_keras.training import callbacks, finish, preemption
 
 EVAL_STREAM = 2 ** 31  # the index of evaluation's random stream, past any training batch's
 
 
-def train_with_grpo(run, workdir: str, run_timings) -> dict:
-    """Trains `run` (a `training.setup.RunSetup` of data.prompts) to `train.steps`; returns
-    the last evaluation's figures ({} without eval_files)."""
-    cluster, config, model, checkpointer = run.cluster, run.config, run.model, run.checkpointer
-    grpo, train_cfg = config.grpo, config.train
-    batch = Batches(config, cluster, model.policy)
-    logger = _Logger(train_cfg.steps, os.path.join(workdir, "tensorboard") if cluster.is_chief else None)
-    guard = preemption.SaveOnPreemption(checkpointer, cluster)
-    guard.set_model(model)
-    run_timings.always_shown |= {"sampling", "rewards"}
-    checkpointer.save = run_timings.timed("checkpoints", checkpointer.save)
-    step = run_timings.timed("restore", checkpointer.restore_latest)()
-    evaluated = {}
-    if step == 0 and batch.evaluating:
-        evaluated = logger.evaluation(0, batch.evaluate(run_timings))
-    interval, first_call = collections.defaultdict(list), True
-    try:
+class SampleThenUpdate:
+    """The step source of a GRPO run: batches of samples, each trained on
+    `grpo.num_iterations` times."""
+
+    def __init__(self, run, workdir: str):
+        self.run_setup, self.workdir = run, workdir
+        self.policy = run.model.policy  # what the run exports
+        self.batches = Batches(run.config, run.cluster, self.policy)
+
+    def run(self, controller, step: int, skipped: list):
+        """Trains from `step` to `train.steps`; returns (the last evaluation's figures,
+        the same), {} without eval_files."""
+        del skipped  # GRPO's batches are sampled, never left out (train.on_nonfinite='stop')
+        config, model, checkpointer = self.run_setup.config, self.run_setup.model, self.run_setup.checkpointer
+        grpo, train_cfg, every = config.grpo, config.train, config.log.every_steps
+        batches, run_timings = self.batches, controller.timings
+        run_timings.always_shown |= {"sampling", "rewards"}
+        hooks = keras.callbacks.CallbackList(
+            controller.callbacks(steps_per_boundary=grpo.num_iterations), model=model)
+        evaluated = {}
+        if step == 0 and batches.evaluating:
+            evaluated = self._evaluation(controller, 0)
+        interval = collections.defaultdict(list)
+        hooks.on_train_begin()
+        epoch_start = step
+        hooks.on_epoch_begin(step // every)
         while step < train_cfg.steps:
             index = step // grpo.num_iterations
-            samples, stats = batch.sample(index, run_timings)
+            samples, stats = batches.sample(index, run_timings)
             if grpo.log_completions:
-                batch.write_completions(os.path.join(workdir, "completions"), index, samples,
-                                        stats["advantage"])
-            inputs = batch.training_inputs(samples, stats.pop("advantage"), model)
+                batches.write_completions(os.path.join(self.workdir, "completions"), index,
+                                          samples, stats["advantage"])
+            inputs = batches.training_inputs(samples, stats.pop("advantage"), model)
             for _ in range(grpo.num_iterations):
-                started = time.perf_counter()
-                if first_call and run.compile_counter:
-                    run.compile_counter.begin()
+                hooks.on_train_batch_begin(step - epoch_start)
                 logs = model.train_on_batch(*inputs, return_dict=True)
-                calls = run_timings.first_host_calls if first_call else run_timings.host_calls
-                calls.append(time.perf_counter() - started)
-                if first_call and run.compile_counter:
-                    run.compile_counter.end()
-                first_call = False
-                if checkpointer.step == step:
-                    _stop_on_nonfinite(step + 1, checkpointer)
-                step = checkpointer.step
                 for key, value in logs.items():
                     interval[key].append(float(value))
-            for key, value in stats.items():
+                hooks.on_train_batch_end(step - epoch_start, logs)  # the guard; SIGTERM: save, exit 42
+                step = checkpointer.step
+            for key, value in stats.items():  # the log line: the update's figures, then the samples'
                 interval[key].append(value)
-            guard.on_train_batch_end(0)  # SIGTERM: save this step, exit 42
-            if step % config.log.every_steps == 0:
-                logger.training(step, interval, model)
+            if step % every == 0:
+                scalars = {key: float(np.mean(values)) for key, values in interval.items()}
+                scalars["learning_rate"] = float(keras.ops.convert_to_numpy(
+                    model.optimizer.learning_rate))
+                controller.log(step, scalars)
                 interval = collections.defaultdict(list)
-            if batch.evaluating and step % train_cfg.eval_every == 0:
-                evaluated = logger.evaluation(step, batch.evaluate(run_timings))
-            if step % config.checkpoint.every_steps == 0 or step >= train_cfg.steps:
-                checkpointer.save()
-    except BaseException:
-        finish.wait_for_the_last_save(checkpointer, run_timings, failing=True)
-        raise
-    finish.wait_for_the_last_save(checkpointer, run_timings)
-    if evaluated:
-        logging.info("done at step %d: val_reward %.4g", step, evaluated["val_reward"])
-    logging.info("weights fingerprint: %.12e", finish.fingerprint(model))
-    with run_timings.phase("export"):
-        finish.export(model.policy, config, workdir, cluster)
-    logger.close()
-    return evaluated
+                if batches.evaluating and step % train_cfg.eval_every == 0:
+                    evaluated = self._evaluation(controller, step)
+                hooks.on_epoch_end(step // every - 1)  # the interval's save
+                if step < train_cfg.steps:
+                    epoch_start = step
+                    hooks.on_epoch_begin(step // every)
+        hooks.on_train_end()
+        controller.fit_timer.fit_returned()
+        return evaluated, evaluated
+
+    def _evaluation(self, controller, step: int) -> dict:
+        figures = self.batches.evaluate(controller.timings)
+        controller.log(step, figures)
+        return figures
 
 
 class Batches:
@@ -194,9 +198,9 @@ class Batches:
         return samples.tokens, y_true.astype("float32"), grpo_lib.sample_weights(
             mask, self.grpo.loss_type)
 
-    def evaluate(self, run_timings) -> dict:
+    def evaluate(self, run_timings=None) -> dict:
         """The mean reward (and each function's) of every evaluation prompt's completions,
-        with evaluation's one random stream."""
+        with evaluation's one random stream (`run_timings`: where the sampling's time goes)."""
         sums, count = collections.defaultdict(float), 0
         share = self.per_batch // self.hosts
         for start in range(0, len(self.eval_prompts), self.per_batch):
@@ -218,7 +222,7 @@ class Batches:
     def _complete(self, prompts, positions, index, run_timings):
         """(Samples, seconds to count in the throughput: 0 for the compiling first call)."""
         started = time.perf_counter()
-        with run_timings.phase("sampling"):
+        with run_timings.phase("sampling") if run_timings else contextlib.nullcontext():
             samples = self.sampler([prompts.tokens[i] for i in positions], self.config.seed, index)
         seconds = time.perf_counter() - started if self._sampled_before else 0.0
         self._sampled_before = True
@@ -233,36 +237,8 @@ class Batches:
         return rewards_lib.score(self.rewards, [prompts.records[i][prompts.field] for i in rows],
                                  texts, fields)
 
-
     def _texts(self, samples) -> list:
         return [tokenizers.decode(self.tokenizer, ids) for ids in samples.completions()]
-
-
-class _Logger:
-    """GRPO's log lines and TensorBoard scalars, training's (per interval) and evaluation's."""
-
-    def __init__(self, total_steps: int, summary_dir):
-        self._total = total_steps
-        self._writer = None
-        if summary_dir:
-            import tensorflow as tf
-            self._writer = tf.summary.create_file_writer(summary_dir)
-
-    def training(self, step: int, interval: dict, model) -> None:
-        scalars = {key: float(np.mean(values)) for key, values in interval.items()}
-        scalars["learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
-        self._write(step, scalars)
-
-    def evaluation(self, step: int, figures: dict) -> dict:
-        self._write(step, figures)
-        return figures
-
-    def _write(self, step: int, scalars: dict) -> None:
-        callbacks.log_scalars(step, self._total, scalars, self._writer)
-
-    def close(self) -> None:
-        if self._writer:
-            self._writer.close()
 
 
 def _stop_id(tokenizer, text: str) -> list:
@@ -300,11 +276,3 @@ def _global_sums(sums: dict, hosts: int) -> dict:
     names = list(sums)
     totals = multihost_utils.process_allgather(np.array([sums[k] for k in names])).sum(axis=0)
     return dict(zip(names, totals.tolist()))
-
-
-def _stop_on_nonfinite(step: int, checkpointer) -> None:
-    last = checkpointer.latest_saved_step()
-    kept = (f"the last good checkpoint (step {last}) is kept in {checkpointer.shared_dir}"
-            if last is not None else "nothing was saved")
-    raise UserError(f"the loss or the gradient norm is not finite at step {step}; {kept}; lower "
-                    "train.learning_rate, or check what the reward functions return")
