@@ -67,13 +67,13 @@ def _measure(name, cluster, seconds, rounds, peak_flops):
     """One config: the toolkit and plain Keras on JAX, in turns; examples/s and MFU."""
     import keras
     from tpu_keras.measurement import flops
-    from tpu_keras.training import defaults
+    from tpu_keras.training import auto_values
     from tpu_keras.training.setup import build_model
 
     config = timing.config_by_name(name)
     config.engine = "jax"
     config.train.precision = "mixed_bfloat16"
-    config.train.update(defaults.resolve(config, cluster))  # the platform's steps per call
+    config.train.update(auto_values.resolve(config, cluster))  # the platform's steps per call
     keras.config.set_dtype_policy(config.train.precision)
     try:
         toolkit = build_model(config, cluster)

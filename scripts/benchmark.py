@@ -350,13 +350,13 @@ def run_benchmark(name, extra_args=()):
     """One `python -m tpu_keras.train` run in a fresh process: its wall time and breakdown."""
     import subprocess
     import tempfile
-    from tpu_keras.data import builders
+    from tpu_keras.data import offline
 
     config = timing.config_by_name(name)
     module, _, variant = name.partition(":")
     config_arg = f"configs/{module}.py" + (f":{variant}" if variant else "")
     if config.data.tfds.name:  # prepared first: the benchmark times training, not data preparation
-        builders.prepare(config.data.tfds.name, os.path.expanduser(config.data.data_dir))
+        offline.prepare(config.data.tfds.name, os.path.expanduser(config.data.data_dir))
     with tempfile.TemporaryDirectory() as workdir:
         start = time.time()
         result = subprocess.run([sys.executable, "-m", "tpu_keras.train", f"--config={config_arg}",

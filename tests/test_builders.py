@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from tpu_keras.data import builders, digits, stdlib_bytes
+from tpu_keras.data import offline, digits, stdlib_bytes
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_LENGTH = 129  # ctx128: 128 inputs + 1 shifted target.
@@ -35,12 +35,12 @@ def _last_line(process):
 
 @pytest.fixture(scope="module")
 def stdlib_builder(tmp_path_factory):
-    return builders.prepare("stdlib_bytes/ctx128", str(tmp_path_factory.mktemp("tfds")))
+    return offline.prepare("stdlib_bytes/ctx128", str(tmp_path_factory.mktemp("tfds")))
 
 
 @pytest.fixture(scope="module")
 def digits_builder(tmp_path_factory):
-    return builders.prepare("digits", str(tmp_path_factory.mktemp("tfds")))
+    return offline.prepare("digits", str(tmp_path_factory.mktemp("tfds")))
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +149,16 @@ def test_digits_without_sklearn_says_how_to_install(monkeypatch):
         digits.load_digits()
 
 
-# --- builders.prepare --------------------------------------------------------------------
+# --- offline.prepare --------------------------------------------------------------------
 
 def test_prepare_returns_other_datasets_unprepared(tmp_path):
-    builder = builders.prepare("mnist", str(tmp_path))
+    builder = offline.prepare("mnist", str(tmp_path))
     assert builder.name == "mnist" and not builder.is_prepared()
 
 
 def test_prepare_lets_unknown_names_fail(tmp_path):
     with pytest.raises(tfds.core.registered.DatasetNotFoundError):
-        builders.prepare("no_such_dataset_anywhere", str(tmp_path))
+        offline.prepare("no_such_dataset_anywhere", str(tmp_path))
 
 
 @pytest.mark.slow
@@ -167,13 +167,13 @@ def test_two_hosts_preparing_one_data_dir_at_once(tmp_path):
     data_dir = tmp_path / "tfds"
     child = """
         import pathlib, sys, time
-        from tpu_keras.data import builders
+        from tpu_keras.data import offline
         data_dir, me, other = sys.argv[1:]
         barrier = pathlib.Path(data_dir).parent
         (barrier / me).touch()
         while not (barrier / other).exists():  # Start preparing together.
             time.sleep(0.01)
-        print(builders.prepare("digits", data_dir).info.splits["train"].num_examples)
+        print(offline.prepare("digits", data_dir).info.splits["train"].num_examples)
         """
     hosts = [_start_python(child, str(data_dir), me, other) for me, other in ("ab", "ba")]
     assert [_last_line(host) for host in hosts] == ["1437", "1437"]

@@ -383,15 +383,15 @@ import json, sys
 import tensorflow as tf
 from tpu_keras.data import text, tokenizers
 from tpu_keras import config as config_lib
-from tpu_keras.tools import sampling
+from tpu_keras.tools import generation
 config = config_lib.read_run_config(sys.argv[1])
-generator = sampling.from_run(sys.argv[1], config)
+generator = generation.from_run(sys.argv[1], config)
 prompt = "Tell me about item 5.\\n"
 tokenizer = tokenizers.make(text.with_data_dir(config.data).tokens)
 tokens, _, prompt_tokens = text.document_recipe(config.data).tokenize(
     tokenizer, {"prompt": tf.constant([prompt]), "response": tf.constant(["x"])})
 trained = [int(t) for t in tokens[0][:int(prompt_tokens[0])].numpy()]
-generated = generator.generate([prompt], 40, sampling.make_sampler(0, 0, 0))[0]
+generated = generator.generate([prompt], 40, generation.make_sampler(0, 0, 0))[0]
 print(json.dumps([generated, generator.encode(prompt), trained, tokenizer.start_id]))
 """
 

@@ -353,9 +353,9 @@ TO_SETUP = {
     "restore": [("training/restored.py", "load", "setup.set_up")],
     "export": [("export.py", "main", "restored.load"),
                ("training/restored.py", "load", "setup.set_up")],
-    "generate": [("generate.py", "main", "sampling.from_run"),
-                 ("tools/sampling.py", "from_run", "load"),
-                 ("tools/sampling.py", "load", "restored.load"),
+    "generate": [("generate.py", "main", "generation.from_run"),
+                 ("tools/generation.py", "from_run", "load"),
+                 ("tools/generation.py", "load", "restored.load"),
                  ("training/restored.py", "load", "setup.set_up")],
 }
 # What only the setup does (or the resolving step, for the pieces of the resolved config).
@@ -482,6 +482,12 @@ def test_imports_inside_functions_are_few_and_each_module_says_why():
 ONE_THING = ("guarded_train_step", "make_guarded_train_step", "distributed_steps", "cache_steps",
              "route_layers", "keep_examples_apart", "install", "start", "run", "train", "set_up",
              "RunSetup", "open_checkpointer", "CompileCounter", "keep_steps")
+# Words that once named several things, and the one each names now, as a definition or in
+# a module's file name ('grpo_sampling.py' holds 'sampling', 'builders.py' 'builder').
+ONE_WORD = {"describe": "a mesh's text (parallelism.mesh)", "Plan": "the user's plan (plan_model)",
+            "builder": "a registry Builder from a keras-hub name (models.hub)",
+            "defaults": "the config's schema (config.defaults)",
+            "sampling": "GRPO's group sampler (models.grpo_sampling)"}
 # Names retired because they stood for several things, and what says it now: in the code,
 # and in the code and the guides.
 RETIRED_IN_CODE = {"saver": "checkpointer", "cache_watch": "compile_counter",
@@ -514,6 +520,15 @@ def test_each_listed_name_is_one_thing():
     for name in ONE_THING:
         shapes = {shape for _, shape in defined.get(name, ())}
         assert len(shapes) <= 1, (name, sorted(defined[name]))
+
+
+def test_each_listed_word_names_one_thing():
+    defined = top_level_shapes()
+    for word, meaning in ONE_WORD.items():
+        things = set(defined.get(word, ()))
+        things |= {(module_name(path), "module") for path in PACKAGE.rglob("*.py")
+                   if word in path.stem.split("_") or f"{word}s" in path.stem.split("_")}
+        assert len(things) == 1, (word, meaning, sorted(things, key=str))
 
 
 def test_retired_names_are_gone_from_the_package_and_its_guides():

@@ -146,7 +146,7 @@ def test_a_generation_libtpu_does_not_know_is_one_error_line():
         "from tpu_keras.cluster import libtpu, topology\n"
         "found = topology.parse_slice('v5litepod-8')\n"
         "later = dataclasses.replace(found, generation=dataclasses.replace(found.generation, name='v9'))\n"
-        "cli.start(lambda argv: libtpu.describe(1, later))\n")],
+        "cli.start(lambda argv: libtpu.slice_devices(1, later))\n")],
         env={"JAX_PLATFORMS": "cpu"}, check=False)
     assert_one_line_error(result, "libtpu cannot describe v5litepod-8 as v9:2x4", "TPU v9")
     assert result.returncode == 2

@@ -32,7 +32,7 @@ REMAT_MODES = ("none", "activations", "blocks")
 # DIR/export/: the SavedModel, a keras-hub preset, a transformers folder, LoRA factors (keras-hub's
 # file, a PEFT adapter).
 EXPORT_FORMATS = ("saved_model", "keras_hub", "transformers", "lora", "peft")
-# 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.defaults).
+# 'auto' is bf16 on TPU and float32 elsewhere (tpu_keras.training.auto_values).
 PRECISIONS = ("auto", "float32", "mixed_bfloat16")
 # How GRPO averages its token losses (TRL's loss_type; tpu_keras.models.grpo).
 GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo")

@@ -24,7 +24,7 @@ from tpu_keras import cli
 from tpu_keras import config as config_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
-from tpu_keras.tools import sampling
+from tpu_keras.tools import generation
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (its config.json and checkpoints).")
 _PRESET = flags.DEFINE_string("preset", None, "Instead of --workdir: a keras-hub causal LM preset "
@@ -59,12 +59,12 @@ def main(argv):
         raise UserError("a prompt is empty; give the text to continue, such as --prompt='def '")
     from tpu_keras.models import hub
     hub.import_keras_hub()  # its samplers serve every model: a one-line error without the extra
-    generator = (sampling.from_run(_WORKDIR.value, config) if config
-                 else sampling.from_preset(_PRESET.value))
+    generator = (generation.from_run(_WORKDIR.value, config) if config
+                 else generation.from_preset(_PRESET.value))
     max_length = _MAX_LENGTH.value or generator.context
     for number, prompt in enumerate(prompts, 1):
         _check_length(generator, prompt, max_length, number if records else 0)
-    sampler = sampling.make_sampler(_TEMPERATURE.value, _TOP_K.value, _SEED.value, generator.vocabulary)
+    sampler = generation.make_sampler(_TEMPERATURE.value, _TOP_K.value, _SEED.value, generator.vocabulary)
     if records is None:
         print(generator.generate(prompts, max_length, sampler)[0])
     else:

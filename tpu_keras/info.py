@@ -26,7 +26,7 @@ from tpu_keras import config as config_lib, objectives
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
 from tpu_keras.tools import cluster_info, slice_layout
-from tpu_keras.training import defaults
+from tpu_keras.training import auto_values
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config whose `cluster` and `mesh` sections to connect with (default: "
@@ -46,12 +46,12 @@ def main(argv):
         config.engine = _ENGINE.value
     objectives.check(config)
     if _TPU.value:
-        layout = slice_layout.describe(config, _TPU.value)
+        layout = slice_layout.layout_on_slice(config, _TPU.value)
         print(json.dumps(layout) if _JSON.value else slice_layout.format_layout(layout), flush=True)
         return
     engine.select(config.engine, config.cluster.virtual_devices)
     cluster = cluster_lib.connect(config.cluster, engine=config.engine, mesh=config.mesh)
-    info = cluster_info.describe(cluster, defaults.precision(config.train, cluster.kind))
+    info = cluster_info.facts(cluster, auto_values.precision(config.train, cluster.kind))
     print(json.dumps(info) if _JSON.value else cluster_info.format_table(info), flush=True)
 
 

@@ -40,7 +40,7 @@ def main(argv):
     objectives.check(config)
     engine.select("jax")  # for the allocation-free build, whatever engine trains
     devices = _DEVICES.value or math.prod(size for size in dict(config.mesh).values() if size > 0)
-    report = layout_report.describe(config, devices)
+    report = layout_report.layout_of(config, devices)
     print(json.dumps(report, indent=1) if _JSON.value else layout_report.format_table(report))
 
 

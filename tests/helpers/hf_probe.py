@@ -12,7 +12,7 @@ and compares its logits before any step with transformers' own
 
 For `llama` (on tf) and the save_pretrained checkpoints with an `export` run, the
 model `python -m tpu_keras.generate --preset=FOLDER` samples from
-(`sampling.from_preset`) is compared with transformers' too: where the tests read it.
+(`generation.from_preset`) is compared with transformers' too: where the tests read it.
 
 The runs: `NAME:export` exports that model (`transformers` format alone),
 compares the exported config.json with the checkpoint's, and reads the
@@ -66,7 +66,7 @@ from tpu_keras import config as config_lib  # noqa: E402
 from tpu_keras.config import defaults  # noqa: E402
 from tpu_keras.data import text  # noqa: E402
 from tpu_keras.models import export, families, hub_presets, segments  # noqa: E402
-from tpu_keras.tools import sampling  # noqa: E402
+from tpu_keras.tools import generation  # noqa: E402
 from tpu_keras.training import evaluation, loop, setup  # noqa: E402
 
 import hf_checkpoints  # noqa: E402  (beside this script: its folder is sys.path[0])
@@ -287,7 +287,7 @@ for name in names or hf_checkpoints.CHECKPOINTS:
     if (name == "llama" and engine_name == "tf") or (name in hf_pretrained.CHECKPOINTS
                                                      and f"{name}:export" in runs):
         result[name]["generate_preset"] = gap(reference,
-                                              logits(sampling.from_preset(checkpoint).model))
+                                              logits(generation.from_preset(checkpoint).model))
     if f"{name}:export" in runs:
         result[name]["export"] = exported(toolkit, config, os.path.join(out, name, "export"), checkpoint,
                                           first, name)

@@ -121,6 +121,6 @@ shutil.copytree(checkpoint, truncated)
 last = sorted(name for name in os.listdir(truncated) if name.endswith(".safetensors"))[-1]
 with open(os.path.join(truncated, last), "r+b") as file:
     file.truncate(os.path.getsize(os.path.join(truncated, last)) // 2)
-hub_presets.describe.cache_clear()
+hub_presets.saved_backbone.cache_clear()
 result["truncated_error"] = error_of(config_for(truncated, "int8"))
 print(json.dumps(result))

@@ -45,11 +45,11 @@ def devices(tpu_type: str) -> tuple:
     Raises a one-line `UserError` for a type the topology table or libtpu does
     not know, and where JAX or libtpu is not installed.
     """
-    return describe(*topology.parse_tpu(tpu_type))
+    return slice_devices(*topology.parse_tpu(tpu_type))
 
 
 @functools.lru_cache(maxsize=None)
-def describe(slices: int, found: topology.Slice) -> tuple:
+def slice_devices(slices: int, found: topology.Slice) -> tuple:
     """The devices of `slices` slices like `found`, as libtpu describes them (`devices`)."""
     tpu_type = f"{slices}x{found.name}" if slices > 1 else found.name
     if importlib.util.find_spec("jax") is None or not installed():

@@ -19,7 +19,7 @@ import json
 import os
 import random
 
-from tpu_keras.data import builders
+from tpu_keras.data import offline
 
 NAME = "arithmetic"
 SIZES = {"train": 2000, "validation": 64}
@@ -31,7 +31,7 @@ def folder(data_dir: str) -> str:
 
 def prepare(data_dir: str) -> str:
     """Writes the prompts under `data_dir` unless they are there; returns the folder."""
-    return builders.written_once(data_dir, folder(data_dir), _write)
+    return offline.written_once(data_dir, folder(data_dir), _write)
 
 
 def _write(partial: str) -> None:

@@ -19,7 +19,7 @@ from tpu_keras.data.sources import Source
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class HostSharding:
     source: Source
     num_hosts: int
     by_file: bool
@@ -51,9 +51,9 @@ class Plan:
         return examples if self.by_file else examples.shard(self.num_hosts, host)
 
 
-def plan(source: Source, num_hosts: int) -> Plan:
+def plan(source: Source, num_hosts: int) -> HostSharding:
     by_file = len(source.files) >= num_hosts
-    result = Plan(source, num_hosts, by_file)
+    result = HostSharding(source, num_hosts, by_file)
     per_host = [result.examples_of(h) for h in range(num_hosts)]
     if by_file:
         logging.info("sharding %s by file: %d file(s) over %d host(s), %s examples per host",

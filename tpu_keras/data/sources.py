@@ -16,7 +16,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tpu_keras import workdir
-from tpu_keras.data import builders
+from tpu_keras.data import offline
 from tpu_keras.errors import UserError, closest
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -119,9 +119,9 @@ def tfds_source(name: str, split: str, data_dir: str, split_key: str = "split",
                         "as 'stdlib_bytes' or 'digits', or the files of another part (data.tfrecords, "
                         "data.text, data.instructions, data.preferences)")
     try:
-        builder = builders.prepare(name, data_dir)
+        builder = offline.prepare(name, data_dir)
     except tfds.core.registered.DatasetNotFoundError:
-        known = sorted(builders.OFFLINE_BUILDERS) + ["any TFDS dataset prepared under data.data_dir"]
+        known = sorted(offline.OFFLINE_BUILDERS) + ["any TFDS dataset prepared under data.data_dir"]
         raise UserError(f"unknown dataset {name!r}{closest(name.split('/')[0], tfds.list_builders())}; "
                         f"use one of {known}") from None
     if not builder.info.splits:

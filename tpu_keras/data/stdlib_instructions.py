@@ -19,7 +19,7 @@ import ast
 import json
 import os
 
-from tpu_keras.data import builders, stdlib_bytes, stdlib_text
+from tpu_keras.data import offline, stdlib_bytes, stdlib_text
 
 NAME = "stdlib_instructions"
 MAX_PROMPT_BYTES = 120
@@ -35,7 +35,7 @@ def prepare(data_dir: str) -> str:
     """Writes the pairs under `data_dir` unless they are there (and the stdlib_text
     vocabulary beside them, which the `instruct` configs read); returns the folder."""
     stdlib_text.prepare(data_dir)
-    return builders.written_once(data_dir, folder(data_dir), _write)
+    return offline.written_once(data_dir, folder(data_dir), _write)
 
 
 def _write(partial: str) -> None:

@@ -18,7 +18,7 @@ bodies are the same text is left out.
 import json
 import os
 
-from tpu_keras.data import builders, stdlib_instructions
+from tpu_keras.data import offline, stdlib_instructions
 
 NAME = "stdlib_preferences"
 
@@ -40,7 +40,7 @@ def prepare(data_dir: str) -> str:
                     pairs = [json.loads(line) for line in file]
                 with open(os.path.join(partial, split, name), "w") as file:
                     file.writelines(json.dumps(pair) + "\n" for pair in _preferences(pairs))
-    return builders.written_once(data_dir, folder(data_dir), write)
+    return offline.written_once(data_dir, folder(data_dir), write)
 
 
 def _preferences(pairs):

@@ -22,7 +22,7 @@ bytes), and takes no option to change it, so the trainer is called directly.
 # Imported inside functions: SentencePiece (optional: absent on a plain install).
 import os
 
-from tpu_keras.data import builders, stdlib_bytes
+from tpu_keras.data import offline, stdlib_bytes
 
 NAME = "stdlib_text"
 VOCABULARY = "spm1024.model"
@@ -40,7 +40,7 @@ def prepare(data_dir: str) -> str:
     target = folder(data_dir)
     if os.path.exists(os.path.join(target, VOCABULARY)):
         return target
-    with builders.exclusive(os.path.expanduser(data_dir)):
+    with offline.exclusive(os.path.expanduser(data_dir)):
         if os.path.exists(os.path.join(target, VOCABULARY)):
             return target
         partial = target + ".partial"

@@ -246,7 +246,7 @@ def _changed_keys(backbone, preset: str, overrides: dict) -> set:
     """The config keys that keras-hub's exporter writes otherwise for `backbone` than for the
     same backbone with the arguments in `overrides` set back to the checkpoint's: the keys the
     run changed. Every exporter reads the backbone's attributes, named as its arguments."""
-    _, arguments = hub_presets.describe(preset)
+    _, arguments = hub_presets.saved_backbone(preset)
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(type(backbone).__init__).parameters.items()}
     original = {key: arguments.get(key, defaults.get(key)) for key in overrides}

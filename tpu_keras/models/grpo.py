@@ -236,7 +236,7 @@ def metrics(epsilon_low: float, epsilon_high: float, beta: float, on_policy: boo
     return chosen
 
 
-def builder(language_model, grpo):
+def with_grpo_loss(language_model, grpo):
     """The registry `Builder` of a language model, turned to GRPO (the `grpo` config
     section): its loss and metrics."""
     if language_model.headline not in ("bits_per_byte", "bits_per_token"):

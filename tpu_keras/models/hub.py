@@ -118,7 +118,7 @@ def backbone_config(backbone_cls, kwargs: dict) -> dict:
     if not preset or WORKDIR_PLACEHOLDER in preset:
         return {**defaults, **own}  # a preset the run writes (`prepare_preset`) is made from them
     _check_written(preset, kwargs.get("preset_written_by", ""))
-    saved_cls, saved = hub_presets.describe(preset)
+    saved_cls, saved = hub_presets.saved_backbone(preset)
     if not issubclass(saved_cls, backbone_cls):
         task = saved_cls.__name__.replace("Backbone", "CausalLM")
         raise UserError(f"model.preset={preset!r} holds a {saved_cls.__name__}, not the "

@@ -35,7 +35,7 @@ _TRANSFORMERS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 @functools.lru_cache(maxsize=None)
-def describe(preset: str) -> tuple[type, dict]:
+def saved_backbone(preset: str) -> tuple[type, dict]:
     """(backbone class, its constructor arguments) of the preset folder `preset`; a one-line
     error for a folder keras-hub cannot read. Read once per process (the registry asks often)."""
     loader = _loader(preset)
@@ -92,7 +92,7 @@ def passed_through(preset: str) -> dict:
 
 def load_backbone(backbone_cls, preset: str, load_weights: bool = True, quantizing=None, **kwargs):
     """`backbone_cls.from_preset(preset, load_weights, **kwargs)`; from a transformers folder,
-    built from `describe`'s arguments (the keys keras-hub's converter leaves out passed
+    built from `saved_backbone`'s arguments (the keys keras-hub's converter leaves out passed
     through, `kwargs` over them) and given the checkpoint's weights in their own precision.
 
     `quantizing` (a `quantized.WhileLoading`): the projections quantized as they are read,

@@ -176,7 +176,7 @@ def metrics(beta: float) -> list:
             for fn in (reward_chosen, reward_rejected, reward_margin, reward_accuracy)]
 
 
-def builder(language_model, beta: float):
+def with_dpo_loss(language_model, beta: float):
     """The registry `Builder` of a language model, turned to DPO: its loss, its metrics,
     two sequences per example."""
     if language_model.headline not in ("bits_per_byte", "bits_per_token"):

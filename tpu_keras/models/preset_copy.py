@@ -82,10 +82,10 @@ def use(preset: str, workdir: str, checkpointed: bool) -> str:
         why = f"{workdir} has no checkpoint yet, so its weights come from"
     if hub_presets.is_kept(target):
         try:
-            now = hub_presets.describe(preset)
+            now = hub_presets.saved_backbone(preset)
         except UserError as error:
             raise UserError(f"{why} model.preset again, and {error}") from None
-        if now != hub_presets.describe(target):
+        if now != hub_presets.saved_backbone(target):
             held = f", and {workdir}'s checkpoints hold its LoRA adapters alone" if recorded else ""
             raise UserError(f"model.preset={preset!r} is not the model this run started with (kept "
                             f"in {target}){held}: put the original back, or start the new model in "

@@ -26,7 +26,7 @@ class DirectPreferenceOptimization(Objective):
 
     def builder(self, builder, config):
         from tpu_keras.models import preference
-        return preference.builder(builder, config.dpo.beta)
+        return preference.with_dpo_loss(builder, config.dpo.beta)
 
     def holds_reference(self, config) -> bool:
         return True

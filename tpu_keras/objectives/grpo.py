@@ -73,7 +73,7 @@ class GroupRelativePolicyOptimization(Objective):
 
     def builder(self, builder, config):
         from tpu_keras.models import grpo
-        return grpo.builder(builder, config.grpo)
+        return grpo.with_grpo_loss(builder, config.grpo)
 
     def holds_reference(self, config) -> bool:
         return config.grpo.beta > 0  # 0: no KL term, so no reference

@@ -1,6 +1,6 @@
 """Where every weight of a config's model lives, and what each device holds.
 
-`describe()` builds the model and its optimizer inside a Keras
+`layout_of()` builds the model and its optimizer inside a Keras
 `StatelessScope` on the jax backend (the tf backend cannot build an
 optimizer there), so it reads paths and shapes without allocating a weight,
 and places them by the same `Placer` the engines use. The arithmetic is
@@ -17,7 +17,7 @@ from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.parallelism.rules import Placement, dtype_name
 
 
-def describe(config, num_devices: int) -> dict:
+def layout_of(config, num_devices: int) -> dict:
     """Returns the layout report of `config`'s model on `num_devices` devices (a dict, JSON-ready)."""
     mesh = mesh_lib.resolve(config.mesh, num_devices, "jax")
     return report_on(config, mesh, *abstract_model(config))

@@ -179,7 +179,7 @@ def _preference(c: dict):
 
 def layout(c: dict, slices: int) -> str:
     """'data=8 x fsdp=2, remat none, 4 per batch split x 2 micro-batch(es)'."""
-    return (f"{slice_plan.describe(c['mesh'], slices)}, remat {c['remat']}, "
+    return (f"{mesh_lib.describe({**c['mesh'], mesh_lib.SLICES: slices})}, remat {c['remat']}, "
             f"{c['batch_per_replica']} per batch split x {c['grad_accum_steps']} micro-batch(es)")
 
 

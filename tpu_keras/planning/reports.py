@@ -8,7 +8,6 @@ from tpu_keras import objectives
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import layout_search, network
 from tpu_keras.planning.layout_report import format_bytes
-from tpu_keras.planning.slice_plan import describe
 from tpu_keras.planning.tpu_compiler import sent_terms, terms
 
 
@@ -34,7 +33,7 @@ def format_plan(p: dict) -> str:
     where = f"{p['slices']} x {p['slice']}" if p.get("slices", 1) > 1 else p["slice"]
     lines = [f"{p['model']} on {where}: {p['devices']} devices on {p['hosts']} host(s), "
              f"{format_bytes(p['hbm_bytes_per_device'])} HBM per device",
-             f"mesh {describe(mesh, p.get('slices', 1))}, global batch "
+             f"mesh {mesh_lib.describe({**mesh, mesh_lib.SLICES: p.get('slices', 1)})}, global batch "
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}"]
     if p.get("weights", {}).get("frozen"):
         lines.append(weights_line(p["weights"]))

@@ -35,7 +35,7 @@ from tpu_keras.cluster import engine, libtpu, topology
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import compiled_step, layout_report, network, tpu_compiler
-from tpu_keras.training import defaults
+from tpu_keras.training import auto_values
 
 
 class Footprint:
@@ -53,7 +53,7 @@ class Footprint:
         import keras
         from tpu_keras import models
         self.config = config
-        self.precision = defaults.precision(config.train, "tpu")  # the plan is for a TPU slice
+        self.precision = auto_values.precision(config.train, "tpu")  # the plan is for a TPU slice
         keras.config.set_dtype_policy(self.precision)
         self.builder, self.kwargs = models.registry.get(config.model)
         self.model, self.optimizer = layout_report.abstract_model(config)
@@ -178,11 +178,6 @@ def _key(mesh: dict) -> tuple[int, int, int]:
     return tuple(mesh[axis] for axis in mesh_lib.AXES)
 
 
-def describe(mesh: dict, slices: int = 1) -> str:
-    """'slices=2 x data=4 x model=2'."""
-    return (f"slices={slices} x " if slices > 1 else "") + mesh_lib.describe(mesh)
-
-
 def tpu_slices(config, tpu: str):
     """(slices, one slice) of `--tpu`, checked against the config's mesh.slices."""
     slices, found = topology.parse_tpu(tpu)
@@ -293,10 +288,10 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
 def _with_sampling(per_device: dict, footprint, config, mesh: dict, rows: int) -> dict:
     """GRPO's per-device bytes with the sampler's cache: the larger of it and the training
     step's gradients and activations counts, as the two never run at once."""
-    from tpu_keras.planning import sampling_cache
+    from tpu_keras.planning import kv_cache
     context = config.model.get("context_length") or config.data.tokens.context_length
     itemsize = 2 if "bfloat16" in footprint.precision else 4
-    cache = sampling_cache.cache_bytes(footprint.model, rows, context, mesh["model"], itemsize)
+    cache = kv_cache.cache_bytes(footprint.model, rows, context, mesh["model"], itemsize)
     step = per_device["gradients"] + per_device["activations"]
     return {**per_device, "sampling": cache, "total": per_device["total"] + max(0, cache - step)}
 

@@ -10,7 +10,7 @@ its layout rules' `keras.distribution` on the slice's mesh (laid out on the
 chips' coordinates as on a TPU VM, the slices outermost in data), its
 optimizer, loss and metrics compiled by `training.optimization`, the
 guarded step of `training.jax_steps` with its accumulation, in the dtype
-policy a TPU run takes (`training.defaults`: `auto` is mixed_bfloat16).
+policy a TPU run takes (`training.auto_values`: `auto` is mixed_bfloat16).
 Nothing is allocated: the model and optimizer are built in a Keras
 `StatelessScope` whose variables stay uninitialised, and the step is
 lowered on abstract arrays (`jax.ShapeDtypeStruct` with the `NamedSharding`
@@ -134,7 +134,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     from tpu_keras import models
     from tpu_keras.models import splash_attention
     from tpu_keras.parallelism import distribution
-    from tpu_keras.training import defaults, optimization
+    from tpu_keras.training import auto_values, optimization
 
     config = copy.deepcopy(config)
     config.engine = "jax"
@@ -147,7 +147,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
                       num_replicas=mesh_lib.batch_splits(whole),
                       device_kind=f"{len(chips)} x {chips[0].device_kind}", engine="jax",
                       mesh=whole, device_mesh=device_mesh)
-    config.train.update(defaults.resolve(config, cluster))  # the TPU's precision where it is 'auto'
+    config.train.update(auto_values.resolve(config, cluster))  # the TPU's precision where it is 'auto'
     keras.config.set_dtype_policy(config.train.precision)
     builder, _ = models.registry.get(config.model)
     placer = models.registry.placer(config.model, config.layout, whole)

@@ -12,12 +12,12 @@ from tpu_keras.cluster import topology, tpu
 from tpu_keras.errors import UserError
 from tpu_keras.measurement import peak
 from tpu_keras.parallelism import mesh as mesh_lib
-from tpu_keras.training import defaults
+from tpu_keras.training import auto_values
 
 
-def describe(cluster, policy: str = "float32") -> dict:
+def facts(cluster, policy: str = "float32") -> dict:
     """What a run on `cluster` in the dtype policy `policy` would see, JSON-ready."""
-    dtype = defaults.compute_dtype(policy)
+    dtype = auto_values.compute_dtype(policy)
     slice_type = _slice_type(cluster)
     return {
         "engine": cluster.engine,

@@ -16,7 +16,7 @@ from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import slice_plan
 
 
-def describe(config, tpu_type: str) -> dict:
+def layout_on_slice(config, tpu_type: str) -> dict:
     """The layout of `config`'s mesh on `tpu_type`, JSON-ready."""
     slices, found = slice_plan.tpu_slices(config, tpu_type)  # the config's slices agree
     chips = libtpu.devices(tpu_type)

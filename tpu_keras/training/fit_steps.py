@@ -47,7 +47,7 @@ class KerasFit:
         packed apart hold padding)."""
         from tpu_keras import data
         from tpu_keras.measurement import peak
-        from tpu_keras.training import callbacks, defaults
+        from tpu_keras.training import callbacks, auto_values
         run, config = self.run_setup, self.run_setup.config
         real_share = 1.0
         if data_section.kind(config.data) in ("text", "instructions"):
@@ -57,7 +57,7 @@ class KerasFit:
             total_steps=config.train.steps, global_batch=self.update_batch,
             tokens_per_example=run.builder.tokens_per_example(run.model_kwargs) * real_share,
             flops_per_example=run.objective.flops_per_example(run.model) * real_share,
-            peak_flops=peak.peak_flops(run.cluster, defaults.compute_dtype(config.train.precision)),
+            peak_flops=peak.peak_flops(run.cluster, auto_values.compute_dtype(config.train.precision)),
             writer=controller.writer)
 
     def run(self, controller, start_step: int, skipped: list):

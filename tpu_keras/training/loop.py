@@ -40,7 +40,7 @@ def train(config, workdir: str, started: float | None = None):
     run_timings = timings.RunTimings(started)
     run = setup.set_up(config, workdir, trains=True, timings=run_timings)
     from tpu_keras.training import controller, fit_steps
-    logging.info("model: %s", setup.describe(run.model, run.config))
+    logging.info("model: %s", setup.model_line(run.model, run.config))
 
     # ----- steps, inside the outer loop; the export ------------------------------
     outer = controller.Controller(run, workdir, run_timings)

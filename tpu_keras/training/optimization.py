@@ -7,7 +7,7 @@ the same optimizer and the same optimizer state.
 import keras
 
 from tpu_keras.errors import UserError, closest
-from tpu_keras.training import defaults, distributed_steps
+from tpu_keras.training import auto_values, distributed_steps
 
 
 def compile_model(model, builder, train_cfg, cluster, optimizer=None):
@@ -21,7 +21,7 @@ def compile_model(model, builder, train_cfg, cluster, optimizer=None):
         model.compile(optimizer=optimizer or make_optimizer(train_cfg), loss=builder.loss(),
                       # Weighted, so padded eval rows (weight 0) do not count.
                       weighted_metrics=builder.metrics(),
-                      steps_per_execution=defaults.steps_per_execution(train_cfg, cluster),
+                      steps_per_execution=auto_values.steps_per_execution(train_cfg, cluster),
                       # The jax engine always compiles: JAX run op by op is far too slow.
                       jit_compile=train_cfg.jit_compile or cluster.engine == "jax")
         model.optimizer.build(model.trainable_variables)

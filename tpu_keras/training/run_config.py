@@ -12,7 +12,7 @@ nothing.
 
 Each piece is a pure function of the config that returns values:
 
-- `training.defaults.resolve`: `train.precision` and `train.steps_per_execution`
+- `training.auto_values.resolve`: `train.precision` and `train.steps_per_execution`
   for this platform;
 - `models.hub.expand_preset` and `models.preset_copy.use`: `model.preset`, `{workdir}`
   expanded, or the model the run kept once it has a checkpoint; `models.hub.expand_command`:
@@ -32,7 +32,7 @@ from tpu_keras import config as config_lib, data_section
 from tpu_keras.data import text
 from tpu_keras.errors import UserError
 from tpu_keras.models import hub, preset_copy, registry
-from tpu_keras.training import defaults
+from tpu_keras.training import auto_values
 
 
 def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections.FrozenConfigDict:
@@ -42,7 +42,7 @@ def resolve(config, cluster, workdir: str, checkpointed: bool) -> ml_collections
     reads the run), so a model the run kept (DIR/model) replaces `model.preset`.
     """
     resolved = config_lib.thawed(config)
-    resolved.train.update(defaults.resolve(resolved, cluster))
+    resolved.train.update(auto_values.resolve(resolved, cluster))
     if "preset" in resolved.model:
         resolved.model.preset = preset_copy.use(hub.expand_preset(resolved.model.preset, workdir),
                                          workdir, checkpointed)

@@ -212,7 +212,7 @@ def _frozen_copy(config, cluster, model):
     return reference
 
 
-def describe(model, config) -> str:
+def model_line(model, config) -> str:
     """The model line of the log: name, parameters (and how many train, when some are
     frozen), precision, steps per execution, and what changes how a step runs."""
     train_cfg, total = config.train, model.count_params()

@@ -101,7 +101,7 @@ def from_preset(path: str) -> Generator:
     from keras_hub.src.utils.preset_utils import find_subclass
     from tpu_keras.models import hub_presets, segments
     try:
-        backbone_cls, _ = hub_presets.describe(path)
+        backbone_cls, _ = hub_presets.saved_backbone(path)
         # The backbone's own causal LM (Gemma4CausalLM, not the Gemma4AssistantCausalLM that
         # keras-hub 0.32's `find_subclass` may find first), else keras-hub's pick.
         task_cls = getattr(keras_hub.models, backbone_cls.__name__.replace("Backbone", "CausalLM"),
