@@ -19,7 +19,7 @@ def losses(engine, config, data_dir, init, overrides):
     pytest.param("configs/lm_stdlib.py", {"model": {"depth": 1}},  # one block: a second adds compile time
                  marks=pytest.mark.slow),
     # Dropout draws different masks on the two backends: off, the MLP is deterministic.
-    ("configs/digits.py:mlp", {"model": {"dropout": 0.0}}),
+    pytest.param("configs/digits.py:mlp", {"model": {"dropout": 0.0}}, marks=pytest.mark.slow),  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 ], ids=["gpt", "mlp"])
 def test_tf_and_jax_give_the_same_ten_losses(data_dir, tmp_path, config, overrides):
     init = tmp_path / "init.npz"  # the tf run saves it, the jax run starts from it

@@ -137,6 +137,7 @@ def test_reward_functions_sum_with_weights_and_each_bad_one_is_one_line(tmp_path
     assert all("\n" not in message for message in errors.values())
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_the_group_model_holds_no_second_copy_under_lora_and_its_loss_is_the_token_mean():
     out = run_command([sys.executable, "tests/helpers/grpo_model_probe.py"]).stdout
     got = json.loads(re.search(r"^GROUP (.*)$", out, re.M).group(1))

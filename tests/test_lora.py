@@ -69,6 +69,7 @@ def test_a_bfloat16_run_stores_its_frozen_base_in_bfloat16_and_computes_the_same
     assert abs(rounded["loss"][0] - rounded["loss"][1]) <= 1e-3, rounded
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_on_a_mesh_each_factor_is_split_along_its_kernels_split_axis():
     specs = probe("jax", "mesh")["specs"]
     # Megatron's rules split the heads (query, key, value: axis 1 of (W, H, K); the output:

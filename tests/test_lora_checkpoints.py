@@ -59,7 +59,8 @@ def changed_weights(preset):
                                 if isinstance(item, h5py.Dataset) and item.dtype.kind == "f" else None)
 
 
-@pytest.mark.parametrize("engine", ["tf", pytest.param("jax", marks=pytest.mark.slow)])
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
+@pytest.mark.parametrize("engine", ["tf", "jax"])
 def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_refuses_a_changed_base(
         engine, data_dir, tmp_path):
     base, killed = tmp_path / "base", tmp_path / "killed"

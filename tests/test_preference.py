@@ -18,7 +18,7 @@ DPO_TINY = "configs/preference_stdlib.py:tiny"
 # LoRA's reference (the adapters off) on tf, a full fine-tune's (a frozen copy) on a jax mesh
 # that splits the weights; the tiny run below trains LoRA on jax.
 @pytest.mark.parametrize("engine, mesh, full, base", [
-    ("tf", "", False, ""),
+    pytest.param("tf", "", False, "", marks=pytest.mark.slow),  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
     pytest.param("jax", "fsdp2_model2", True, "", marks=pytest.mark.slow),
     pytest.param("jax", "fsdp2_model2", False, "int8", marks=pytest.mark.slow)],
                          ids=["tf-lora", "jax-fsdp2-model2-full", "jax-fsdp2-model2-lora-int8-base"])

@@ -16,7 +16,7 @@ def readme_user_code():
 
 
 @pytest.mark.parametrize("engine_env", [
-    {},
+    pytest.param({}, marks=pytest.mark.slow),  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
     pytest.param({"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
                  marks=pytest.mark.slow),
 ], ids=["tf", "jax"])
