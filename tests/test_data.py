@@ -87,6 +87,7 @@ def test_each_example_exactly_once_per_epoch(tmp_path, hosts, devices):
             assert files <= set(range(report["host"], 8, hosts)), name
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_fewer_files_than_hosts_falls_back_to_examples_and_warns(tmp_path):
     pattern, all_ids = write_files(tmp_path, [128])
     reports, output = probe(pattern, hosts=2, devices=1, global_batch=16)

@@ -383,6 +383,7 @@ GRPO_CASES = {
 }
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_grpo_bad_input_is_one_line_that_says_what_to_change(filled, tmp_path):
     calls = {}
     for name, (overrides, _) in GRPO_CASES.items():

@@ -276,6 +276,7 @@ def get_config(arg=None):
 """
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path):
     """The gpt builder (no KV cache: the sampler reads the whole sequence), a full fine-tune
     with beta > 0 (a frozen copy is the reference), two updates per batch of samples (the

@@ -210,6 +210,7 @@ def test_splash_attention_gives_keras_hubs_llama_outputs_and_gradients_at_every_
     assert got["routed_on_cpu"] == 0, got  # the kernel is the TPU's: CPU devices keep Keras's
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_generate_on_a_gpt_run_is_deterministic_and_refuses_what_it_cannot_do(tiny_run, tmp_path):
     workdir, _ = tiny_run
     assert_one_line_error(run_command([sys.executable, "-m", "tpu_keras.generate",

@@ -204,6 +204,7 @@ def test_a_lora_over_an_int8_or_int4_base_trains_on_a_mesh_and_its_adapter_loads
 
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_presets_keras_hub_cannot_read_are_one_line(tmp_path):
     good = tmp_path / "good"
     hf_checkpoints.write(good, "llama")

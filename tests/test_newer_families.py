@@ -4,9 +4,9 @@ layer), Gemma 3's and Gemma 4's text models (sliding-window layers and global on
 SentencePiece; Gemma 4 with per-layer token embeddings and layers that reuse earlier ones' keys
 and values), Qwen 3.5's (a Gated DeltaNet layer and a full attention one). Their logits are
 transformers' own on one device and on a jax mesh, their exports round-trip, a LoRA on every
-projection is PEFT's, and what keras-hub cannot build is refused in one line. A module of its
-own: xdist's workers take whole modules, and these runs are as long as the older families'
-(tests/test_hub_transformers.py)."""
+projection is PEFT's (tests/test_newer_families_on_a_mesh.py), and what keras-hub cannot build
+is refused in one line. Modules of their own: xdist's workers take whole modules, and these
+runs are as long as the older families' (tests/test_hub_transformers.py)."""
 
 import json
 
@@ -15,7 +15,7 @@ import pytest
 from conftest import run_in_one_process, train_args
 
 import hf_checkpoints
-from hf_checks import EVERY_PROJECTION, FOUR_DEVICES, TOLERANCE, TRANSFORMERS, assert_refused, probe
+from hf_checks import TOLERANCE, TRANSFORMERS, assert_refused, probe
 import hf_pretrained
 
 NEWER = tuple(hf_pretrained.CHECKPOINTS)
@@ -56,32 +56,6 @@ def test_newer_families_start_from_transformers_logits_evaluate_packed_pairs_and
         # transformers reads the export to the toolkit's logits; the toolkit reads it back exactly.
         assert relative(result, name, checks["torch"]) <= TRANSFORMERS, (name, checks)
         assert checks["toolkit"] <= TOLERANCE, (name, checks)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("group", GROUPS, ids=lambda group: "-".join(group))
-def test_newer_families_on_a_jax_mesh_lora_on_every_projection_reads_in_peft(group, tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,2,2", tuple(f"{name}:lora_all" for name in group), group,
-                   env=FOUR_DEVICES)
-    for name in group:  # fsdp 2 x model 2, by the family's own rules
-        assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
-        assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
-        checks = result[name]["lora_all"]
-        assert checks["losses"][-1] < checks["losses"][0], (name, checks["losses"])
-        assert checks["moved"] > 1e-3, (name, checks)
-        if name in OWN_RULE:  # keras-hub's own rule against the run's: float32's rounding apart
-            assert relative(result, name, checks["keras_hub"]) <= OWN_RULE[name], (name, checks)
-        else:
-            assert checks["keras_hub"] <= TOLERANCE, (name, checks)
-        assert checks["config"] == {} and checks["peft_base_is_the_checkpoint"], (name, checks)
-        for gap in ("torch", "peft", "peft_on_written_base"):  # transformers, PEFT on the checkpoint
-            assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
-        # PEFT's all-linear: Gemma 4's per-layer embedding projections too
-        every = sorted(EVERY_PROJECTION + OWN_LINEAR.get(name, []))
-        assert checks["peft_config"]["target_modules"] == every, (name, checks)
-        for which, (toolkit, peft) in checks["trainable"].items():  # q_proj,v_proj and all-linear
-            assert toolkit == peft, (name, which, checks["trainable"])
 
 
 @pytest.mark.slow

@@ -58,7 +58,8 @@ def values(output, key):
 
 
 @pytest.mark.parametrize("launch_args, replicas, jit, allocator", [
-    (["--hosts=1", "--devices_per_host=1"], 1, "0", "false"),  # the user's choice stands
+    pytest.param(["--hosts=1", "--devices_per_host=1"], 1, "0", "false",  # the user's choice stands
+                 marks=pytest.mark.slow),  # over 10 s: the full suite's (the fast tier keeps within 5 minutes)
     pytest.param(["--hosts=2", "--devices_per_host=2"], 4, "1", None,  # XLA: the toolkit's per-replica
                  marks=pytest.mark.slow),                               # step across hosts
 ])

@@ -60,6 +60,7 @@ def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_mixed_bfloat16_trains_and_says_so(tmp_path, data_dir):
     # The digits MLP: XLA compiles it in seconds; the policy is the same for every model.
     output = train("configs/digits.py:tiny", tmp_path, "--config.train.precision=mixed_bfloat16",
