@@ -69,8 +69,8 @@ def check(config) -> None:
     chosen = of(config)
     defaults = config_lib.defaults()
     for objective in REGISTRY.values():
-        if not objective.section or objective.section == chosen.section:
-            continue
+        if objective.section not in defaults or objective.section == chosen.section:
+            continue  # none, the chosen one's, or a section the schema does not hold
         changed = [key for key, value in config[objective.section].items()
                    if data_section.differs(value, defaults[objective.section][key])]
         kind = data_section.kind(config.data)
