@@ -276,20 +276,25 @@ def get_config(arg=None):
 """
 
 
+def gpt_grpo_config(folder) -> str:
+    """GPT_GRPO written to FOLDER/gpt_grpo.py, with its sums and its reward function beside it."""
+    (folder / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
+                                                 for a in range(8)))
+    (folder / "rewards.py").write_text(
+        "def digits(prompts, completions, answer, **fields):\n"
+        "    return [sum(c.isdigit() for c in text) for text in completions]\n")
+    (folder / "gpt_grpo.py").write_text(GPT_GRPO.format(sums=str(folder / "sums.jsonl"),
+                                                          rewards=f"{folder / 'rewards.py'}:digits"))
+    return str(folder / "gpt_grpo.py")
+
+
 @pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 def test_grpo_on_the_gpt_builder_a_full_fine_tune_against_a_frozen_copy(tmp_path):
     """The gpt builder (no KV cache: the sampler reads the whole sequence), a full fine-tune
     with beta > 0 (a frozen copy is the reference), two updates per batch of samples (the
     sampling policy's log-probabilities computed first), TRL's 'grpo' loss type, top-p and a
     stop token; steps 3-4 profiled (the outer loop's profile, as a fit run's)."""
-    (tmp_path / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
-                                                 for a in range(8)))
-    (tmp_path / "rewards.py").write_text(
-        "def digits(prompts, completions, answer, **fields):\n"
-        "    return [sum(c.isdigit() for c in text) for text in completions]\n")
-    (tmp_path / "gpt_grpo.py").write_text(GPT_GRPO.format(sums=str(tmp_path / "sums.jsonl"),
-                                                          rewards=f"{tmp_path / 'rewards.py'}:digits"))
-    out = train(str(tmp_path / "gpt_grpo.py"), tmp_path / "run",
+    out = train(gpt_grpo_config(tmp_path), tmp_path / "run",
                 "--config.log.profile_steps=(3, 4)").stdout
     assert re.search(r"profiling from step 3 into \S+tensorboard", out), out[-3000:]
     traces = glob.glob(str(tmp_path / "run" / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))

@@ -108,6 +108,23 @@ def test_a_dead_host_stops_the_run_in_bounded_time_and_a_rerun_resumes_exactly(
         skip_without_private_network(started)
 
 
+def assert_survivor_stops_by_itself(args, kill_after: str):
+    """Kills host 1 of the 2-host launch `args` once host 0 logs `kill_after`: host 0 names
+    the lost host in one line and stops on its own within 5 s (the grace is 60 s)."""
+    with running(args) as launcher:
+        host1 = host_pids(read_until(launcher, r"hosts started: "))[1]
+        read_until(launcher, kill_after)
+        killed_at = time.monotonic()
+        os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
+        output = finish(launcher, timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    assert "host 1 failed first, with signal 9 (SIGKILL)" in output, output[-3000:]
+    assert "host 0 stopped on its own, with exit code 2" in output, output[-3000:]
+    assert re.search(r"\[host 0\] error: lost contact with another host after step \d+", output), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert stopped_after < 5, stopped_after  # the grace is 60 s: the survivor stopped itself
+
+
 def test_a_jax_host_killed_while_a_save_is_in_flight_ends_its_survivor_by_itself(tmp_path, data_dir):
     """Killed as the other host enters the save of step 50 (Orbax's barrier first, then the
     background write): the survivor names the lost host in one line and stops on its own,
@@ -118,45 +135,16 @@ def test_a_jax_host_killed_while_a_save_is_in_flight_ends_its_survivor_by_itself
             "--", sys.executable, "-m", "tpu_keras.train", "--config=configs/lm_stdlib.py:tiny",
             f"--workdir={tmp_path / 'run'}", f"--config.data.data_dir={data_dir}", "--config.engine=jax",
             "--config.train.steps=1000", "--config.checkpoint.every_steps=50"]
-    with running(args) as launcher:
-        host1 = host_pids(read_until(launcher, r"hosts started: "))[1]
-        read_until(launcher, r"\[host 0\].*step 50/1000")
-        killed_at = time.monotonic()
-        os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
-        output = finish(launcher, timeout=120)
-        stopped_after = time.monotonic() - killed_at
-    assert "host 1 failed first, with signal 9 (SIGKILL)" in output, output[-3000:]
-    assert "host 0 stopped on its own, with exit code 2" in output, output[-3000:]
-    assert re.search(r"\[host 0\] error: lost contact with another host after step \d+", output), output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    assert stopped_after < 5, stopped_after  # the grace is 60 s: the survivor stopped itself
+    assert_survivor_stops_by_itself(args, r"\[host 0\].*step 50/1000")
 
 
 def test_a_grpo_host_killed_ends_its_survivor_by_itself(tmp_path):
     """GRPO's sample-then-update runs in the same outer loop as fit: a host killed between
     two batches of samples (each host samples and scores its own groups) ends the launch
     within seconds, its survivor naming the lost host in one line, long before the grace."""
-    from test_grpo import GPT_GRPO
-    (tmp_path / "sums.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n'
-                                                 for a in range(8)))
-    (tmp_path / "rewards.py").write_text(
-        "def digits(prompts, completions, answer, **fields):\n"
-        "    return [sum(c.isdigit() for c in text) for text in completions]\n")
-    (tmp_path / "gpt_grpo.py").write_text(GPT_GRPO.format(sums=str(tmp_path / "sums.jsonl"),
-                                                          rewards=f"{tmp_path / 'rewards.py'}:digits"))
+    from test_grpo import gpt_grpo_config
     args = [sys.executable, "-m", "tpu_keras.launch", "--hosts=2", "--timeout=300", "--failure_grace=60",
-            "--", sys.executable, "-m", "tpu_keras.train", f"--config={tmp_path / 'gpt_grpo.py'}",
+            "--", sys.executable, "-m", "tpu_keras.train", f"--config={gpt_grpo_config(tmp_path)}",
             f"--workdir={tmp_path / 'run'}", "--config.train.steps=1000",
             "--config.train.eval_every=1000", "--config.checkpoint.every_steps=4"]
-    with running(args) as launcher:
-        host1 = host_pids(read_until(launcher, r"hosts started: "))[1]
-        read_until(launcher, r"\[host 0\].*step 4/1000")
-        killed_at = time.monotonic()
-        os.kill(host1, signal.SIGKILL)  # a PID the launcher reported as its own child
-        output = finish(launcher, timeout=120)
-        stopped_after = time.monotonic() - killed_at
-    assert "host 1 failed first, with signal 9 (SIGKILL)" in output, output[-3000:]
-    assert "host 0 stopped on its own, with exit code 2" in output, output[-3000:]
-    assert re.search(r"\[host 0\] error: lost contact with another host after step \d+", output), output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    assert stopped_after < 5, stopped_after  # the grace is 60 s: the survivor stopped itself
+    assert_survivor_stops_by_itself(args, r"\[host 0\].*step 4/1000")
