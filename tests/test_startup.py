@@ -12,9 +12,9 @@ from tpu_keras import lean_imports
 from tpu_keras.cluster import engine
 lean_imports.install()
 engine.select("tf")  # as a tf run does, before Keras loads
-import tensorflow, keras
+import tensorflow, keras, keras_hub  # keras-hub's kagglehub probes for IPython (Colab)
 probed = sorted(p for p in ("matplotlib", "IPython", "sklearn", "scipy", "jax") if p in sys.modules)
-import sklearn.datasets, scipy.sparse, matplotlib  # still there for anyone else
+import sklearn.datasets, scipy.sparse, matplotlib, IPython  # still there for anyone else
 print("PROBED", probed, "LATER", sklearn.datasets.load_digits().data.shape)
 """
 

@@ -2,7 +2,8 @@
 
 At import, TensorFlow and Keras try to import packages that only some of
 their features use: matplotlib (Keras's image gallery), IPython (notebook
-display), scikit-learn (Keras's sklearn wrappers), SciPy (TensorFlow's legacy
+display; kagglehub, keras-hub's download client, too, to tell whether it runs in
+Colab), scikit-learn (Keras's sklearn wrappers), SciPy (TensorFlow's legacy
 Keras) and JAX (`tf.lite`, and Keras's Orbax callback when `KERAS_BACKEND`
 names another backend). Each probe sits in a `try: import ... except
 ImportError` at module level. Together they are about half of
@@ -34,6 +35,8 @@ def _probers(package: str) -> tuple:
     imports JAX as its backend unless it is known to run on another one."""
     if package in ("jax", "jaxlib") and os.environ.get("KERAS_BACKEND", "jax") == "jax":
         return ("tensorflow",)  # tf.lite's probe; Keras may need JAX (set by engine.select)
+    if package == "IPython":  # kagglehub (keras-hub's download client) looks for Colab
+        return ("tensorflow", "keras", "kagglehub")
     return ("tensorflow", "keras")
 
 

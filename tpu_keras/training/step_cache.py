@@ -243,9 +243,15 @@ def describe_model(model) -> str | None:
 
 
 def _interactive() -> bool:
-    """Whether this process may hold code in no file: `python -c`, stdin, IPython or Jupyter."""
+    """Whether this process may hold code in no file: `python -c`, stdin, or an IPython or
+    Jupyter shell. IPython merely imported is no shell: kagglehub (keras-hub's download
+    client) imports it at start-up in every script, and a script's trace would be watched,
+    2.5x slower, for nothing."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    return not (isinstance(main_file, str) and os.path.isfile(main_file)) or "IPython" in sys.modules
+    if not (isinstance(main_file, str) and os.path.isfile(main_file)):
+        return True
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return shell is not None and shell() is not None
 
 
 def model_code(model) -> set:
