@@ -93,9 +93,23 @@ PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_
 tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
-def logits(task):
-    value = task(segments.task_inputs(task, keras.ops.convert_to_tensor(tokens)))
+def forward(model, inputs):
+    """`model(inputs)` in float32, compiled whole on jax (`jax.jit` of `stateless_call`;
+    `predict_on_batch` would run a keras-hub task's preprocessor first): called eagerly
+    there, each operation compiles on its own, and Qwen 3.5's chunked Gated DeltaNet alone
+    took a minute of XLA compiles per model."""
+    if engine_name == "jax":
+        import jax
+        trainable = [v.value for v in model.trainable_variables]
+        frozen = [v.value for v in model.non_trainable_variables]
+        value, _ = jax.jit(model.stateless_call)(trainable, frozen, inputs)
+    else:
+        value = model(inputs)
     return keras.ops.convert_to_numpy(keras.ops.cast(value, "float32"))
+
+
+def logits(task):
+    return forward(task, segments.task_inputs(task, keras.ops.convert_to_tensor(tokens)))
 
 
 def gap(a, b):
@@ -242,18 +256,18 @@ def quantized_run(name, checkpoint, mode, first, tokens):
     per_feature = {}
     if mode == "int4":  # in groups of 16 of the tiny model's 32 or 64 input features
         config.model.quantize_block_size = -1
-        per_feature["before_per_feature"] = gap(keras.ops.convert_to_numpy(build(config)(tokens)), first)
+        per_feature["before_per_feature"] = gap(forward(build(config), tokens), first)
         config.model.quantize_block_size = 16
     untrained = build(config)
     config.train.update(steps=16, learning_rate=3e-2)  # long enough for the loss to fall
     config.checkpoint.every_steps = 16
     quantized = [w for w in untrained.weights if w.path.endswith("/kernel") and "int8" in str(w.dtype)]
     scales = [w for w in untrained.weights if w.path.endswith(("/kernel_scale", "/kernel_zero"))]
-    before = keras.ops.convert_to_numpy(untrained(tokens))
+    before = forward(untrained, tokens)
     workdir = os.path.join(out, name, f"lora_{mode}")
     history = loop.train(config, workdir)
     trained = history.model
-    expected = keras.ops.convert_to_numpy(trained(tokens))
+    expected = forward(trained, tokens)
     folder = os.path.join(workdir, "export")
     with open(f"{folder}/peft/adapter_config.json") as file:
         adapter = json.load(file)
@@ -275,7 +289,7 @@ for name in names or hf_checkpoints.CHECKPOINTS:
     write_checkpoint(checkpoint, name)
     config = config_for(name, checkpoint)
     toolkit = build(config)
-    first = keras.ops.convert_to_numpy(toolkit(tokens))
+    first = forward(toolkit, tokens)
     whole = [w.path for w in toolkit.weights  # on a mesh, of those layout.replicate_below splits
              if engine_name == "jax" and w.value.sharding.is_fully_replicated and np.prod(w.shape) >= 256]
     split = [w.path for w in toolkit.weights
@@ -295,7 +309,7 @@ for name in names or hf_checkpoints.CHECKPOINTS:
     if f"{name}:theta" in runs:  # the run's own rope_theta, where the checkpoint has another
         config = config_for(name, checkpoint, rope_max_wavelength=250000.0)
         changed = build(config)
-        expected = keras.ops.convert_to_numpy(changed(tokens))
+        expected = forward(changed, tokens)
         result[name]["theta"] = {"moved": gap(expected, first), **exported(
             changed, config, os.path.join(out, name, "theta"), checkpoint, expected, name)}
     if f"{name}:instruct" in runs:
@@ -307,7 +321,7 @@ for name in names or hf_checkpoints.CHECKPOINTS:
         targets = LORA_TARGETS.get(variant, "")
         history = loop.train(config_for(name, checkpoint, rank, targets), workdir)
         trained = history.model
-        expected = keras.ops.convert_to_numpy(trained(tokens))
+        expected = forward(trained, tokens)
         folder = os.path.join(workdir, "export")
         checks = {"moved": gap(expected, first), "losses": [float(x) for x in history.history["loss"]],
                   "keras_hub": gap(expected, logits(task_cls.from_preset(f"{folder}/keras_hub"))),
