@@ -248,8 +248,11 @@ def _interactive() -> bool:
     client) imports it at start-up in every script, and a script's trace would be watched,
     2.5x slower, for nothing."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not (isinstance(main_file, str) and os.path.isfile(main_file)):
-        return True
+    return not (isinstance(main_file, str) and os.path.isfile(main_file)) or _in_a_shell()
+
+
+def _in_a_shell() -> bool:
+    """Whether an IPython shell (a notebook's kernel among them) runs in this process."""
     shell = getattr(sys.modules.get("IPython"), "get_ipython", None)
     return shell is not None and shell() is not None
 
