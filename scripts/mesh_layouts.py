@@ -4,8 +4,9 @@ communication time, from libtpu's description of the slice (no TPU needed). Prin
     python scripts/mesh_layouts.py --tpu=v5litepod-16 --config=configs/lm_stdlib.py
     python scripts/mesh_layouts.py --tpu=v4-128 --config=configs/lm_stdlib.py:1b --mesh=4,8,2
 
-Layouts compared, each mesh of the slice given by --mesh (data,fsdp,model;
-default: data alone, fsdp alone, data with model=2 or 4, data with fsdp=4):
+Layouts compared, each mesh of the slice given by --mesh (data,fsdp,model, or
+data,fsdp,expert,model; default: data alone, fsdp alone, data with model=2
+or 4, data with fsdp=4):
 
 - `jax`: the toolkit's, JAX's `create_device_mesh` along the chip torus
   (splitting a physical side between axes where it must);
@@ -16,9 +17,9 @@ default: data alone, fsdp alone, data with model=2 or 4, data with fsdp=4):
   by host are laid out.
 
 For each: the mean links between ring neighbours along `data`, `fsdp`,
-`model` and the batch (`data` and `fsdp` together), 1.0 being neighbouring
-chips (`planning.network.ring_hops`); and the planner's time inside the
-slice for the config's model on that mesh (`python -m tpu_keras.plan`),
+`expert`, `model` and the batch (`data`, `fsdp` and `expert` together), 1.0
+being neighbouring chips (`planning.network.ring_hops`); and the planner's
+time inside the slice for the config's model on that mesh (`python -m tpu_keras.plan`),
 each collective's bytes at the published ICI bandwidth times the hops of
 the axis they cross (the planner itself counts 1.0: `ideal_ici_seconds`).
 """
@@ -39,16 +40,19 @@ from tpu_keras.planning import slice_plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
 _TPU = flags.DEFINE_string("tpu", "v5litepod-16", "One TPU slice type.")
-_MESH = flags.DEFINE_multi_string("mesh", [], "data,fsdp,model of one mesh (repeatable).")
+_MESH = flags.DEFINE_multi_string("mesh", [], "data,fsdp,model (or data,fsdp,expert,model) of one "
+                                  "mesh (repeatable).")
 
 # The collectives of the planner's sent-per-step, by the mesh axis each crosses.
 _AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
             "gradient_all_reduce": "batch", "model_all_reduce": "model"}
-_AXES = {"data": (0,), "fsdp": (1,), "model": (2,), "batch": (0, 1)}
+_AXES = {**{axis: (i,) for i, axis in enumerate(mesh_lib.AXES)},
+         "batch": tuple(mesh_lib.AXES.index(axis) for axis in mesh_lib.BATCH_AXES)}
 
 
 def layouts(chips, shape):
-    """{name: grid or None}: the three layouts of `shape` on `chips`."""
+    """{name: grid or None}: the three layouts of `shape` (the sizes of `mesh_lib.AXES`) on
+    `chips`."""
     import numpy as np
     from jax.experimental import mesh_utils
     found = {"jax": mesh_lib.device_grid(chips, 1, *shape)}
@@ -66,7 +70,12 @@ def default_meshes(devices):
     shapes = [(devices, 1, 1), (1, devices, 1)]
     shapes += [(devices // m, 1, m) for m in (2, 4) if devices % m == 0 and devices > m]
     shapes += [(devices // 4, 4, 1)] if devices % 4 == 0 and devices > 4 else []
-    return shapes
+    return [_with_expert(shape) for shape in shapes]
+
+
+def _with_expert(shape):
+    """(data, fsdp, expert, model) of a (data, fsdp, model) with expert 1; a 4-tuple as it is."""
+    return shape if len(shape) == len(mesh_lib.AXES) else (shape[0], shape[1], 1, shape[2])
 
 
 def main(argv):
@@ -78,11 +87,12 @@ def main(argv):
     objectives.check(config)
     config.engine = "jax"
     chips = libtpu.devices(_TPU.value)
-    shapes = [tuple(map(int, m.split(","))) for m in _MESH.value] or default_meshes(len(chips))
+    shapes = ([_with_expert(tuple(map(int, m.split(",")))) for m in _MESH.value]
+              or default_meshes(len(chips)))
     results = []
     for shape in shapes:
-        config.mesh = {"slices": 1, "data": shape[0], "fsdp": shape[1], "model": shape[2]}
-        config.train.batch_size = max(config.train.batch_size, shape[0] * shape[1])
+        config.mesh = {"slices": 1, **dict(zip(mesh_lib.AXES, shape))}
+        config.train.batch_size = max(config.train.batch_size, mesh_lib.batch_splits(config.mesh))
         try:
             plan = slice_plan.plan(config, _TPU.value)
         except UserError as error:  # the model's layout rules cannot take this mesh

@@ -30,7 +30,7 @@ LLAMA_FSDP = ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", FLOAT32, 
 BAD_INPUTS = {
     "unknown-slice": (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
     "indivisible-batch": (["--tpu=v5p-64", "--config.train.batch_size=33"],
-                          ["train.batch_size=33 does not divide over the 32 batch splits (data x fsdp)",
+                          ["train.batch_size=33 does not divide over the 32 batch splits (data x fsdp x expert)",
                            "multiple of 32"]),
     "tf-model-axis": (["--tpu=v4-8", "--config.mesh.model=2"], ["needs the jax engine"]),
     "margin": (["--tpu=v4-8", "--margin=1.5"], ["--margin=1.5"]),
@@ -258,11 +258,11 @@ def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64(plans):
         assert (c["sent_per_step"]["fsdp_all_gather"] > 0) == (mesh["fsdp"] > 1)
     # Data parallel alone: each device sends 2 x 31/32 of the gradients per micro-batch, in
     # bf16 where the model reads the weight in bf16 (the kernels), float32 elsewhere.
-    data_only = next(c for c in fitting if c["mesh"] == {"data": 32, "fsdp": 1, "model": 1})
+    data_only = next(c for c in fitting if c["mesh"] == {"data": 32, "fsdp": 1, "expert": 1, "model": 1})
     gradients = 2 * 31 / 32 * data_only["per_device"]["gradients"] * data_only["grad_accum_steps"]
     assert 0.5 * gradients < data_only["sent_per_step"]["total"] < 0.51 * gradients
     # Splitting the weights over fsdp shrinks them by the axis size.
-    fsdp = next(c for c in fitting if c["mesh"] == {"data": 1, "fsdp": 32, "model": 1})
+    fsdp = next(c for c in fitting if c["mesh"] == {"data": 1, "fsdp": 32, "expert": 1, "model": 1})
     assert fsdp["per_device"]["parameters"] < data_only["per_device"]["parameters"] / 16
     assert any("model=32" in f"model={s['mesh']['model']}" and "does not divide" in s["reason"]
                for s in result["skipped"])
@@ -282,7 +282,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     # The 5-minute gpt on a v5litepod-8 in bf16: 8 replicas of 15.75 GiB (what a v5e device reports).
     first = json.loads(plans["gpt"].stdout)
     assert first["fits"] and first["devices"] == 8 and first["hosts"] == 1
-    assert first["mesh"] == {"data": 8, "fsdp": 1, "model": 1} and first["precision"] == "mixed_bfloat16"
+    assert first["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "model": 1} and first["precision"] == "mixed_bfloat16"
     assert first["per_device"]["gradients"] == first["per_device"]["parameters"]  # all trainable
     largest = first["largest_global_batch"]
     assert largest % 8 == 0 and largest > first["global_batch"]
@@ -364,6 +364,26 @@ def test_collectives_that_span_slices_are_split_hierarchically():
     # Inside plus across is the flat ring's total.
     flat = compiled_traffic.sent_per_device(hlo, devices=8)
     assert sent["total"] == flat["total"] == sent["all_reduce"] + sent["all_reduce_across_slices"]
+
+
+def test_an_expert_axis_reduces_the_gradients_it_copies_and_auto_keeps_the_configs():
+    from tpu_keras.parallelism import Placement
+    from tpu_keras.planning import layout_search, planned_traffic
+    mesh = {"data": 2, "fsdp": 1, "expert": 2, "model": 1}
+    whole = Placement("attention/kernel", (16, 16), "float32", (None, None), None)
+    experts = Placement("experts/gate", (4, 16, 16), "float32", ("expert", None, None), "r")
+    sent = planned_traffic.per_step([whole, experts], {whole.path, experts.path}, [], mesh, 1)
+    # The whole weight's gradient over all 4 batch splits; each expert shard's over data alone.
+    assert sent["gradient_all_reduce"] == round(2 * 3 / 4 * 16 * 16 * 4 + 2 * 1 / 2 * 2 * 16 * 16 * 4)
+    assert sent["fsdp_all_gather"] == sent["model_all_reduce"] == 0
+    candidates = layout_search.meshes(8, expert=2)
+    assert {m["expert"] for m in candidates} == {2} and len(candidates) == 6
+    assert all(m["data"] * m["fsdp"] * m["model"] == 4 for m in candidates)
+    assert {m["expert"] for m in layout_search.meshes(8)} == {1} and layout_search.meshes(6, 4) == []
+    flags = layout_search.flags({"mesh": candidates[0], "remat": "none", "batch_per_replica": 2,
+                                 "grad_accum_steps": 1})
+    assert flags.startswith("--config.engine=jax ") and "--config.mesh.expert=2" in flags
+    assert "--config.train.batch_size=16" in flags  # 2 per split x data 4 x expert 2
 
 
 # Config errors that train refuses before it runs: plan refuses each in the same line, since

@@ -52,17 +52,20 @@ def defaults() -> ml_collections.ConfigDict:
     # Keras 3 on TensorFlow ('tf', tf.distribute) or on JAX ('jax', keras.distribution).
     config.engine = "tf"
 
-    # Devices as a (data, fsdp, model) grid; fsdp and model need the jax engine. -1: the
+    # Devices as a (data, fsdp, expert, model) grid; all but data need the jax engine. -1: the
     # devices the other axes leave (docs/parallelism.md).
     config.mesh = dict(
         # TPU slices joined by the data-center network (multislice, jax engine): data
-        # parallel across them, data x fsdp x model inside each (docs/running_on_a_tpu_pod.md,
-        # "Several slices").
+        # parallel across them, data x fsdp x expert x model inside each
+        # (docs/running_on_a_tpu_pod.md, "Several slices").
         slices=1,
         data=-1,  # splits the batch
         # Splits the batch, and every weight of layout.replicate_below elements or more
         # (fully-sharded data parallelism).
         fsdp=1,
+        # Splits the batch, and a mixture of experts' experts by the family's layout rules
+        # (expert parallelism: each device holds experts / expert of them).
+        expert=1,
         model=1,  # splits weights by the builder's layout rules (tensor parallelism)
     )
 

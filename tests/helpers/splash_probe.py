@@ -37,8 +37,11 @@ import numpy as np  # noqa: E402
 
 from tpu_keras.cluster.record import Cluster  # noqa: E402
 from tpu_keras.models import segments, splash_attention  # noqa: E402
+from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
 
-mesh = keras.distribution.DeviceMesh((2, 2, 2), ("data", "fsdp", "model"), jax.devices())
+SIZES = {"data": 2, "fsdp": 2, "expert": 1, "model": 2}
+mesh = keras.distribution.DeviceMesh(tuple(SIZES[a] for a in mesh_lib.AXES), mesh_lib.AXES,
+                                     jax.devices())
 keras.distribution.set_distribution(keras.distribution.ModelParallel(
     layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="data"))
 SMALL = dict(vocabulary_size=64, num_query_heads=4, num_key_value_heads=2, hidden_dim=64,
@@ -151,7 +154,7 @@ sliding = next(layer for layer in gemma3._flatten_layers()
 causal = np.tril(np.ones((1, length, length), bool))
 keras_window = np.asarray(sliding._mask_sliding_window(causal))[0]
 cpu_cluster = Cluster(strategy=None, kind="jax", num_hosts=1, host_index=0, num_replicas=4,
-                      device_kind="8 x cpu", engine="jax", mesh={"data": 2, "fsdp": 2, "model": 2},
+                      device_kind="8 x cpu", engine="jax", mesh=SIZES,
                       device_mesh=mesh)
 print("SPLASH " + json.dumps({
     **figures,

@@ -5,7 +5,7 @@ libtpu's description of the slice as a run lays it out on a TPU.
 
 Types: every v4, v5e, v5p and v6e slice of the topology table with 1 to 64
 hosts, each as 1, 2 and 4 slices (or the TYPEs given, such as 2xv4-16). For
-each, every (data, fsdp, model) of one slice's devices (`layout_search.meshes`)
+each, every (data, fsdp, expert=1, model) of one slice's devices (`layout_search.meshes`)
 goes through `mesh.device_grid` on the slice's libtpu devices, then each host
 gets its input pipeline (`mesh.pipelines`), and one global batch is fed
 as the hosts feed it: each pipeline reads its own share of the examples and
@@ -49,16 +49,17 @@ def slice_types():
 
 
 def check(chips, slices: int, mesh: tuple) -> tuple[str, bool]:
-    """('' or why it fails, whether some host's rows are not one aligned block)."""
+    """('' or why it fails, whether some host's rows are not one aligned block); `mesh` is
+    one slice's sizes of `mesh_lib.AXES`."""
     grid = mesh_lib.device_grid(chips, slices, *mesh)
-    if grid.shape != (slices * mesh[0], mesh[1], mesh[2]) or len({d.id for d in grid.flat}) != len(chips):
+    if grid.shape != (slices * mesh[0], *mesh[1:]) or len({d.id for d in grid.flat}) != len(chips):
         return f"grid {grid.shape} does not hold every chip once", False
-    rows = mesh_lib.batch_rows(grid, mesh[2])
+    rows = mesh_lib.batch_rows(grid, mesh[-1])
     pipelines = mesh_lib.pipelines(rows)
     count = {n for n, _ in pipelines.values()}
     if len(count) != 1:
         return f"hosts disagree on the number of pipelines: {count}", False
-    row_count = slices * mesh[0] * mesh[1]
+    row_count = slices * int(np.prod(mesh[:-1]))  # data x fsdp x expert
     global_batch = row_count * EXAMPLES_PER_ROW
     per_host = global_batch // count.pop()
     positions = mesh_lib.feed_rows(rows, global_batch)
@@ -87,7 +88,7 @@ def main(types):
             report = collections.Counter()
             failures = []
             for mesh in meshes(found.devices):
-                shape = (mesh["data"], mesh["fsdp"], mesh["model"])
+                shape = tuple(mesh[axis] for axis in mesh_lib.AXES)
                 try:
                     why, interleaved = check(chips, count, shape)
                 except UserError as error:

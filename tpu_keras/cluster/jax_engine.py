@@ -1,8 +1,8 @@
 """The jax engine's side of `connect`: the run's processes and the device mesh.
 
 `connect` joins the processes of a multi-host run (the local launcher's
-coordinator, or a TPU pod's), lays every device out on the `(data, fsdp, model)`
-mesh (slices, if more than one, on the outer part of `data`:
+coordinator, or a TPU pod's), lays every device out on the `(data, fsdp, expert,
+model)` mesh (slices, if more than one, on the outer part of `data`:
 `parallelism.mesh.device_grid`), and makes Keras split the batch over `data`
 (a data-parallel `keras.distribution`, so user code that only connects
 trains data parallel).
@@ -58,8 +58,7 @@ def connect(config, mesh_config, refit_mesh: int = 0) -> Cluster:
         devices = devices[:math.prod(mesh.values())]
     simulated = libtpu.simulated()  # `launch --tpu`: lay the mesh out as on that slice
     chips = libtpu.devices(simulated) if simulated and devices[0].platform != "tpu" else None
-    grid = mesh_lib.device_grid(devices, mesh[mesh_lib.SLICES], *(mesh[a] for a in mesh_lib.AXES),
-                                chips=chips)
+    grid = mesh_lib.grid_of(devices, mesh, chips=chips)
     _check_launcher_slices(mesh, grid)
     device_mesh = keras.distribution.DeviceMesh(
         grid.shape, mesh_lib.AXES, [_name(d) for d in grid.flat])

@@ -20,7 +20,7 @@ class Cluster:
     """What `connect` found: the strategy (or jax mesh) and the shape of the machine.
 
     `num_replicas` is the number of ways the global batch is split: the
-    mesh's `slices` x `data` x `fsdp` (tf: the strategy's replicas).
+    mesh's `slices` x `data` x `fsdp` x `expert` (tf: the strategy's replicas).
     """
 
     strategy: Optional[Any]              # the tf.distribute.Strategy; None on the jax engine
@@ -31,7 +31,7 @@ class Cluster:
     device_kind: str
     topology: Optional[Any] = None
     engine: str = "tf"
-    mesh: Optional[dict] = None          # {'slices': S, 'data': D, 'fsdp': F, 'model': M}, resolved
+    mesh: Optional[dict] = None          # {'slices': S, 'data': D, 'fsdp': F, 'expert': E, 'model': M}
     device_mesh: Optional[Any] = None    # keras.distribution.DeviceMesh (jax)
     # Distinct input pipelines and the one this host runs: one per host,
     # unless a jax model axis spans hosts that then read the same rows.
@@ -41,7 +41,7 @@ class Cluster:
     def __post_init__(self):
         if self.mesh is None:
             object.__setattr__(self, "mesh", {"slices": 1, "data": self.num_replicas, "fsdp": 1,
-                                              "model": 1})
+                                              "expert": 1, "model": 1})
         if not self.input_pipelines:
             object.__setattr__(self, "input_pipelines", self.num_hosts)
             object.__setattr__(self, "input_index", self.host_index)

@@ -7,13 +7,15 @@ above 1, fully-sharded data parallelism) give it, checked as Keras creates
 the weight and before any memory is allocated for it, so a bad rule fails
 with one line instead of a JAX shape error or a silently replicated weight
 (Keras replicates a weight no `LayoutMap` key matches, without a word:
-docs/design.md). The batch is split over `data` and `fsdp` together.
+docs/design.md). The batch is split over `data`, `fsdp` and `expert` together
+(`mesh.BATCH_AXES`; a mixture of experts' layer splits its experts over
+`expert` and exchanges tokens along it itself, `models.moe`).
 
 Keras's distributions take one batch axis name, and its `TensorLayout`
 checks each dimension's entry as one axis name, while JAX's
 `PartitionSpec` takes a tuple of axes for one dimension. `_Layout` is a
 `TensorLayout` that allows such a tuple, so the batch dimension can span
-('data', 'fsdp') and Keras still hands JAX a plain `NamedSharding`. The tf
+('data', 'fsdp', 'expert') and Keras still hands JAX a plain `NamedSharding`. The tf
 engine has nothing to set: Keras 3's TensorFlow backend ignores layouts.
 """
 
@@ -50,7 +52,7 @@ class _Layout(keras.distribution.TensorLayout):
 
 
 class _PlacedDistribution(keras.distribution.ModelParallel):
-    """Weights where the `Placer` puts them; the batch over ('data', 'fsdp')."""
+    """Weights where the `Placer` puts them; the batch over `BATCH_AXES`."""
 
     def __init__(self, placer: Placer, **kwargs):
         super().__init__(**kwargs)

@@ -1,22 +1,27 @@
-"""The device mesh: `config.mesh = {'slices': S, 'data': -1, 'fsdp': F, 'model': M}` resolved
-against devices.
+"""The device mesh: `config.mesh = {'slices': S, 'data': -1, 'fsdp': F, 'expert': E,
+'model': M}` resolved against devices.
 
-Three named axes inside a slice. `data` and `fsdp` both split the batch;
-`fsdp` also splits every large weight (and its gradient and optimizer
+Four named axes inside a slice. `data`, `fsdp` and `expert` all split the
+batch; `fsdp` also splits every large weight (and its gradient and optimizer
 state), which each layer all-gathers when it runs (fully-sharded data
-parallelism); `model` splits weights by the builder's layout rules (tensor
-parallelism, see `parallelism.rules`). -1 means "all the devices the other
-axes leave". On the tf engine `fsdp` and `model` must be 1: Keras 3's
-TensorFlow backend ignores layouts (keras-team/keras#18473).
+parallelism); `expert` also splits a mixture-of-experts layer's experts
+(expert parallelism, as MaxText does: outside those layers it is one more
+batch split; inside, each device holds E / expert of the experts and the
+tokens are exchanged along it, `models.moe`), by the family's layout rules;
+`model` splits weights by the builder's layout rules (tensor parallelism, see
+`parallelism.rules`). `model` is the last axis, so that JAX lays it on
+neighbouring chips. -1 means "all the devices the other axes leave". On
+the tf engine `fsdp`, `expert` and `model` must be 1: Keras 3's TensorFlow
+backend ignores layouts (keras-team/keras#18473).
 
 `slices` (default 1) is data parallelism across TPU slices, which only the
 data-center network (DCN) joins, far slower than the chip interconnect
 inside a slice. So slices carry whole replicas of the weights and exchange
-only the gradients' all-reduce: `data`, `fsdp` and `model` are each
-slice's shape, there are `slices x data x fsdp x model` devices, and the
-device mesh Keras sees keeps three axes, slices folded into the outer part
-of `data` (`device_grid`). A layout rule may not name `slices`, nor `data`
-when it spans slices.
+only the gradients' all-reduce: `data`, `fsdp`, `expert` and `model` are
+each slice's shape, there are `slices x data x fsdp x expert x model`
+devices, and the device mesh Keras sees keeps the four axes of `AXES`,
+slices folded into the outer part of `data` (`device_grid`). A layout rule
+may not name `slices`, nor `data` when it spans slices.
 """
 
 # Imported inside functions: JAX (optional: absent on a plain install; the tf engine runs
@@ -25,11 +30,13 @@ import math
 
 from tpu_keras.errors import UserError, first_line
 
-AXES = ("data", "fsdp", "model")  # the device mesh's axes, as Keras and JAX name them
-BATCH_AXES = ("data", "fsdp")  # the axes the batch is split over
+# The device mesh's axes, as Keras and JAX name them, outermost first: `model` last, where
+# JAX puts neighbouring chips.
+AXES = ("data", "fsdp", "expert", "model")
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes the batch is split over (outside the experts)
 SLICES = "slices"  # data parallelism across slices: folded into the device mesh's `data`
-_DEFAULTS = {SLICES: 1, "data": -1, "fsdp": 1, "model": 1}
-_SCHEMA = "{'slices': S, 'data': -1, 'fsdp': F, 'model': M}"
+_DEFAULTS = {SLICES: 1, "data": -1, "fsdp": 1, "expert": 1, "model": 1}
+_SCHEMA = "{'slices': S, 'data': -1, 'fsdp': F, 'expert': E, 'model': M}"
 
 
 def check(mesh_config, engine: str = "jax") -> dict[str, int]:
@@ -70,13 +77,13 @@ def _sizes_that_fit(inside: dict[str, int], devices: int) -> str:
 
 
 def batch_splits(mesh: dict[str, int]) -> int:
-    """How many ways the batch is split: slices x data x fsdp."""
+    """How many ways the batch is split: slices x data x fsdp x expert."""
     return mesh.get(SLICES, 1) * math.prod(mesh.get(axis, 1) for axis in BATCH_AXES)
 
 
 def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int]:
-    """Returns `{'slices': S, 'data': D, 'fsdp': F, 'model': M}` with S x D x F x M ==
-    num_devices (D, F, M: each slice's shape), or a one-line error."""
+    """Returns `{'slices': S, 'data': D, 'fsdp': F, 'expert': E, 'model': M}` with
+    S x D x F x E x M == num_devices (D, F, E, M: each slice's shape), or a one-line error."""
     mesh = check(mesh_config, engine)
     slices = mesh[SLICES]
     if num_devices % slices:
@@ -95,7 +102,7 @@ def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int
     elif fixed != per_slice:
         raise UserError(f"mesh={mesh} needs {fixed * slices} devices but there are {num_devices}; "
                         "set mesh.data=-1 to use them all")
-    for axis in ("model", "fsdp"):
+    for axis in ("model", "fsdp", "expert"):
         if engine == "tf" and mesh[axis] > 1:
             raise UserError(f"mesh.{axis}={mesh[axis]} needs the jax engine (--config.engine=jax): "
                             "Keras 3's TensorFlow backend ignores layouts (keras-team/keras#18473)")
@@ -104,32 +111,44 @@ def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int
 
 def refit(mesh_config, num_devices: int, batch: int) -> dict[str, int]:
     """A run's mesh fitted to `num_devices` it was not made for (an evaluation job on one host
-    of a pod, or on a larger one): one slice; `model` and `fsdp` as large as both the run's
-    and these devices allow, so that every layout rule still divides the weights it splits;
-    then as much `data` as the devices left and the global `batch` allow. It may use fewer
-    devices than there are (the first ones)."""
+    of a pod, or on a larger one): one slice; `model`, `expert` and `fsdp` as large as both
+    the run's and these devices allow (`expert` and `fsdp` also dividing the global `batch`,
+    which they split), so that every layout rule still divides the weights it splits; then
+    as much `data` as the devices left and the batch allow. It may use fewer devices than
+    there are (the first ones)."""
     mesh = check(mesh_config, "jax")
     model = math.gcd(max(mesh["model"], 1), num_devices)
-    fsdp = math.gcd(max(mesh["fsdp"], 1), num_devices // model, batch)
-    data = math.gcd(num_devices // (model * fsdp), batch // fsdp)
-    return {SLICES: 1, "data": data, "fsdp": fsdp, "model": model}
+    expert = math.gcd(max(mesh["expert"], 1), num_devices // model, batch)
+    fsdp = math.gcd(max(mesh["fsdp"], 1), num_devices // (model * expert), batch // expert)
+    data = math.gcd(num_devices // (model * expert * fsdp), batch // (expert * fsdp))
+    return {SLICES: 1, "data": data, "fsdp": fsdp, "expert": expert, "model": model}
 
 
 def describe(mesh: dict[str, int]) -> str:
-    """'data=4 x model=2', with slices and fsdp named only when they split something."""
-    named = [SLICES] * (mesh.get(SLICES, 1) > 1) + [a for a in AXES if a != "fsdp" or mesh[a] > 1]
+    """'data=4 x model=2', with slices, fsdp and expert named only when they split something."""
+    named = [SLICES] * (mesh.get(SLICES, 1) > 1) + [
+        a for a in AXES if a not in ("fsdp", "expert") or mesh.get(a, 1) > 1]
     return " x ".join(f"{axis}={mesh[axis]}" for axis in named)
 
 
-def device_grid(devices, slices: int, data: int, fsdp: int, model: int, chips=None):
-    """The devices as a `(slices * data, fsdp, model)` array: rows `s * data` to
-    `(s + 1) * data - 1` are slice `s`, each slice a `(data, fsdp, model)` block.
+def grid_of(devices, mesh: dict[str, int], chips=None):
+    """`device_grid` of `mesh` (a resolved mesh: its slices and each slice's sizes of `AXES`;
+    an axis it leaves out is 1)."""
+    return device_grid(devices, mesh.get(SLICES, 1), *(mesh.get(axis, 1) for axis in AXES),
+                       chips=chips)
+
+
+def device_grid(devices, slices: int, *shape: int, chips=None):
+    """The devices as a `(slices * data, fsdp, expert, model)` array, where `shape` is one
+    slice's `data, fsdp, expert, model` (the sizes of `AXES`, in order; `grid_of` reads them
+    from a mesh): rows `s * data` to `(s + 1) * data - 1` are slice `s`, each slice a
+    `shape` block.
 
     On a TPU, JAX's own helpers lay each slice out on the chips' physical
     coordinates (`mesh_utils.create_device_mesh`: the last axes, where
     collectives are most frequent, on neighbouring chips) and put slices on the
     outer data axis (`create_hybrid_device_mesh` with a DCN shape of
-    `(slices, 1, 1)`). That order interleaves hosts: a host's chips may hold
+    `(slices, 1, 1, 1)`). That order interleaves hosts: a host's chips may hold
     rows far apart, which `input_pipelines` and `feed_rows` allow for.
     On a pod the launcher simulates (`launch --tpu`), `chips` is libtpu's
     description of that slice (`cluster.libtpu`): the grid is laid out on it
@@ -139,7 +158,9 @@ def device_grid(devices, slices: int, data: int, fsdp: int, model: int, chips=No
     slice `s` is its hosts `s * hosts_per_slice ...`.
     """
     import numpy as np
-    shape = (data, fsdp, model)
+    shape = tuple(int(n) for n in shape)
+    if len(shape) != len(AXES):
+        raise TypeError(f"device_grid takes one slice's sizes of {AXES}, got {shape}")
     on_tpu = getattr(devices[0], "platform", "") == "tpu"
     if on_tpu or chips is not None:
         grid = _torus_grid(devices if on_tpu else chips, slices, shape)
@@ -150,11 +171,12 @@ def device_grid(devices, slices: int, data: int, fsdp: int, model: int, chips=No
     ordered = sorted(devices, key=lambda d: (getattr(d, "process_index", 0), d.id))
     grid = np.empty(len(ordered), dtype=object)
     grid[:] = ordered
-    return grid.reshape(slices * data, fsdp, model)
+    return grid.reshape(slices * shape[0], *shape[1:])
 
 
 def _torus_grid(chips, slices: int, shape):
-    """JAX's layout of `shape` on the TPU `chips`, slices on the outer data axis.
+    """JAX's layout of `shape` (one slice's sizes of `AXES`) on the TPU `chips`, slices on
+    the outer data axis.
 
     Where an axis size is no product of the torus's sides (data=8 x model=2 on
     a 4x4 v5litepod-16), JAX refuses unless it may split a physical side
@@ -169,7 +191,8 @@ def _torus_grid(chips, slices: int, shape):
     def build(mesh_shape, **options):
         if slices == 1:
             return mesh_utils.create_device_mesh(mesh_shape, devices=chips, **options)
-        return mesh_utils.create_hybrid_device_mesh(mesh_shape, (slices, 1, 1), devices=chips,
+        return mesh_utils.create_hybrid_device_mesh(mesh_shape, (slices,) + (1,) * (len(mesh_shape) - 1),
+                                                    devices=chips,
                                                     **options)
 
     try:
@@ -179,16 +202,18 @@ def _torus_grid(chips, slices: int, shape):
     try:
         return build(shape, allow_split_physical_axes=True)
     except (NotImplementedError, ValueError) as error:
-        raise UserError(f"mesh data={shape[0]} x fsdp={shape[1]} x model={shape[2]} cannot be laid "
+        raise UserError(f"mesh {' x '.join(f'{a}={n}' for a, n in zip(AXES, shape))} cannot be laid "
                         f"on this slice's chips ({first_line(error, 160)}); "
                         f"{_nearest_buildable(build, shape)} can") from None
 
 
 def _nearest_buildable(build, shape) -> str:
-    """The mesh of the same devices closest to `shape` that `build` lays out, as flags."""
-    devices = math.prod(shape)
+    """The mesh of the same devices closest to `shape` (one slice's sizes of `AXES`) that
+    `build` lays out, as flags. The expert size stays as asked: it must divide the experts."""
+    expert = shape[AXES.index("expert")]
+    devices = math.prod(shape) // expert
     divisors = [n for n in range(1, devices + 1) if devices % n == 0]
-    candidates = [(devices // (f * m), f, m) for f in divisors for m in divisors
+    candidates = [(devices // (f * m), f, expert, m) for f in divisors for m in divisors
                   if (devices // f) % m == 0]
     def distance(candidate):
         return sum(abs(math.log(a / b)) for a, b in zip(candidate, shape))
@@ -228,7 +253,7 @@ def slice_of_row(row: int, mesh: dict[str, int]) -> int:
 
 def batch_rows(grid, model: int) -> dict[int, tuple[int, ...]]:
     """{process: the batch rows its devices hold}, ascending. A row is one of the batch's
-    `data x fsdp` splits (one per row of the grid with data and fsdp flattened); the
+    `data x fsdp x expert` splits (one per row of the grid with those flattened); the
     `model` devices of a row hold the same examples."""
     rows = grid.reshape(-1, model)
     held = {}

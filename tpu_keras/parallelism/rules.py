@@ -11,7 +11,7 @@ Keras replicates a weight no rule matches, without a word (docs/design.md).
 - a rule matches no weight (a typo, or a renamed layer);
 - two rules match the same weight;
 - a sharded dimension does not divide by its mesh axis;
-- on a mesh with a model axis above 1, a weight of
+- on a mesh with a model (or expert) axis above 1, a weight of
   `replicate_below` elements or more matches no rule (list it with
   `replicated(...)` if that is intended);
 - the dimensions a `Tie` names (attention heads in the query and the output
@@ -38,6 +38,8 @@ from tpu_keras.errors import UserError, closest
 from tpu_keras.parallelism.mesh import SLICES
 
 # Axes that split only the batch: a large weight on a mesh of these alone needs no rule.
+# Not `expert`: it splits the batch too, but also a mixture of experts' experts, by the
+# family's rules, so above 1 every large weight needs a rule.
 _BATCH_ONLY = (SLICES, "data", "fsdp")
 
 # Weights this large (elements) must be covered by a rule: 65,536 is a 256x256 kernel.
@@ -160,6 +162,9 @@ class Placer:
         """', such as layout.extra_rules=((r'PATH', (None, 'model')),)': the widest weight
         axis split over its largest dimension that divides by it."""
         axes = [a for a in self.mesh if a not in _BATCH_ONLY and self.mesh[a] > 1]
+        axes = [a for a in axes if a != "expert"]  # the experts' own axis: no advice for others
+        if not axes:
+            return ""
         axis = max(axes, key=lambda a: self.mesh[a])
         fits = [d for d, n in enumerate(shape) if n % self.mesh[axis] == 0]
         if not fits:

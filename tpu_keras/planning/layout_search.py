@@ -2,11 +2,12 @@
 with the least estimated communication time.
 
 Every way to write the slice's devices as data x fsdp x model is tried with
-each remat setting. The update's batch (`train.batch_size` x
-`train.grad_accum_steps`, what the config trains on per update) stays
-fixed: a candidate takes the largest micro-batch per batch split that fits
-in memory and divides the update's share of each split, and accumulates
-the rest. Of the candidates that fit, the recommendation is the one whose
+each remat setting (`mesh.expert`, a mixture of experts' expert parallelism,
+is not searched: every candidate keeps the config's, 1 by default). The
+update's batch (`train.batch_size` x `train.grad_accum_steps`, what the
+config trains on per update) stays fixed: a candidate takes the largest
+micro-batch per batch split that fits in memory and divides the update's
+share of each split, and accumulates the rest. Of the candidates that fit, the recommendation is the one whose
 communication takes the least estimated time per update
 (`planning.planned_traffic`, `planning.network`): fsdp saves memory
 but gathers every weight twice a micro-batch, model parallelism reduces
@@ -42,14 +43,14 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     footprint = Footprint(config)
     update_batch = config.train.batch_size * config.train.grad_accum_steps
     candidates, skipped = [], []
-    for mesh in meshes(found.devices):
+    for mesh in meshes(found.devices, _expert(config)):
         splits = mesh_lib.batch_splits(mesh) * slices
         if update_batch % splits:
             skipped.append({"mesh": mesh, "reason": f"the batch of {update_batch} does not divide "
                                                     f"over {splits} batch splits"})
             continue
         try:
-            footprint.layout(tuple(mesh[axis] for axis in mesh_lib.AXES))  # the rules' checks
+            footprint.layout(tuple(mesh.get(axis, 1) for axis in mesh_lib.AXES))  # the rules' checks
         except UserError as error:
             skipped.append({"mesh": mesh, "reason": str(error)})
             continue
@@ -117,20 +118,34 @@ def compiled_choice(config, slice_name: str, fitting: list[dict], count: int) ->
             "measured": (best or ranked[0])["measured"]}
 
 
-def meshes(devices: int) -> list[dict]:
-    """Every {'data', 'fsdp', 'model'} whose product is `devices`."""
+def meshes(devices: int, expert: int = 1) -> list[dict]:
+    """Every {'data', 'fsdp', 'expert', 'model'} whose product is `devices`, with `expert`
+    as given (none where it does not divide them)."""
+    if devices % expert:
+        return []
+    devices //= expert
     divisors = [n for n in range(1, devices + 1) if devices % n == 0]
-    return [{"data": devices // (fsdp * model), "fsdp": fsdp, "model": model}
+    return [{"data": devices // (fsdp * model), "fsdp": fsdp, "expert": expert, "model": model}
             for fsdp in divisors for model in divisors if (devices // fsdp) % model == 0]
+
+
+def _expert(config) -> int:
+    """The config's `mesh.expert`, which every candidate keeps (-1, the devices left over,
+    is not searched either: 1)."""
+    return max(1, int(dict(config.mesh).get("expert", 1)))
+
+
+def _needs_jax(mesh: dict, slices: int) -> bool:
+    return slices > 1 or any(mesh.get(axis, 1) > 1 for axis in ("fsdp", "expert", "model"))
 
 
 def flags(candidate: dict) -> str:
     """The command-line flags that train with `candidate`."""
     mesh, slices = candidate["mesh"], candidate.get("slices", 1)
     return " ".join([
-        *(["--config.engine=jax"] if mesh["fsdp"] > 1 or mesh["model"] > 1 or slices > 1 else []),
+        *(["--config.engine=jax"] if _needs_jax(mesh, slices) else []),
         *([f"--config.mesh.slices={slices}"] if slices > 1 else []),
-        *(f"--config.mesh.{axis}={mesh[axis]}" for axis in mesh_lib.AXES),
+        *(f"--config.mesh.{axis}={mesh[axis]}" for axis in mesh_lib.AXES if axis in mesh),
         f"--config.train.remat={candidate['remat']}",
         f"--config.train.batch_size={candidate['batch_per_replica'] * mesh_lib.batch_splits(mesh) * slices}",
         f"--config.train.grad_accum_steps={candidate['grad_accum_steps']}"])
@@ -140,7 +155,7 @@ def configured(config, candidate: dict):
     """A copy of `config` that trains with `candidate`."""
     config = copy.deepcopy(config)
     mesh, slices = candidate["mesh"], candidate.get("slices", 1)
-    if mesh["fsdp"] > 1 or mesh["model"] > 1 or slices > 1:
+    if _needs_jax(mesh, slices):
         config.engine = "jax"
     config.mesh = {**config.mesh, **mesh, "slices": slices}
     config.train.remat = candidate["remat"]

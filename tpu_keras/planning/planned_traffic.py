@@ -21,6 +21,10 @@ all-gather and reduce-scatter `(n - 1) / n * B`, all-reduce twice that.
   which weight, and along which dimensions, comes from the model's traced
   program (`weight_uses`), not from names. The softmax of a vocabulary-split
   head also reduces a few numbers per token; those are left out.
+- `expert`: a batch split like `data` for every weight it does not split;
+  a mixture of experts' experts, split over it, have their gradients
+  all-reduced over the other batch axes alone. The tokens a MoE layer
+  exchanges along it (`models.moe`) are not counted.
 
 With gradient accumulation every collective runs once per micro-batch.
 
@@ -117,25 +121,27 @@ def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: in
     `placements` are the weights' (`parallelism.Placement`), `trainable` the
     paths that get gradients, `uses` the model's `weight_uses`, and
     `batch_per_replica` the examples each batch split holds per micro-batch.
-    `mesh` is one slice's (data, fsdp, model) and `slices` how many there are;
+    `mesh` is one slice's (data, fsdp, expert, model) and `slices` how many there are;
     `itemsizes` the bytes per element each weight is used in (`weight_uses`).
     """
     data, fsdp, model = mesh["data"], mesh["fsdp"], mesh["model"]
+    expert = mesh.get("expert", 1)
     itemsizes = itemsizes or {}
     gathers = scatters = reductions = across = 0.0
     for p in placements:
         shard = p.bytes_per_device(mesh)
         if p.nbytes and p.path in itemsizes:  # as used: a kernel cast to bf16 moves in bf16
             shard = shard * itemsizes[p.path] * max(1, math.prod(p.shape)) / p.nbytes
+        copies = 1 if "expert" in p.axes else expert  # the expert axis's copies of the shard
         if "fsdp" in p.axes:
             gathered = shard * fsdp  # what a layer all-gathers: the weight less its model split
             gathers += 2 * ring(fsdp) * gathered
             if p.path in trainable:
                 scatters += ring(fsdp) * gathered
-                inside, dcn = network.hierarchical("all-reduce", shard, data, slices)
+                inside, dcn = network.hierarchical("all-reduce", shard, data * copies, slices)
                 reductions, across = reductions + inside, across + dcn
         elif p.path in trainable:
-            inside, dcn = network.hierarchical("all-reduce", shard, data * fsdp, slices)
+            inside, dcn = network.hierarchical("all-reduce", shard, data * fsdp * copies, slices)
             reductions, across = reductions + inside, across + dcn
     model_axis = model_axis_bytes(placements, uses, model) * batch_per_replica
     sent = {"fsdp_all_gather": gathers, "fsdp_reduce_scatter": scatters,

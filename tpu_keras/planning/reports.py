@@ -276,7 +276,9 @@ def format_search(s: dict, rows: int = 12) -> str:
                         for i, (cell, w) in enumerate(zip(row, widths))) for row in table]
     if len(fitting) > rows:
         lines.append(f"... and {len(fitting) - rows} more that fit (--json lists them all)")
+    expert = max((c["mesh"].get("expert", 1) for c in s["candidates"]), default=1)
     lines += ["", "per device; data, fsdp, model: one slice's mesh"
+                  + (f" (with the config's expert={expert} in each, not searched)" if expert > 1 else "")
                   + (f", data parallel across the {slices} slices" if slices > 1 else "")
                   + "; batch: examples per batch split per micro-batch; accum: micro-batches "
                   "per update; sent: bytes each device sends per update"

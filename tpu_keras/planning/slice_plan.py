@@ -16,7 +16,7 @@ on the config's mesh:
 
 Several slices (`--tpu=2xv5litepod-256`): the config's mesh is one slice's,
 and the slices extend the data axis (`mesh.slices`, the batch split over
-slices x data x fsdp; weights never split across slices).
+slices x data x fsdp x expert; weights never split across slices).
 
 Then whether the sum fits the device's HBM less a margin (room for XLA's
 own buffers and fragmentation), and the largest global batch that would.
@@ -36,6 +36,9 @@ from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
 from tpu_keras.planning import compiled_step, layout_report, network, tpu_compiler
 from tpu_keras.training import auto_values
+
+_ONE = (1,) * len(mesh_lib.AXES)  # one device: a size of 1 on every axis
+_MODEL = mesh_lib.AXES.index("model")
 
 
 class Footprint:
@@ -65,14 +68,15 @@ class Footprint:
         return tuple(m for m in REMAT_MODES if m != "blocks" or block_remat.blocks(self.model))
 
     @functools.lru_cache(maxsize=None)
-    def activation_line(self, remat: str, mesh: tuple[int, int, int] = (1, 1, 1)) -> tuple[float, float]:
+    def activation_line(self, remat: str, mesh: tuple = _ONE) -> tuple[float, float]:
         """(constant, per example): the activation bytes per device at batch b are
-        constant + b x per example. `mesh` (data, fsdp, model) matters through its
+        constant + b x per example. `mesh` (one slice's sizes of `AXES`) matters through its
         model axis, which splits what tensor parallelism splits."""
         from tpu_keras.planning import activations
-        model_size = mesh[2]
-        if mesh != (1, 1, model_size):
-            return self.activation_line(remat, (1, 1, model_size))
+        model_size = mesh[_MODEL]
+        only_model = _ONE[:_MODEL] + (model_size,) + _ONE[_MODEL + 1:]
+        if mesh != only_model:
+            return self.activation_line(remat, only_model)
         split = {}
         if model_size > 1:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
@@ -124,8 +128,8 @@ class Footprint:
         return self._traced_weights[1]
 
     @functools.lru_cache(maxsize=None)
-    def layout(self, mesh: tuple[int, int, int]) -> dict:
-        """The layout report on `mesh` (data, fsdp, model); a one-line error if the rules do not fit it."""
+    def layout(self, mesh: tuple) -> dict:
+        """The layout report on `mesh` (data, fsdp, expert, model); a one-line error if the rules do not fit it."""
         return layout_report.report_on(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model,
                                        self.optimizer)
 
@@ -149,7 +153,7 @@ class Footprint:
     @property
     def state_bytes(self) -> int:
         """Bytes of the weights and the optimizer state in all (the same on any mesh)."""
-        totals = self.layout((1, 1, 1))["totals"]
+        totals = self.layout(_ONE)["totals"]
         return totals["parameters"]["bytes"] + totals["optimizer"]["bytes"]
 
     @functools.cached_property
@@ -158,7 +162,7 @@ class Footprint:
         LoRA run's frozen base in bfloat16 (or quantized) and its factors in float32, say."""
         trainable = {v.path for v in self.model.trainable_variables}
         found = {"frozen": {}, "trainable": {}}
-        for row in self.layout((1, 1, 1))["weights"]:
+        for row in self.layout(_ONE)["weights"]:
             kind = found["trainable" if row["path"] in trainable else "frozen"]
             kind[row["dtype"]] = kind.get(row["dtype"], 0) + row["bytes_per_device"]
         return found
@@ -174,8 +178,8 @@ class Footprint:
                                       batch_per_replica, grad_accum_steps, slices, self.itemsizes)
 
 
-def _key(mesh: dict) -> tuple[int, int, int]:
-    return tuple(mesh[axis] for axis in mesh_lib.AXES)
+def _key(mesh: dict) -> tuple[int, ...]:
+    return tuple(mesh.get(axis, 1) for axis in mesh_lib.AXES)
 
 
 def tpu_slices(config, tpu: str):
@@ -189,7 +193,7 @@ def tpu_slices(config, tpu: str):
 
 
 def one_slice_mesh(config, found) -> dict:
-    """The config's per-slice (data, fsdp, model) on one slice of `found`."""
+    """The config's per-slice (data, fsdp, expert, model) on one slice of `found`."""
     mesh_config = {k: v for k, v in dict(config.mesh).items() if k != mesh_lib.SLICES}
     resolved = mesh_lib.resolve(mesh_config, found.devices, config.engine)
     return {axis: resolved[axis] for axis in mesh_lib.AXES}  # the slices are the plan's own
@@ -236,7 +240,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     splits = mesh_lib.batch_splits(mesh) * slices
     if global_batch % splits:
         raise UserError(f"train.batch_size={global_batch} does not divide over the {splits} "
-                        f"batch splits ({'slices x ' if slices > 1 else ''}data x fsdp) of "
+                        f"batch splits ({'slices x ' if slices > 1 else ''}data x fsdp x expert) of "
                         f"{slice_name}; use a multiple of {splits}")
     per_replica = global_batch // splits
     # The objective's terms. DPO: an example is a pair, two sequences through the model, and

@@ -14,7 +14,7 @@ policy a TPU run takes (`training.auto_values`: `auto` is mixed_bfloat16).
 Nothing is allocated: the model and optimizer are built in a Keras
 `StatelessScope` whose variables stay uninitialised, and the step is
 lowered on abstract arrays (`jax.ShapeDtypeStruct` with the `NamedSharding`
-each variable would get, and the batch split over data and fsdp), so any
+each variable would get, and the batch split over `BATCH_AXES`), so any
 model size compiles (MaxText's `train_compile.py` does the same for Flax).
 Only the optimizer's step counter is a real scalar, made on the CPU before
 the slice's distribution is set (Keras makes it from a value, which a
@@ -138,10 +138,10 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
 
     config = copy.deepcopy(config)
     config.engine = "jax"
-    whole = {mesh_lib.SLICES: slices, **{axis: mesh[axis] for axis in mesh_lib.AXES}}
+    whole = {mesh_lib.SLICES: slices, **{axis: mesh.get(axis, 1) for axis in mesh_lib.AXES}}
     config.mesh = dict(whole)
     config.train.steps_per_execution = 1  # one step is what is compiled
-    grid = mesh_lib.device_grid(list(chips), slices, *(mesh[axis] for axis in mesh_lib.AXES))
+    grid = mesh_lib.grid_of(list(chips), whole)
     device_mesh = keras.distribution.DeviceMesh(grid.shape, mesh_lib.AXES, list(grid.flat))
     cluster = Cluster(strategy=None, kind="tpu", num_hosts=found.hosts * slices, host_index=0,
                       num_replicas=mesh_lib.batch_splits(whole),

@@ -34,16 +34,18 @@ def layout_on_slice(config, tpu_type: str) -> dict:
                               "replicas": list(range(h * per_host, (h + 1) * per_host))}
                              for h in sorted(chips_of)]
         return result
-    grid = mesh_lib.device_grid(chips, slices, *(mesh[a] for a in mesh_lib.AXES))
+    grid = mesh_lib.grid_of(chips, {**mesh, mesh_lib.SLICES: slices})
     rows = mesh_lib.batch_rows(grid, mesh["model"])
     pipeline_of = mesh_lib.pipelines(rows)
     one_slice = grid[:mesh["data"]]  # ring hops inside a slice; slices meet over the DCN
     result["by_host"] = [{"host": h, "chips": chips_of[h], "batch_rows": list(rows[h]),
                           "input_pipeline": pipeline_of[h]}
                          for h in sorted(rows)]
+    along = {axis: (i,) for i, axis in enumerate(mesh_lib.AXES)}
+    along["batch"] = tuple(mesh_lib.AXES.index(axis) for axis in mesh_lib.BATCH_AXES)
     result["ring_hops"] = {
         name: round(network.ring_hops(one_slice, axes, found.chip_shape, found.wraparound), 3)
-        for name, axes in (("data", (0,)), ("fsdp", (1,)), ("model", (2,)), ("batch", (0, 1)))}
+        for name, axes in along.items()}
     return result
 
 
@@ -64,12 +66,17 @@ def format_layout(info: dict) -> str:
         lines.append(f"host {host['host']:<6} chips {chips}  {held}")
     if "ring_hops" in info:
         hops = ", ".join(f"{axis} {value:.2f}" for axis, value in info["ring_hops"].items()
-                         if value and (axis != "batch" or info["mesh"]["fsdp"] > 1))
+                         if value and (axis != "batch" or _batch_beyond_data(info["mesh"])))
         lines.append(f"ring hops   {hops or 'none (one device)'} "
                      "(links between ring neighbours along each axis; 1.00 = neighbouring chips)")
     else:
         lines.append("TPUStrategy numbers replicas host by host; each host feeds its own replicas")
     return "\n".join(lines)
+
+
+def _batch_beyond_data(mesh: dict) -> bool:
+    """Whether the batch is split over more than `data`, so its ring is not data's."""
+    return any(mesh.get(axis, 1) > 1 for axis in mesh_lib.BATCH_AXES if axis != "data")
 
 
 def _span(values) -> str:

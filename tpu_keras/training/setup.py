@@ -147,7 +147,7 @@ def set_up(config, workdir: str, *, trains: bool = False, one_device: bool = Fal
 def _on_one_device(config):
     """A copy of `config` whose mesh and cluster are this host's first device."""
     config = config_lib.thawed(config)
-    config.mesh.update(slices=1, data=1, fsdp=1, model=1)
+    config.mesh.update(slices=1, data=1, fsdp=1, expert=1, model=1)
     config.cluster.update(strategy="one_device", virtual_devices=0)
     return config
 
