@@ -10,6 +10,7 @@
     python scripts/benchmark.py --attention_kernels
     python scripts/benchmark.py --checkpoint
     python scripts/benchmark.py --memory [--memory_size=0.85b]
+    python scripts/benchmark.py --moe
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -88,6 +89,13 @@ the toolkit's checkpointers, in turns, with training steps between saves
 0.85B parameters in bfloat16, over its float base and over its int8 base,
 each a whole run in a process of its own, against the checkpoint's bytes
 (memory_benchmark.py; docs/performance.md, "Host memory").
+
+--moe: a training step of one keras-hub Qwen3-MoE block computed sparsely by
+the toolkit (`tpu_keras.models.moe`: each expert multiplies its own tokens)
+against keras-hub's dense expert bank (every expert on every token), in
+turns, at 8 experts with top 2 and at 32 with top 4, with XLA's FLOPs of each
+forward layer for this CPU and for a TPU v5e chip (moe_layers.py);
+`sparse_over_dense` is the step-time ratio.
 """
 
 import contextlib
@@ -143,6 +151,8 @@ _CHECKPOINT = flags.DEFINE_bool("checkpoint", False, "Blocked seconds per save, 
 _MEMORY = flags.DEFINE_bool("memory", False, "Peak host memory of a LoRA step over a 0.85B Llama 3, "
                             "over its float base and its int8 base (memory_benchmark.py).")
 _MEMORY_SIZE = flags.DEFINE_string("memory_size", "0.85b", "--memory: llama_checkpoint.py's size.")
+_MOE = flags.DEFINE_bool("moe", False, "The sparse MoE layer's step against keras-hub's dense "
+                         "expert bank at 8/2 and 32/4 experts/top-k (moe_layers.py).")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
                                 "float32 vs mixed_bfloat16 validation loss (0: skip).")
 
@@ -518,6 +528,8 @@ def _benchmark(report):
     elif _MEMORY.value:
         emit(json.dumps({"benchmark": "memory", "result": script_json(
             "memory_benchmark.py", f"--size={_MEMORY_SIZE.value}")}, indent=2))
+    elif _MOE.value:
+        emit(json.dumps({"benchmark": "moe", "result": script_json("moe_layers.py")}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))

@@ -81,7 +81,7 @@ def accumulation_extra(config, results) -> dict:
         return {}
     footprint = slice_plan.Footprint(config)  # the model again, nothing allocated
     mesh = results["toolkit_accumulating"]["mesh"]
-    weights = footprint.layout(tuple(mesh[axis] for axis in mesh_lib.AXES))["totals"]
+    weights = footprint.layout(tuple(mesh.get(axis, 1) for axis in mesh_lib.AXES))["totals"]
     bf16 = footprint.precision == "mixed_bfloat16"
     copies = weights["parameters"]["bytes_per_device"] // 2 if bf16 else 0
     return {"bytes": toolkit - keras, "bf16_weight_copies_held_through_the_loop": copies,

@@ -106,7 +106,7 @@ def get_config(family):
     config = defaults()
     config.engine = "jax"
     config.model = dict(FAMILIES[family], context_length=64)
-    config.mesh = dict(data=1, model=2)
+    config.mesh = dict(data=1, expert=1, model=2)
     config.layout.replicate_below = 4096
     return config
 '''
@@ -123,7 +123,9 @@ def layouts(tmp_path_factory):
                                                 f"--config.layout.extra_rules={REVERSE_RULE}"],
         "toolkit_rules": LLAMA_MESH,
         "gemma": [f"--config={families}:gemma"],
-        "qwen3_moe": [f"--config={families}:qwen3_moe", f"--config.layout.extra_rules={REVERSE_RULE}"],
+        "qwen3_moe": [f"--config={families}:qwen3_moe", "--config.model.layout_map=keras_hub",
+                      f"--config.layout.extra_rules={REVERSE_RULE}"],
+        "qwen3_moe_toolkit": [f"--config={families}:qwen3_moe", "--config.mesh.expert=2"],
     })
 
 
@@ -152,6 +154,11 @@ def test_keras_hub_maps_of_other_families_are_checked(layouts):
     assert_one_line_error(layouts["qwen3_moe"],
                           "'transformer_layer_0/qwen3_sparse_moe_block/experts/"
                           "expert_feedforward_gate_dense' [4, 64, 128]", "covered by no layout rule")
+    # The toolkit's rules (models/families/qwen3_moe.py): the experts over `expert`.
+    toolkit = layouts["qwen3_moe_toolkit"]
+    assert toolkit.returncode == 0, toolkit.stderr[-2000:]
+    assert re.search(r"^transformer_layer_0/qwen3_sparse_moe_block(_1)?/experts/expert_feedforward_output_dense"
+                     r"\s+4x64x64\s+P\('expert', 'model', None\)", toolkit.stdout, re.M), toolkit.stdout
 
 
 @pytest.mark.slow

@@ -63,8 +63,40 @@ CHECKPOINTS = {
                       "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
                       "layer_types": ["linear_attention", "full_attention"]}),
 }
+# The mixtures of experts: 8 experts, 2 a token, experts of 32 units (released sizes have
+# 128 experts with 8 a token, or 32 with 4); each family's routing keys as it ships them.
+EXPERTS, TOP_K, EXPERT_UNITS = 8, 2, 32
+MOE_CHECKPOINTS = {
+    # Written by transformers 5 with `num_local_experts` (the Hub's checkpoints say `num_experts`)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "bpe", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                  {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_local_experts": EXPERTS,
+                   "num_experts_per_tok": TOP_K, "moe_intermediate_size": EXPERT_UNITS, "norm_topk_prob": True,
+                   "router_aux_loss_coef": 0.001,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "bpe", ["</s>", "<s>", "<unk>"],
+                {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_local_experts": EXPERTS,
+                 "head_dim": HIDDEN // HEADS,  # MixtralBackbone has no head size of its own
+                 "num_experts_per_tok": TOP_K, "intermediate_size": EXPERT_UNITS, "router_aux_loss_coef": 0.02,
+                 "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "bpe", ["<|endoftext|>", "<|startoftext|>", "<|return|>"],
+                {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_local_experts": EXPERTS,
+                 "num_experts_per_tok": TOP_K, "intermediate_size": EXPERT_UNITS, "sliding_window": 8,
+                 "layer_types": ["sliding_attention", "full_attention"], "router_aux_loss_coef": 0.9}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "bpe",
+                         ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                          "<|image_pad|>", "<|video_pad|>"],
+                         {"num_hidden_layers": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                          "num_experts": EXPERTS, "num_experts_per_tok": TOP_K,
+                          "moe_intermediate_size": EXPERT_UNITS, "shared_expert_intermediate_size": EXPERT_UNITS,
+                          "router_aux_loss_coef": 0.001,
+                          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                          "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                          "layer_types": ["linear_attention", "full_attention"]}),
+}
 TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM",
-         "gemma4_text": "Gemma4CausalLM", "qwen3_5_text": "Qwen3_5CausalLM"}
+         "gemma4_text": "Gemma4CausalLM", "qwen3_5_text": "Qwen3_5CausalLM",
+         "qwen3_moe": "Qwen3MoeCausalLM", "mixtral": "MixtralCausalLM", "gpt_oss": "GptOssCausalLM",
+         "qwen3_5_moe_text": "Qwen3_5MoeCausalLM"}
 
 
 def write(folder, name: str, seed: int = 0, **changes) -> dict:
@@ -72,7 +104,7 @@ def write(folder, name: str, seed: int = 0, **changes) -> dict:
     returns its config.json. The vocabulary is padded to a multiple of 8, as real ones are."""
     import torch
     import transformers
-    config_cls, model_cls, kind, special, own = CHECKPOINTS[name]
+    config_cls, model_cls, kind, special, own = {**CHECKPOINTS, **MOE_CHECKPOINTS}[name]
     os.makedirs(folder, exist_ok=True)
     tokens, (pad, bos, eos) = _write_tokenizer(folder, kind, special)
     arguments = dict(vocab_size=-(-tokens // 8) * 8, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,

@@ -77,13 +77,13 @@ TASKS = {"llama": "Llama3CausalLM", "qwen2": "QwenCausalLM", "gemma": "GemmaCaus
 
 
 def task_name(name: str) -> str:
-    if name in hf_pretrained.CHECKPOINTS:
+    if name in hf_pretrained.TASKS:
         return hf_pretrained.TASKS[name]
     return TASKS[hf_checkpoints.CHECKPOINTS[name][0]]
 
 
 def write_checkpoint(folder: str, name: str) -> None:
-    (hf_pretrained if name in hf_pretrained.CHECKPOINTS else hf_checkpoints).write(folder, name)
+    (hf_pretrained if name in hf_pretrained.TASKS else hf_checkpoints).write(folder, name)
 
 
 # Keys of a config.json that describe its files rather than the model.
@@ -147,10 +147,10 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **ba
                             lora_rslora=lora_targets == LORA_TARGETS["lora_all"])
     if quantize:
         config.model.quantize = quantize
-    data, fsdp, model = (int(n) for n in mesh.split(","))
+    data, fsdp, model, *expert = (int(n) for n in mesh.split(","))
     if families.of_backbone(getattr(keras_hub.models, task_name(name)).backbone_cls).layout is None:
         fsdp, model = fsdp * model, 1
-    config.mesh = dict(data=data, fsdp=fsdp, model=model)
+    config.mesh = dict(data=data, fsdp=fsdp, model=model, **({"expert": expert[0]} if expert else {}))
     config.layout.replicate_below = 256
     keras_hub_file = ("lora",) if lora_targets == LORA_TARGETS["lora"] else ()  # its loader's q, v
     config.export.formats = ("keras_hub", "transformers") + (("peft",) + keras_hub_file if lora_rank else ())
@@ -283,6 +283,39 @@ def quantized_run(name, checkpoint, mode, first, tokens):
             "peft": gap(expected, transformers_logits(checkpoint, f"{folder}/peft"))}
 
 
+def load_balancing(model, checkpoint):
+    """The router's load-balancing loss of a training call, the toolkit's (the MoE layers'
+    added losses over the family's coefficient) and transformers' `load_balancing_loss_func`
+    of its own router logits on the same tokens."""
+    import torch
+    import transformers
+    from tpu_keras.models import moe
+    task = export.find_task(model)
+    blocks = moe.blocks(task)
+    coefficient = moe.ADAPTERS[type(blocks[0]).__name__].coefficient(blocks[0])
+    inputs = segments.task_inputs(task, keras.ops.convert_to_tensor(tokens))
+    if engine_name == "jax":
+        import jax
+        def losses(trainable, frozen):
+            _, _, added = task.stateless_call(trainable, frozen, inputs, training=True, return_losses=True)
+            return sum(added)
+        total = jax.jit(losses)([v.value for v in task.trainable_variables],
+                                [v.value for v in task.non_trainable_variables])
+    else:
+        task(inputs, training=True)
+        total = sum(task.losses)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    module = sys.modules[type(reference).__module__]
+    with torch.no_grad():
+        out = reference(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
+    expected = module.load_balancing_loss_func(out.router_logits, reference.config.num_experts
+                                               if hasattr(reference.config, "num_experts") and
+                                               not hasattr(reference.config, "num_local_experts")
+                                               else reference.config.num_local_experts,
+                                               reference.config.num_experts_per_tok)
+    return {"toolkit": float(total) / coefficient, "transformers": float(expected), "layers": len(blocks)}
+
+
 result = {}
 for name in names or hf_checkpoints.CHECKPOINTS:
     checkpoint = os.path.join(out, name, "checkpoint")
@@ -296,6 +329,7 @@ for name in names or hf_checkpoints.CHECKPOINTS:
              if engine_name == "jax" and not w.value.sharding.is_fully_replicated]
     reference = transformers_logits(checkpoint)
     result[name] = {"first_step": gap(first, reference), "split_weights": len(split), "whole": whole,
+                    "split_paths": split,
                     "scale": float(np.max(np.abs(reference)))}
     # generate --preset=FOLDER reads it as a run does (the task and its tokenizer)
     if (name == "llama" and engine_name == "tf") or (name in hf_pretrained.CHECKPOINTS
@@ -312,6 +346,8 @@ for name in names or hf_checkpoints.CHECKPOINTS:
         expected = forward(changed, tokens)
         result[name]["theta"] = {"moved": gap(expected, first), **exported(
             changed, config, os.path.join(out, name, "theta"), checkpoint, expected, name)}
+    if f"{name}:aux" in runs:
+        result[name]["aux"] = load_balancing(toolkit, checkpoint)
     if f"{name}:instruct" in runs:
         result[name]["instruct"] = instruct(name, checkpoint, os.path.join(out, name, "instruct"))
     for variant, rank in (("lora", 4), ("lora_all", 4), ("full", 0)):

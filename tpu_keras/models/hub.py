@@ -50,7 +50,7 @@ import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import families, hub_presets, lora, quantized, segments, vocabulary_split
+from tpu_keras.models import families, hub_presets, lora, moe, quantized, segments, vocabulary_split
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import RESERVED, Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
@@ -59,7 +59,8 @@ from tpu_keras.parallelism import host_placement, rules_from_layout_map
 _PRESET_KEYS = ("preset", "preset_written_by")
 _TOOLKIT_KEYS = {
     "causal_lm": _PRESET_KEYS + lora.KEYS + ("quantize", "quantize_block_size", "layout_map",
-                                             "context_length", "example_end_token"),
+                                             "context_length", "example_end_token",
+                                             "moe_capacity_factor"),
     "image_classifier": _PRESET_KEYS + lora.KEYS + ("layout_map", "num_classes"),
 }
 _ANY_TOOLKIT_KEY = frozenset(key for keys in _TOOLKIT_KEYS.values() for key in keys)
@@ -195,7 +196,7 @@ def _make_in_base_policy(task_cls, kind, **kwargs):
 def _make(task_cls, kind, preset="", preset_written_by="", lora_rank=0,
           lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(), lora_rslora=False, quantize="",
           quantize_block_size=0, layout_map="toolkit", context_length=128, example_end_token=-1,
-          num_classes=10, run_policy="", **backbone_kwargs):
+          num_classes=10, run_policy="", moe_capacity_factor=None, **backbone_kwargs):
     """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits.
     `run_policy`: the run's dtype policy, where the global one is the base's (`_make_in_base_policy`)."""
     del layout_map, preset_written_by  # the rules' business; the missing preset's hint
@@ -235,6 +236,7 @@ def _make(task_cls, kind, preset="", preset_written_by="", lora_rank=0,
             quantized.quantize_base(backbone, quantize, targets, block)
     if adapted:
         lora.attach(backbone, families.of_backbone(backbone_cls).lora_targets, adapted)
+    _route_experts(backbone, moe_capacity_factor)
     name = task_cls.__name__.lower()
     if kind == "causal_lm":
         segments.route_delta_nets(backbone)  # Qwen 3.5's linear attention, in the toolkit's rule
@@ -294,6 +296,35 @@ def _check_runs(task, backbone_kwargs):
 def _plain(line: str) -> str:
     """A line of an error message without Keras's terminal colour codes."""
     return re.sub(r"\x1b\[[0-9;]*m|\{\{[^}]*\}\}", "", line).strip()
+
+
+_SAID = set()  # what this process has said once
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        logging.info("%s", line)
+
+
+def _route_experts(backbone, capacity_factor) -> None:
+    """A mixture of experts computed sparsely on jax (`models.moe`); said once per process on
+    tf, which keeps keras-hub's dense expert bank."""
+    blocks = moe.blocks(backbone)
+    if capacity_factor is not None and not blocks:
+        raise UserError(f"model.moe_capacity_factor={capacity_factor} applies to a mixture of "
+                        f"experts, and {type(backbone).__name__} has none; drop it")
+    if not blocks:
+        return
+    if keras.backend.backend() == "jax":
+        routed = moe.route_blocks(backbone, capacity_factor)
+        drops = (f", at most {capacity_factor}x an even share of copies per expert"
+                 if capacity_factor else ", dropless")
+        logging.info("experts: sparse (grouped matmuls) in %d MoE layers%s", routed, drops)
+    else:
+        moe.check_capacity(capacity_factor)
+        _say_once("experts: keras-hub's dense expert bank on the tf engine (every expert on every "
+                  "token); the jax engine computes them sparsely")
 
 
 def _layout(backbone_cls, kwargs):

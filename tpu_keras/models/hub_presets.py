@@ -367,7 +367,8 @@ def _loader(preset: str):
 def _read_other_model_types() -> None:
     """Makes keras-hub's transformers loader (every `from_preset` of a transformers folder once
     the toolkit has read one) read a model_type that a family maps to another in
-    `converter_model_types` with the other's converter, the config keeping its own model_type.
+    `converter_model_types` with the other's converter, the config keeping its own model_type,
+    and with the keys it reads under the names transformers 5 writes them (`config_aliases`).
     keras-hub 0.32 knows Qwen 3.5 as `qwen3_5` alone, the model with its vision tower; the
     text model transformers writes is `qwen3_5_text`. Once per process."""
     from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
@@ -378,6 +379,9 @@ def _read_other_model_types() -> None:
     def read_as_its_converter(self, preset, config):
         family = families.of_model_type(config.get("model_type"))
         other = family.converter_model_types.get(config["model_type"]) if family else None
+        aliases = family.config_aliases if family else {}
+        config = {**{key: config[alias] for key, alias in aliases.items()
+                     if key not in config and alias in config}, **config}
         init(self, preset, {**config, "model_type": other} if other else config)
         self.config = config
 

@@ -131,7 +131,13 @@ def placer(model_config, layout_config, mesh: dict) -> parallelism.Placer:
     """The `Placer` for this model on `mesh`: its rules, its ties, `layout.replicate_below`
     and `layout.split_logits`."""
     builder, kwargs = get(model_config)
-    return parallelism.Placer(_rules(builder, kwargs, layout_config), mesh,
+    rules = _rules(builder, kwargs, layout_config)
+    experts = (mesh or {}).get("expert", 1)
+    if experts > 1 and not any("expert" in rule.axes for rule in rules):
+        raise UserError(f"mesh.expert={experts} splits the experts of a mixture of experts, and "
+                        f"model {dict(model_config).get('name')!r} has none (no layout rule names "
+                        "'expert'); split its batch with mesh.data or mesh.fsdp instead")
+    return parallelism.Placer(rules, mesh,
                               layout_config.get("replicate_below", parallelism.REPLICATE_BELOW),
                               ties=builder.ties(kwargs),
                               split_logits=bool(layout_config.get("split_logits", False)))

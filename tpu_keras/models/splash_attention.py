@@ -56,7 +56,7 @@ class Settings(NamedTuple):
 
 
 def _causal(layer) -> Settings:
-    """Llama, SmolLM3, Qwen 3, Qwen 3.5's full attention layers: causal over all earlier keys,
+    """Llama, SmolLM3, Qwen 3, Qwen3-MoE, Mixtral, Qwen 3.5's full attention layers: causal over all earlier keys,
     scaled by `_inv_norm_factor`. Qwen 3's `sliding_window_size` is left out as keras-hub's
     fused attention on jax leaves it out (and the family refuses a checkpoint with a window);
     Qwen 3.5's family turns it off."""
@@ -81,6 +81,7 @@ def _gemma(layer) -> Optional[Settings]:
 
 # Every class a family names in `fused_attention`: its layer -> Settings, or None for keras-hub's code.
 ADAPTERS = {"LlamaAttention": _causal, "SmolLM3Attention": _causal, "Qwen3Attention": _causal,
+            "Qwen3MoeAttention": _causal, "MixtralAttention": _causal,
             "Qwen3_5Attention": _causal, "CachedGemma3Attention": _gemma, "Gemma4TextAttention": _gemma}
 
 

@@ -29,7 +29,7 @@ from tpu_keras.models.families.family import (Family, Target, Unreadable, export
                                               tasks, transformers_exporter, unbuilt_llama_parts)
 # The families the toolkit ships; each module registers itself.
 from tpu_keras.models.families import (gemma, gemma3, gemma4, llama, mistral, qwen,  # noqa: E402,F401
-                                       qwen3, qwen3_5, smollm3)
+                                       mixtral, qwen3, qwen3_5, qwen3_moe, smollm3)
 
 __all__ = ["Family", "Target", "Unreadable", "exporter", "known", "no_rope_scaling", "of_backbone",
            "of_model_type", "refuse_first", "register", "repaired", "rope_parameters", "rope_type", "tasks",

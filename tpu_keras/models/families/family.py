@@ -28,6 +28,9 @@ class Family:
     # text model, which keras-hub 0.32's loader knows by its composite model_type alone).
     converter_model_types: dict = dataclasses.field(default_factory=dict)
     converter_prefixes: dict = dataclasses.field(default_factory=dict)
+    # {key keras-hub's converter reads: the key transformers 5 writes in its place}: read where
+    # the checkpoint has only the latter (Qwen3-MoE's `num_experts`, `num_local_experts`).
+    config_aliases: dict = dataclasses.field(default_factory=dict)
     # config.json -> more backbone arguments; raises Unreadable for what the backbone cannot build.
     read_config: Optional[Callable[[dict], dict]] = None
     # backbone -> None: mends what keras-hub builds wrong (weight paths), once it is built.

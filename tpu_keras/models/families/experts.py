@@ -1,0 +1,48 @@
+"""What the mixture-of-experts families share: their experts' layout rules, and the
+transformers names of their weights (each expert a module of its own, as transformers 5's
+save_pretrained writes the Hub's checkpoints).
+
+keras-hub keeps each block's experts stacked, E first: gate and up (E, H, F),
+or fused (E, H, 2F), and the output (E, F, H). transformers names expert e's
+projections `...experts.{e}.{gate,up,down}_proj.weight` (Mixtral's `w1`,
+`w3`, `w2`), each (out, in).
+"""
+
+# Imported inside functions: keras (optional to import here: only exports need it).
+from tpu_keras.parallelism import Rule, replicated
+
+
+def rules(router: str, gate_up: list, down: str, biases: list = ()) -> list[Rule]:
+    """Experts over `expert`, on their first dimension; their units over `model` where the
+    units are a dimension of their own (`gate_up`: (pattern, axes) pairs); the output
+    (E, F, H) over `expert` and `model`; the router (H, E) whole: small, and every device
+    routes its own tokens."""
+    found = [replicated(router)]
+    found += [Rule(pattern, axes) for pattern, axes in gate_up]
+    found.append(Rule(down, ("expert", "model", None)))
+    found += [Rule(pattern, axes) for pattern, axes in biases]
+    return found
+
+
+def without_dense_mlp(found: list[Rule]) -> list[Rule]:
+    """A dense family's rules without those of its MLP's kernels (Llama's paths), which an
+    MoE block replaces: a rule that matches no weight is refused."""
+    return [rule for rule in found if not ("feedforward_" in rule.pattern and "_dense/kernel" in rule.pattern)]
+
+
+def attention_weights(backbone, i: int, attention, prefix: str = "model.layers") -> dict:
+    """Layer i's query, key, value and output kernels under transformers' names, (out, in);
+    Keras's query (H, heads, K) and output (heads, K, H)."""
+    from keras import ops
+    hidden = backbone.hidden_dim
+    query, key, value, output = (getattr(attention, name) for name in (
+        "_query_dense", "_key_dense", "_value_dense", "_output_dense"))
+    return {f"{prefix}.{i}.self_attn.{name}.weight": ops.transpose(ops.reshape(layer.kernel, shape))
+            for name, layer, shape in (("q_proj", query, (hidden, -1)), ("k_proj", key, (hidden, -1)),
+                                       ("v_proj", value, (hidden, -1)), ("o_proj", output, (-1, hidden)))}
+
+
+def per_expert(stacked, name: str) -> dict:
+    """{name.format(e): expert e's (in, out) kernel transposed to transformers' (out, in)}."""
+    from keras import ops
+    return {name.format(e): ops.transpose(stacked[e]) for e in range(stacked.shape[0])}

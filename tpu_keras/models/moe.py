@@ -1,0 +1,396 @@
+"""Sparse mixture-of-experts layers for keras-hub's MoE families on the jax engine.
+
+Why the toolkit computes them itself: keras-hub 0.32's MoE blocks (Mixtral,
+Qwen3-MoE, Qwen 3.5's MoE, gpt-oss) run every expert on every token
+(`einsum("th,ehm->etm")` over all E experts, then a weighted sum), "due to
+the lack of `ragged_dot` support in the Keras ops API". That is E / top_k
+times the experts' real FLOPs (16x for Qwen3-30B-A3B), and an E x tokens x
+units activation.
+
+Here each token's k copies are sorted by the expert the router chose, each
+expert multiplies its own rows (`jax.lax.ragged_dot`: a grouped matmul, which
+the TPU's compiler costs at the rows it has), and the copies come back
+weighted by the router. The weights are keras-hub's own variables, read
+where they are (no conversion on load or export); the block keeps its
+keras-hub call as the fallback for what this path does not cover (a
+backend other than jax).
+
+On a mesh with an `expert` axis each device holds E / expert of the experts
+(`ADAPTERS` name the weights; the families' layout rules split them): a
+`jax.shard_map` gathers the tokens of the devices along `expert`, computes
+the rows of its own experts, and sums the results back to the tokens' own
+devices (`psum_scatter`). The units of each expert may be split over `model`
+as well (their partial sums are added over it).
+
+Dropless by default, as transformers computes the layer. A capacity factor
+c keeps at most ceil(c x tokens x k / E) copies per expert (the earliest
+tokens of a batch first) and drops the rest, which are counted.
+
+The router's load-balancing loss is transformers' `load_balancing_loss_func`
+over all MoE layers at once (the last layer adds it, from every layer's router
+statistics of the same forward pass), times the family's coefficient (the
+backbone's `router_aux_loss_coef`-like argument, which `model.*` sets). keras-hub
+adds each layer's own loss in full: L terms, each of one layer alone.
+"""
+
+# Imported inside functions: JAX (optional: absent on a plain install; the tf engine keeps
+# keras-hub's dense bank and asks this module only which blocks a model has).
+import functools
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import keras
+
+from tpu_keras.errors import UserError
+from tpu_keras.parallelism.mesh import BATCH_AXES
+
+EXPERT = "expert"
+
+
+class Bank(NamedTuple):
+    """One block's experts as arrays, E first: gate and up (E, H, F), down (E, F, H), and
+    the biases gpt-oss has (gate and up (E, F), down (E, H)), else None."""
+    gate: Any
+    up: Any
+    down: Any
+    gate_bias: Any = None
+    up_bias: Any = None
+    down_bias: Any = None
+
+
+class Block(NamedTuple):
+    """What a keras-hub MoE block class is to this layer (`ADAPTERS`)."""
+    router: Callable            # layer -> its router's Dense layer (logits over the experts)
+    bank: Callable              # layer -> Bank (arrays in the compute dtype)
+    activation: Callable        # (gate, up) -> units, float32 where transformers computes so
+    softmax_first: bool         # softmax over all experts, then top-k (else top-k of the logits)
+    normalize: Callable         # layer -> whether the top-k weights are scaled to sum to 1
+    coefficient: Callable       # layer -> the load-balancing loss's coefficient
+    shared: Optional[Callable] = None  # layer, tokens -> the shared expert's output (Qwen 3.5)
+
+
+def _value(variable, dtype):
+    import jax.numpy as jnp
+    return jnp.asarray(keras.ops.convert_to_tensor(variable), dtype)
+
+
+def _silu_glu(gate, up):
+    """Mixtral's, Qwen3-MoE's, Qwen 3.5's: up x silu(gate), the SiLU in float32 as keras-hub's."""
+    import jax
+    import jax.numpy as jnp
+    return up * jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype)
+
+
+def _gpt_oss_glu(gate, up, alpha=1.702, limit=7.0):
+    """gpt-oss's clamped GLU (transformers' GptOssExperts, keras-hub's GptOssExperts)."""
+    import jax
+    import jax.numpy as jnp
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _halves(layer, dtype) -> Bank:
+    """Qwen3-MoE's and Qwen 3.5's bank: gate and up fused along the units, gate first."""
+    bank = layer.expert_bank
+    gate_up = _value(bank._expert_feedforward_gate_dense, dtype)
+    units = gate_up.shape[-1] // 2
+    return Bank(gate_up[..., :units], gate_up[..., units:],
+                _value(bank._expert_feedforward_output_dense, dtype))
+
+
+def _mixtral_bank(layer, dtype) -> Bank:
+    bank = layer.expert_bank
+    return Bank(_value(bank._expert_feedforward_gate_dense, dtype),
+                _value(bank._expert_feedforward_intermediate_dense, dtype),
+                _value(bank._expert_feedforward_output_dense, dtype))
+
+
+def _gpt_oss_bank(layer, dtype) -> Bank:
+    """gpt-oss's: gate and up interleaved along the units (gate the even ones), with biases."""
+    experts = layer.experts
+    gate_up, bias = _value(experts.gate_up_proj, dtype), _value(experts.gate_up_proj_bias, dtype)
+    return Bank(gate_up[..., ::2], gate_up[..., 1::2], _value(experts.down_proj, dtype),
+                bias[..., ::2], bias[..., 1::2], _value(experts.down_proj_bias, dtype))
+
+
+def _qwen3_5_shared(layer, tokens):
+    """Qwen 3.5's shared expert, gated by a sigmoid of its own projection (keras-hub's)."""
+    import jax
+    return jax.nn.sigmoid(layer._shared_expert_gate(tokens)) * layer.shared_expert(tokens)
+
+
+ADAPTERS = {
+    "Qwen3SparseMoeBlock": Block(
+        router=lambda layer: layer._sparse_feedforward_gate_dense, bank=_halves, activation=_silu_glu,
+        softmax_first=True, normalize=lambda layer: layer.norm_top_k_prob,
+        coefficient=lambda layer: layer.router_aux_loss_coefficient),
+    "MixtralSparseMoeBlock": Block(
+        router=lambda layer: layer._sparse_feedforward_gate_dense, bank=_mixtral_bank,
+        activation=_silu_glu, softmax_first=True, normalize=lambda layer: True,
+        coefficient=lambda layer: layer.router_aux_loss_coef),
+    "Qwen3_5MoeSparseMoeBlock": Block(
+        router=lambda layer: layer._router_gate, bank=_halves, activation=_silu_glu,
+        softmax_first=True, normalize=lambda layer: True,
+        coefficient=lambda layer: layer.router_aux_loss_coefficient, shared=_qwen3_5_shared),
+    "GptOssSparseMoeBlock": Block(
+        router=lambda layer: layer.router.router_dense, bank=_gpt_oss_bank, activation=_gpt_oss_glu,
+        softmax_first=False, normalize=lambda layer: True,
+        coefficient=lambda layer: getattr(layer, "router_aux_loss_coefficient", 0.0)),
+}
+
+
+def blocks(model) -> list:
+    """`model`'s MoE blocks of a class `ADAPTERS` knows."""
+    return [layer for layer in model._flatten_layers(include_self=True)
+            if type(layer).__name__ in ADAPTERS]
+
+
+def num_experts(model) -> int:
+    """The experts of each MoE block of `model` (0: a dense model)."""
+    found = blocks(model)
+    return found[0].num_experts if found else 0
+
+
+def check_capacity(capacity_factor: Optional[float]) -> None:
+    """A one-line error for a capacity factor that keeps no token."""
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise UserError(f"model.moe_capacity_factor={capacity_factor} keeps no token: give a factor "
+                        "above 0 (1.25 lets each expert take 1.25x its even share of a batch's "
+                        "tokens and drops the rest), or leave it out for dropless experts (every "
+                        "token to its top-k experts, as transformers computes them)")
+
+
+def route_blocks(model, capacity_factor: Optional[float] = None) -> int:
+    """Routes each MoE block of `model` through `sparse_call`; returns how many it routed."""
+    check_capacity(capacity_factor)
+    found = [layer for layer in blocks(model) if not getattr(layer, "_tpu_keras_sparse", False)]
+    routers = []  # each layer's router statistics of one forward pass (`load_balancing_loss`)
+    for index, layer in enumerate(found):
+        # An instance attribute, as `splash_attention` routes attention: keras-hub's call stays
+        # the fallback.
+        object.__setattr__(layer, "call", functools.partial(
+            sparse_call, layer.call, ADAPTERS[type(layer).__name__], layer=layer,
+            place=(index, len(found), routers), capacity_factor=capacity_factor or 0.0))
+        object.__setattr__(layer, "_tpu_keras_sparse", True)
+    return len(found)
+
+
+def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, training=None, *, layer,
+                place: tuple, capacity_factor: float, **kwargs):
+    """The block's call: (output, router logits), as keras-hub's returns them (gpt-oss's
+    returns its router's scores, which no caller reads)."""
+    import jax.numpy as jnp
+    if keras.backend.backend() != "jax":  # what the caller passed, and no more (gpt-oss: nothing)
+        given = {"attention_mask": attention_mask, "training": training}
+        return fallback(hidden_states, **{k: v for k, v in given.items() if v is not None}, **kwargs)
+    batch, length, hidden = hidden_states.shape
+    tokens = jnp.reshape(hidden_states, (-1, hidden))
+    logits = block.router(layer)(tokens)
+    weights, experts = select(logits, layer.top_k, block.softmax_first, block.normalize(layer))
+    weights = weights.astype(tokens.dtype)
+    bank = block.bank(layer, tokens.dtype)
+    out, counts, dropped = experts_of(tokens, weights, experts, bank, block.activation,
+                                      layer.num_experts, capacity_factor)
+    if block.shared is not None:
+        out = out + block.shared(layer, tokens)
+    factor = block.coefficient(layer)  # the backbone's argument (router_aux_loss_coef...)
+    if training and factor:
+        index, layers, routers = place
+        if index == 0:
+            routers.clear()  # a new forward pass
+        routers.append(router_statistics(logits, layer.top_k, token_mask(attention_mask, batch * length)))
+        if index == layers - 1 and len(routers) == layers:  # the last MoE layer: all of them
+            layer.add_loss(factor * load_balancing_loss(routers))
+            routers.clear()
+    return jnp.reshape(out, (batch, length, hidden)).astype(hidden_states.dtype), logits
+
+
+def select(logits, top_k: int, softmax_first: bool, normalize: bool):
+    """(weights, experts), each (tokens, top_k): the router's choice of experts per token."""
+    import jax
+    import jax.numpy as jnp
+    logits = logits.astype(jnp.float32)
+    if softmax_first:
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        if normalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    else:  # gpt-oss: the top-k logits, then a softmax over them
+        weights, experts = jax.lax.top_k(logits, top_k)
+        weights = jax.nn.softmax(weights, axis=-1)
+    return weights, experts.astype(jnp.int32)
+
+
+def token_mask(attention_mask, tokens: int):
+    """(tokens,) 1 for a real token, from keras-hub's padding mask (batch, length) or its
+    attention mask (batch, length, length); None where there is none."""
+    import jax.numpy as jnp
+    if attention_mask is None:
+        return None
+    mask = jnp.asarray(attention_mask)
+    if mask.ndim == 3:
+        mask = jnp.any(mask, axis=-1)
+    return jnp.reshape(mask, (tokens,)).astype(jnp.float32)
+
+
+def router_statistics(logits, top_k: int, mask=None) -> tuple:
+    """One layer's share of `load_balancing_loss`: (top-k choices per expert (k, E), router
+    probability per expert (E,), both summed over the real tokens; how many are real)."""
+    import jax
+    import jax.numpy as jnp
+    experts = logits.shape[-1]
+    probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    _, chosen = jax.lax.top_k(probabilities, top_k)
+    choices = jax.nn.one_hot(chosen, experts, dtype=jnp.float32)  # (tokens, k, E)
+    if mask is None:
+        mask = jnp.ones(logits.shape[:1], jnp.float32)
+    return (jnp.sum(choices * mask[:, None, None], axis=0), jnp.sum(probabilities * mask[:, None], axis=0),
+            jnp.sum(mask))
+
+
+def load_balancing_loss(routers) -> "jax.Array":
+    """transformers' `load_balancing_loss_func` over the layers' `router_statistics`: E x the
+    sum over experts of (its share of the top-k choices) x (its mean probability), both over
+    every layer's real tokens at once, as transformers concatenates the layers' logits (so
+    not the mean of each layer's loss)."""
+    import jax.numpy as jnp
+    choices, probability, real = (sum(parts) for parts in zip(*routers))
+    real = jnp.maximum(real, 1.0)
+    return jnp.sum((choices / real) * (probability / real)[None, :]) * choices.shape[-1]
+
+
+def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
+    """Copies each expert keeps of `tokens` (0: all of them, dropless)."""
+    return math.ceil(capacity_factor * tokens * top_k / experts) if capacity_factor else 0
+
+
+def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: int,
+               capacity_factor: float = 0.0, tiled: Optional[bool] = None):
+    """(output (T, H), tokens per expert (E,), dropped copies ()): each token's experts'
+    outputs, weighted. On a mesh with an `expert` axis, over `shard_map` (module docstring)."""
+    import jax
+    from jax.sharding import PartitionSpec
+    distribution = keras.distribution.distribution()
+    mesh = distribution.device_mesh.backend_mesh if distribution is not None else None
+    if tiled is None:  # by the devices the step is compiled for (a TPU's in `plan`, from a CPU)
+        device = mesh.devices.flat[0] if mesh is not None else (jax.config.jax_default_device
+                                                                 or jax.devices()[0])
+        tiled = getattr(device, "platform", "cpu") != "tpu"
+    if mesh is None or math.prod(mesh.shape.values()) == 1:
+        return _local(tokens, weights, experts, bank, activation=activation, num_experts=num_experts,
+                      capacity_factor=capacity_factor, axes=None, tiled=tiled)
+    batch_axes = tuple(dict.fromkeys(axis for axis in (*BATCH_AXES, EXPERT) if axis in mesh.shape))
+    by_expert = EXPERT if mesh.shape.get(EXPERT, 1) > 1 else None
+    units = "model" if mesh.shape.get("model", 1) > 1 else None
+    rows = PartitionSpec(batch_axes)
+    kernels = Bank(PartitionSpec(by_expert, None, units), PartitionSpec(by_expert, None, units),
+                   PartitionSpec(by_expert, units, None),
+                   *(PartitionSpec(by_expert, units) if b is not None else None
+                     for b in (bank.gate_bias, bank.up_bias)),
+                   PartitionSpec(by_expert, None) if bank.down_bias is not None else None)
+    body = functools.partial(_local, activation=activation, num_experts=num_experts,
+                             capacity_factor=capacity_factor, axes=(by_expert, units, batch_axes),
+                             tiled=tiled)
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, kernels),
+                         out_specs=(rows, PartitionSpec(), PartitionSpec()),
+                         check_vma=False)(tokens, weights, experts, bank)
+
+
+def _local(tokens, weights, experts, bank: Bank, *, activation, num_experts: int,
+           capacity_factor: float, axes, tiled: bool):
+    """One device's share: its tokens (T, H), their choices (T, k), its experts' weights.
+    `axes`: (the expert axis, the units' axis, the batch axes) inside a shard_map, else None."""
+    import jax
+    import jax.numpy as jnp
+    by_expert, units, batch_axes = axes or (None, None, None)
+    if by_expert is not None:  # every token of the devices along `expert`
+        tokens, weights, experts = (jax.lax.all_gather(t, by_expert, axis=0, tiled=True)
+                                    for t in (tokens, weights, experts))
+    count, top_k = experts.shape
+    held = bank.gate.shape[0]  # the experts this device holds
+    first = jax.lax.axis_index(by_expert) * held if by_expert is not None else 0
+    choices = jnp.reshape(experts, (-1,))
+    order = jnp.argsort(choices, stable=True)  # the copies by expert; a batch's earliest first
+    per_expert = jnp.bincount(choices, length=num_experts)
+    starts = jnp.cumsum(per_expert) - per_expert
+    sorted_experts = choices[order]
+    keep = jnp.ones(order.shape, bool)
+    limit = capacity(capacity_factor, count, top_k, num_experts)
+    if limit:
+        keep = jnp.arange(order.size) - starts[sorted_experts] < limit
+    # This device's experts' rows first: rolled to the start of its first expert's group.
+    offset = starts[first]
+    order, sorted_experts, keep = (jnp.roll(t, -offset) for t in (order, sorted_experts, keep))
+    sizes = jax.lax.dynamic_slice(per_expert, (first,), (held,)).astype(jnp.int32)
+    mine = jnp.arange(order.size) < jnp.sum(sizes)
+    rows = tokens[order // top_k]
+    local = jnp.clip(sorted_experts - first, 0, held - 1)
+    gate = grouped_matmul(rows, bank.gate, sizes, tiled)
+    up = grouped_matmul(rows, bank.up, sizes, tiled)
+    if bank.gate_bias is not None:
+        gate, up = gate + bank.gate_bias[local], up + bank.up_bias[local]
+    out = grouped_matmul(activation(gate, up), bank.down, sizes, tiled)
+    if units is not None:  # each device along `model` has a part of the units: the sum
+        out = jax.lax.psum(out, units)
+    if bank.down_bias is not None:
+        out = out + bank.down_bias[local]
+    scale = jnp.reshape(weights, (-1,))[order] * (mine & keep)
+    combined = jnp.zeros(tokens.shape, out.dtype).at[order // top_k].add(out * scale[:, None].astype(out.dtype))
+    dropped = jnp.sum(~keep & mine)
+    if by_expert is not None:  # back to each token's own device, summed over the experts' devices
+        combined = jax.lax.psum_scatter(combined, by_expert, scatter_dimension=0, tiled=True)
+        dropped = jax.lax.psum(dropped, by_expert)
+    if batch_axes:
+        others = tuple(axis for axis in batch_axes if axis != by_expert)
+        per_expert = jax.lax.psum(per_expert, others) if others else per_expert
+        dropped = jax.lax.psum(dropped, others) if others else dropped
+    return combined, per_expert, dropped
+
+
+def grouped_matmul(rows, weights, sizes, tiled: Optional[bool] = None):
+    """`rows` (R, K) in groups, group g's `sizes[g]` rows after the earlier groups', each
+    times its group's (K, N) of `weights` (G, K, N); rows after the last group give zeros.
+
+    On a TPU, `jax.lax.ragged_dot`, which its compiler runs (and costs) at the rows each
+    group has. XLA's CPU and GPU compilers expand it into every group's product over every
+    row (k x the dense bank's FLOPs at top-k: measured slower than keras-hub's), so there
+    (`tiled`) the rows are cut into tiles of one group each and multiplied tile by tile:
+    at most one more tile per group than the rows fill (`_tiles`)."""
+    import jax
+    if tiled is None:
+        tiled = jax.devices()[0].platform != "tpu"
+    return _tiled(rows, weights, sizes) if tiled else jax.lax.ragged_dot(rows, weights, sizes)
+
+
+def _tiles(rows: int, groups: int) -> int:
+    """The rows of a tile: a power of two near a quarter of a group's even share, so that
+    the tiles a group boundary cuts cost at most about a quarter more than the rows."""
+    share = max(rows // (4 * groups), 8)
+    return min(1 << (share.bit_length() - 1), max(rows, 1))
+
+
+def _tiled(rows, weights, sizes):
+    """`grouped_matmul` in tiles: tile t holds rows of one group g_t alone (megablox's
+    schedule), so it is one (tile, K) x (K, N) product with g_t's weights."""
+    import jax.numpy as jnp
+    count, features = rows.shape
+    groups = weights.shape[0]
+    tile = _tiles(count, groups)
+    blocks = -(-count // tile)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    spans = jnp.where(sizes > 0, (ends + tile - 1) // tile - first, 0)  # tiles of each group
+    through = jnp.cumsum(spans)
+    t = jnp.arange(blocks + groups)  # enough: a group adds at most one tile to the rows'
+    group = jnp.clip(jnp.searchsorted(through, t, side="right"), 0, groups - 1)
+    active = t < through[-1]
+    block = jnp.clip(jnp.where(active, first[group] + t - (through[group] - spans[group]), 0), 0, blocks - 1)
+    padded = jnp.pad(rows, ((0, blocks * tile - count), (0, 0)))
+    taken = jnp.reshape(padded, (blocks, tile, features))[block]                  # (T, tile, K)
+    index = block[:, None] * tile + jnp.arange(tile)[None, :]                     # (T, tile)
+    inside = active[:, None] & (index >= starts[group][:, None]) & (index < ends[group][:, None])
+    products = jnp.einsum("tbk,tkn->tbn", taken, weights[group]) * inside[..., None].astype(rows.dtype)
+    out = jnp.zeros((blocks * tile, weights.shape[-1]), products.dtype)
+    out = out.at[jnp.reshape(index, (-1,))].add(jnp.reshape(products, (-1, weights.shape[-1])))
+    return out[:count]
