@@ -137,7 +137,7 @@ def test_plan_bytes_match_sharded_variables(probe):
     plan = json.loads(run_command(command, merge_stderr=False).stdout)
     sharded = probe(4, 2)
     assert plan["devices"] == 8 and plan["slices"] == sharded["mesh"]["slices"] == 1
-    assert plan["mesh"] == {axis: sharded["mesh"][axis] for axis in ("data", "fsdp", "model")}
+    assert plan["mesh"] == {axis: sharded["mesh"][axis] for axis in ("data", "fsdp", "expert", "model")}
     assert plan["per_device"]["parameters"] == sharded["param_bytes_device0"]
     assert plan["per_device"]["optimizer"] == sharded["optimizer_bytes_device0"]
     assert plan["per_device"]["gradients"] == sharded["param_bytes_device0"]  # all trainable
