@@ -289,7 +289,8 @@ def host_copy(task, preset: str = "", merged: bool = True):
         policy = backbone.dtype_policy  # a quantized one's config holds each layer's policy
         # A LoRA run's frozen bfloat16 base (lora.base_policy): copied into float32 variables.
         config["dtype"] = lora.float_policy(getattr(policy, "default_policy", policy).name)
-    with _on_host(), keras.StatelessScope(initialize_variables=False):
+    with _on_host(), keras.StatelessScope(initialize_variables=False), \
+            weight_paths.numbered_like(task):  # unnamed layers' paths as the run's
         host_backbone = complete_get_config(families.repaired(type(backbone).from_config(config)))
         task_config = {**task.get_config(), "backbone": host_backbone, "preprocessor": None,
                        "compile": False}

@@ -176,6 +176,21 @@ def route_blocks(model, capacity_factor: Optional[float] = None) -> int:
     return len(found)
 
 
+def check_remat(model, remat: str) -> None:
+    """`train.remat='blocks'` runs each block inside `jax.checkpoint`, and the load-balancing
+    loss gathers every MoE layer's router statistics of a forward pass across blocks: a
+    value that cannot leave its block's checkpoint. Refused together, one line."""
+    if remat != "blocks":
+        return
+    for layer in blocks(model):
+        if getattr(layer, "_tpu_keras_sparse", False) and ADAPTERS[type(layer).__name__].coefficient(layer):
+            raise UserError("train.remat='blocks' and a mixture of experts' load-balancing loss do "
+                            "not go together yet (the loss gathers every block's router statistics, "
+                            "and each recomputed block keeps its own): use train.remat='none', or "
+                            "train without the loss (model.router_aux_loss_coefficient=0 for "
+                            "Qwen3-MoE, model.router_aux_loss_coef=0 for Mixtral)")
+
+
 def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, training=None, *, layer,
                 place: tuple, capacity_factor: float, **kwargs):
     """The block's call: (output, router logits), as keras-hub's returns them (gpt-oss's
@@ -184,14 +199,21 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
     if keras.backend.backend() != "jax":  # what the caller passed, and no more (gpt-oss: nothing)
         given = {"attention_mask": attention_mask, "training": training}
         return fallback(hidden_states, **{k: v for k, v in given.items() if v is not None}, **kwargs)
+    # The SavedModel export traces a symbolic batch and length (jax2tf), which the sort into
+    # experts' tiles cannot size: there every expert runs on every token (`served`).
+    symbolic = not all(isinstance(d, int) for d in hidden_states.shape)
     batch, length, hidden = hidden_states.shape
     tokens = jnp.reshape(hidden_states, (-1, hidden))
     logits = block.router(layer)(tokens)
-    weights, experts = select(logits, layer.top_k, block.softmax_first, block.normalize(layer))
+    weights, experts = select(logits, layer.top_k, block.softmax_first, block.normalize(layer),
+                              by_sort=symbolic)
     weights = weights.astype(tokens.dtype)
     bank = block.bank(layer, tokens.dtype)
-    out, counts, dropped = experts_of(tokens, weights, experts, bank, block.activation,
-                                      layer.num_experts, capacity_factor)
+    if symbolic:
+        out = served(tokens, weights, experts, bank, block.activation, layer.num_experts)
+    else:
+        out, _, _ = experts_of(tokens, weights, experts, bank, block.activation,
+                               layer.num_experts, capacity_factor)
     if block.shared is not None:
         out = out + block.shared(layer, tokens)
     factor = block.coefficient(layer)  # the backbone's argument (router_aux_loss_coef...)
@@ -206,19 +228,43 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
     return jnp.reshape(out, (batch, length, hidden)).astype(hidden_states.dtype), logits
 
 
-def select(logits, top_k: int, softmax_first: bool, normalize: bool):
-    """(weights, experts), each (tokens, top_k): the router's choice of experts per token."""
+def select(logits, top_k: int, softmax_first: bool, normalize: bool, by_sort: bool = False):
+    """(weights, experts), each (tokens, top_k): the router's choice of experts per token.
+    `by_sort`: the top k by a sort, for the SavedModel, whose TensorFlow (2.21) reads no
+    StableHLO composite, which `jax.lax.top_k` is since jax 0.10."""
     import jax
     import jax.numpy as jnp
+
+    def top(x):
+        if not by_sort:
+            return jax.lax.top_k(x, top_k)
+        chosen = jnp.argsort(-x, axis=-1, stable=True)[..., :top_k]
+        return jnp.take_along_axis(x, chosen, axis=-1), chosen
     logits = logits.astype(jnp.float32)
     if softmax_first:
-        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        weights, experts = top(jax.nn.softmax(logits, axis=-1))
         if normalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     else:  # gpt-oss: the top-k logits, then a softmax over them
-        weights, experts = jax.lax.top_k(logits, top_k)
+        weights, experts = top(logits)
         weights = jax.nn.softmax(weights, axis=-1)
     return weights, experts.astype(jnp.int32)
+
+
+def served(tokens, weights, experts, bank: Bank, activation, num_experts: int):
+    """(T, H): every expert on every token, each weighted by the router's weight for it (0
+    where not chosen): keras-hub's dense bank, for a trace of symbolic shapes. Dropless."""
+    import jax
+    import jax.numpy as jnp
+    combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=tokens.dtype) * weights[..., None], axis=1)
+    gate = jnp.einsum("th,ehf->etf", tokens, bank.gate)
+    up = jnp.einsum("th,ehf->etf", tokens, bank.up)
+    if bank.gate_bias is not None:
+        gate, up = gate + bank.gate_bias[:, None], up + bank.up_bias[:, None]
+    out = jnp.einsum("etf,efh->eth", activation(gate, up), bank.down)
+    if bank.down_bias is not None:
+        out = out + bank.down_bias[:, None]
+    return jnp.einsum("te,eth->th", combine, out)
 
 
 def token_mask(attention_mask, tokens: int):

@@ -26,7 +26,7 @@ import keras
 
 from tpu_keras import parallelism
 from tpu_keras.errors import UserError, closest
-from tpu_keras.models import block_remat
+from tpu_keras.models import block_remat, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,4 +177,5 @@ def made_with_remat(make: Callable[[], keras.Model], remat: str, model_config) -
         raise UserError(f"train.remat='blocks' recomputes each transformer block, and model "
                         f"{dict(model_config).get('name')!r} has none the toolkit knows (a keras-hub "
                         "backbone's transformer_layers); use train.remat='activations'")
+    moe.check_remat(model, remat)
     return model

@@ -18,9 +18,20 @@ word. So checkpoints (`training/checkpoint.py`) and the export's host copy
   `LossScaleOptimizer`'s inner optimizer's under 'inner/'.
 
 A key met again (two layers built under one name) takes '#2', '#3', ... in order.
+
+A layer built without a name takes one from a process-wide counter as well
+(keras-hub's MoE blocks: 'qwen3_sparse_moe_block_2'), and its weights' paths
+hold it. A copy rebuilt from a model's config in the same process is built
+inside `numbered_like(model)`, which makes its counters start where the model's
+did, so that the two pair by path.
 """
 
+import collections
+import contextlib
 import re
+
+# Imported inside functions: Keras's private naming state, which only `numbered_like` reads
+# (checkpoints import this module on every engine, and need none of it).
 
 RANDOM_STATE = "random_state/"
 
@@ -47,6 +58,32 @@ def optimizer_variables(optimizer) -> dict:
         name = variable.path.split("/", 1)[-1]
         return f"inner/{name}" if id(variable) in inner_ids else name
     return _unique((key(v), v) for v in optimizer.variables)
+
+
+@contextlib.contextmanager
+def numbered_like(model):
+    """Layers built inside are auto-named as `model`'s were: each class's counter starts at
+    the lowest number `model`'s unnamed layers of that class took. Keras 3.15 keeps the
+    counters in global_state's 'object_name_uids' ({snake_case class name: next number})."""
+    from keras.src.backend.common import global_state
+    from keras.src.utils.naming import to_snake_case
+    first = {}
+    for layer in model._flatten_layers(include_self=False):
+        prefix = to_snake_case(type(layer).__name__)
+        match = re.fullmatch(re.escape(prefix) + r"(?:_(\d+))?", layer.name)
+        if match:
+            number = int(match.group(1) or 0)
+            first[prefix] = min(first.get(prefix, number), number)
+    saved = global_state.get_global_attribute("object_name_uids")
+    counters = collections.defaultdict(int, {prefix: n for prefix, n in first.items() if n})
+    global_state.set_global_attribute("object_name_uids", counters)
+    try:
+        yield
+    finally:  # the process's counters, past every name the copy took: names stay unique
+        if saved is not None:
+            for prefix, n in counters.items():
+                saved[prefix] = max(saved[prefix], n)
+        global_state.set_global_attribute("object_name_uids", saved if saved is not None else counters)
 
 
 def _unique(pairs) -> dict:

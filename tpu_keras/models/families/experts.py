@@ -30,14 +30,26 @@ def without_dense_mlp(found: list[Rule]) -> list[Rule]:
     return [rule for rule in found if not ("feedforward_" in rule.pattern and "_dense/kernel" in rule.pattern)]
 
 
-def attention_weights(backbone, i: int, attention, prefix: str = "model.layers") -> dict:
-    """Layer i's query, key, value and output kernels under transformers' names, (out, in);
-    Keras's query (H, heads, K) and output (heads, K, H)."""
+def outer_weights(backbone, include_lm_head: bool) -> dict:
+    """The token embedding, the final norm and, where it is not tied to the embedding, the
+    output head, under transformers' names."""
+    from keras import ops
+    embedding = backbone.get_layer("token_embedding")
+    weights = {"model.embed_tokens.weight": embedding.embeddings,
+               "model.norm.weight": backbone.get_layer("sequence_output_layernorm").scale}
+    if include_lm_head and not getattr(backbone, "tie_word_embeddings", False):
+        weights["lm_head.weight"] = ops.transpose(embedding.reverse_embeddings)
+    return weights
+
+
+def attention_weights(backbone, i: int, attention, names=("_query_dense", "_key_dense",
+                      "_value_dense", "_output_dense")) -> dict:
+    """Layer i's query, key, value and output kernels (`attention`'s attributes `names`) under
+    transformers' names, (out, in); Keras's query (H, heads, K) and output (heads, K, H)."""
     from keras import ops
     hidden = backbone.hidden_dim
-    query, key, value, output = (getattr(attention, name) for name in (
-        "_query_dense", "_key_dense", "_value_dense", "_output_dense"))
-    return {f"{prefix}.{i}.self_attn.{name}.weight": ops.transpose(ops.reshape(layer.kernel, shape))
+    query, key, value, output = (getattr(attention, name) for name in names)
+    return {f"model.layers.{i}.self_attn.{name}.weight": ops.transpose(ops.reshape(layer.kernel, shape))
             for name, layer, shape in (("q_proj", query, (hidden, -1)), ("k_proj", key, (hidden, -1)),
                                        ("v_proj", value, (hidden, -1)), ("o_proj", output, (-1, hidden)))}
 

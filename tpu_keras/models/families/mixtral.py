@@ -72,21 +72,12 @@ def transformers_weights(backbone, include_lm_head=False) -> dict:
     """Each block's attention, norms, router (`block_sparse_moe.gate`) and experts (`w1` gate,
     `w3` up, `w2` output), by transformers' names."""
     from keras import ops
-    embedding = backbone.get_layer("token_embedding")
-    weights = {"model.embed_tokens.weight": embedding.embeddings,
-               "model.norm.weight": backbone.get_layer("sequence_output_layernorm").scale}
-    if include_lm_head:
-        weights["lm_head.weight"] = ops.transpose(embedding.reverse_embeddings)
+    weights = experts.outer_weights(backbone, include_lm_head)
     for i in range(backbone.num_layers):
         block = backbone.get_layer(f"transformer_layer_{i}")
         prefix, moe = f"model.layers.{i}", block._sparse_moe_block
-        attention = block._self_attention_layer
-        weights.update({f"{prefix}.self_attn.{name}.weight": ops.transpose(ops.reshape(
-            getattr(attention, layer).kernel, shape)) for name, layer, shape in (
-                ("q_proj", "query_dense", (backbone.hidden_dim, -1)),
-                ("k_proj", "key_dense", (backbone.hidden_dim, -1)),
-                ("v_proj", "value_dense", (backbone.hidden_dim, -1)),
-                ("o_proj", "output_dense", (-1, backbone.hidden_dim)))})
+        weights.update(experts.attention_weights(backbone, i, block._self_attention_layer, (
+            "query_dense", "key_dense", "value_dense", "output_dense")))
         weights[f"{prefix}.input_layernorm.weight"] = block._self_attention_layernorm.scale
         weights[f"{prefix}.post_attention_layernorm.weight"] = block._feedforward_layernorm.scale
         weights[f"{prefix}.block_sparse_moe.gate.weight"] = ops.transpose(moe._sparse_feedforward_gate_dense.kernel)

@@ -74,11 +74,7 @@ def transformers_weights(backbone, include_lm_head=False) -> dict:
     """Each block's attention, norms, router and experts (gate and up apart), by transformers'
     names."""
     from keras import ops
-    embedding = backbone.get_layer("token_embedding")
-    weights = {"model.embed_tokens.weight": embedding.embeddings,
-               "model.norm.weight": backbone.get_layer("sequence_output_layernorm").scale}
-    if include_lm_head and not backbone.tie_word_embeddings:
-        weights["lm_head.weight"] = ops.transpose(embedding.reverse_embeddings)
+    weights = experts.outer_weights(backbone, include_lm_head)
     for i in range(backbone.num_layers):
         block = backbone.get_layer(f"transformer_layer_{i}")
         attention, prefix = block._self_attention_layer, f"model.layers.{i}"
