@@ -200,8 +200,11 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
         given = {"attention_mask": attention_mask, "training": training}
         return fallback(hidden_states, **{k: v for k, v in given.items() if v is not None}, **kwargs)
     # The SavedModel export traces a symbolic batch and length (jax2tf), which the sort into
-    # experts' tiles cannot size: there every expert runs on every token (`served`).
-    symbolic = not all(isinstance(d, int) for d in hidden_states.shape)
+    # experts' tiles cannot size, and Keras 3.15 infers a functional model's shapes with
+    # stand-in sizes (83 and 89 tokens), which a mesh's batch axes do not divide: there every
+    # expert runs on every token (`served`), never run for values in the latter.
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    symbolic = in_symbolic_scope() or not all(isinstance(d, int) for d in hidden_states.shape)
     batch, length, hidden = hidden_states.shape
     tokens = jnp.reshape(hidden_states, (-1, hidden))
     logits = block.router(layer)(tokens)
