@@ -1,19 +1,22 @@
 """Mixtures of experts: the sparse layer (tpu_keras/models/moe.py) against keras-hub's dense bank,
 transformers' load-balancing loss and the TPU compiler's cost analysis (tests/helpers/moe_probe.py);
 the MoE families from checkpoints transformers 5's save_pretrained writes (8 experts, top 2:
-tests/helpers/hf_pretrained.py), on one device and on expert meshes, against transformers and
-PEFT (tests/helpers/hf_probe.py); and their bad inputs, one line each."""
+tests/helpers/hf_pretrained.py), on one device against transformers (tests/helpers/hf_probe.py;
+on expert meshes: tests/test_moe_families_on_expert_meshes.py); and their bad inputs, one
+line each."""
 
 import json
+import re
 import sys
 
 import pytest
 
 from conftest import assert_one_line_error, run_command, run_in_one_process, train_args
-from hf_checks import FOUR_DEVICES, TOLERANCE, TRANSFORMERS, assert_refused, probe
+from hf_checks import TOLERANCE, TRANSFORMERS, assert_refused, probe
 import hf_pretrained
 
-FAMILIES = ("qwen3_moe", "mixtral")  # the MoE checkpoints keras-hub 0.32 reads as transformers writes them
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")
+ROUTER = re.compile(r"sparse_feedforward_gate_dense|router_dense|router_gate")  # each family's router
 
 
 def relative(result, name, gap: float) -> float:
@@ -107,29 +110,6 @@ def test_moe_families_start_from_transformers_logits_and_export_round_trips(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("mesh", ["1,2,1,2", "1,1,2,2"], ids=["fsdp2-expert2", "model2-expert2"])
-def test_moe_families_on_expert_meshes_train_a_lora_peft_reads(mesh, tmp_path, data_dir):
-    """data, fsdp, model, expert: the experts split over `expert`; with fsdp, a LoRA run whose
-    adapter PEFT reads on the checkpoint to the run's logits."""
-    runs = tuple(f"{name}:lora" for name in FAMILIES) if mesh == "1,2,1,2" else ()
-    result = probe("jax", tmp_path, data_dir, mesh, runs, FAMILIES, env=FOUR_DEVICES)
-    for name in FAMILIES:
-        assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
-        # Only the routers stay whole (experts.rules: small, and each device routes its tokens).
-        whole = [path for path in result[name]["whole"] if "sparse_feedforward_gate_dense" not in path]
-        assert not whole, (name, whole)
-        assert any("experts/" in path for path in result[name]["split_paths"]), (name, result[name])
-        if runs:
-            checks = result[name]["lora"]
-            assert checks["losses"][-1] < checks["losses"][0], (name, checks["losses"])
-            assert checks["config"] == {} and checks["peft_base_is_the_checkpoint"], (name, checks)
-            for gap in ("torch", "peft"):  # the merged export in transformers, the adapter in PEFT
-                assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
-            assert checks["peft_config"]["target_modules"] == ["q_proj", "v_proj"], (name, checks)
-
-
-@pytest.mark.slow
 def test_a_moe_run_exports_a_savedmodel_tf_serves_and_block_remat_refuses_its_balancing_loss(
         tmp_path, data_dir):
     """The SavedModel's trace has a symbolic batch, which the sparse layer cannot sort: it is
@@ -156,6 +136,21 @@ def test_a_moe_run_exports_a_savedmodel_tf_serves_and_block_remat_refuses_its_ba
     assert "SERVED (3, 64, " in served and served.rstrip().endswith("True"), served[-2000:]
 
 
+def test_gpt_oss_attends_within_transformers_windows_and_reads_transformers_5s_yarn_factor():
+    """keras-hub 0.32 puts the window on the odd blocks, of window + 1 keys; transformers on the
+    even ones, of window keys. Its converter reads the YaRN factor from `rope_scaling` alone."""
+    import keras_hub
+    from tpu_keras.models.families import gpt_oss
+    backbone = keras_hub.models.GptOssBackbone(
+        vocabulary_size=16, num_layers=3, num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
+        intermediate_dim=4, num_experts=2, top_k=1, head_dim=4, sliding_window=8)
+    gpt_oss.repair(backbone)
+    assert [block.self_attention_layer.sliding_window for block in backbone.transformer_layers] == [7, None, 7]
+    rope = {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096, "truncate": False}
+    assert gpt_oss.read_config({"num_hidden_layers": 2, "rope_parameters": rope}) == {"rope_scaling_factor": 32.0}
+
+
 @pytest.mark.slow
 def test_moe_bad_inputs_are_one_line(tmp_path):
     moe_folder, dense_folder = tmp_path / "qwen3_moe", tmp_path / "qwen3"
@@ -171,7 +166,15 @@ def test_moe_bad_inputs_are_one_line(tmp_path):
         "capacity": base["moe"] + ["--config.model.moe_capacity_factor=0"],
         "capacity_dense": base["dense"] + ["--config.model.moe_capacity_factor=1.25"],
     }
+    for case, changes in {"gpt_oss_layers": {"layer_types": ["full_attention", "sliding_attention"]},
+                          "gpt_oss_coefficient": {"router_aux_loss_coef": 0.5}}.items():
+        hf_pretrained.write(tmp_path / case, "gpt_oss", **changes)
+        cases[case] = ["--config=tests/helpers/checkpoint_config.py:GptOssCausalLM",
+                       f"--config.model.preset={tmp_path / case}", "--config.engine=jax"]
     layouts = run_in_one_process("tpu_keras.layout", cases)
+    assert_refused(layouts["gpt_oss_layers"], "layer_types ['full_attention', 'sliding_attention']",
+                   "starting with a sliding one")
+    assert_refused(layouts["gpt_oss_coefficient"], "router_aux_loss_coef 0.5", "transformers' 0.9")
     assert_refused(layouts["indivisible"], "expert", "3")
     assert_refused(layouts["dense"], "mesh.expert=2", "has none", "mesh.data or mesh.fsdp")
     assert_refused(layouts["capacity"], "model.moe_capacity_factor=0 keeps no token", "leave it out")

@@ -120,8 +120,9 @@ def load_backbone(backbone_cls, preset: str, load_weights: bool = True, quantizi
         # keras-hub 0.32's Qwen 3.5 converter prints an audit of the names it read; under the
         # text model's names it would list every weight as not read.
         quiet = contextlib.redirect_stdout(io.StringIO()) if prefixes else contextlib.nullcontext()
+        convert = (family and family.convert_weights) or converter.convert_weights
         with _exact_safetensors(preset, prefixes, quantizing) as weights, quiet:
-            converter.convert_weights(backbone, weights, loader.config)
+            convert(backbone, weights, loader.config)
             if quantizing:
                 _check_all_read(preset, weights, quantizing)  # the files still open
                 logging.info("%s", quantizing.report())

@@ -188,7 +188,8 @@ def check_remat(model, remat: str) -> None:
                             "not go together yet (the loss gathers every block's router statistics, "
                             "and each recomputed block keeps its own): use train.remat='none', or "
                             "train without the loss (model.router_aux_loss_coefficient=0 for "
-                            "Qwen3-MoE, model.router_aux_loss_coef=0 for Mixtral)")
+                            "Qwen3-MoE and Qwen 3.5, model.router_aux_loss_coef=0 for Mixtral; "
+                            "gpt-oss's is transformers' 0.9, fixed)")
 
 
 def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, training=None, *, layer,
@@ -220,6 +221,8 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
     if block.shared is not None:
         out = out + block.shared(layer, tokens)
     factor = block.coefficient(layer)  # the backbone's argument (router_aux_loss_coef...)
+    if training is None:  # gpt-oss's decoder calls its block without it: the call's own (Keras 3.15)
+        training = layer._get_call_context().get_value("training")
     if training and factor:
         index, layers, routers = place
         if index == 0:

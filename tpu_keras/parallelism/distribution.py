@@ -19,10 +19,15 @@ checks each dimension's entry as one axis name, while JAX's
 engine has nothing to set: Keras 3's TensorFlow backend ignores layouts.
 """
 
+import re
+
 import keras
 
 from tpu_keras.parallelism.mesh import BATCH_AXES
 from tpu_keras.parallelism.rules import Placer, dtype_name
+
+# The outputs of keras-hub's MoE blocks (with the router's: flattened tokens) and of the layers in them.
+_INSIDE_EXPERTS = re.compile(r"sparse_moe_block(_\d+)?/(.+/)?output$")
 
 
 def set_layout(cluster, placer: Placer) -> None:
@@ -84,10 +89,13 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         reshuffle and all-reduce activations: several times the memory and
         the traffic FSDP should cost (seen in the compiled step, docs/parallelism.md,
         "The check paid for itself"). With a model axis, layer outputs are split over
-        it by the rules, so only the batch could be named; left to XLA.
+        it by the rules, so only the batch could be named; left to XLA. Inside a mixture
+        of experts' block and in its outputs (gpt-oss's router scores) the tokens are
+        flattened, of a length Keras's shape inference leaves unknown, and `models.moe`
+        places them itself: left to it.
         """
         mesh = self.placer.mesh
-        if path in self.vocabulary_outputs:
+        if path in self.vocabulary_outputs or _INSIDE_EXPERTS.search(path):
             return None
         if path.endswith("/output") and mesh.get("fsdp", 1) > 1 and mesh.get("model", 1) == 1:
             return _Layout((BATCH_AXES,), self.device_mesh)

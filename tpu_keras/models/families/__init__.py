@@ -9,6 +9,7 @@ that family asks it, never a table of its own:
 | --- | --- | --- |
 | `backbones`, `model_types` | the keras-hub backbones it covers; the transformers `model_type`s keras-hub converts to them | every lookup below |
 | `converter_keys`, `read_config` | the config.json keys keras-hub's converter leaves out; what the backbone cannot express | `hub_presets` (every checkpoint read: training, `generate --preset`) |
+| `convert_weights` | the family's own reading of the weights, where keras-hub's converter cannot read what transformers writes | `hub_presets` |
 | `converter_model_types`, `converter_prefixes` | a model_type keras-hub's loader knows by another name, and its weights' names | `hub_presets` |
 | `repair` | a fix of what keras-hub builds wrong (weight paths), once the backbone is built | `hub_presets`, `hub`, `export` (every backbone built) |
 | `layout`, `ties` | layout rules (regex -> mesh axes) of the weights | `hub` (the run, `layout`, `plan`) |
@@ -28,8 +29,8 @@ from tpu_keras.models.families.family import (Family, Target, Unreadable, export
                                               refuse_first, register, repaired, rope_parameters, rope_type,
                                               tasks, transformers_exporter, unbuilt_llama_parts)
 # The families the toolkit ships; each module registers itself.
-from tpu_keras.models.families import (gemma, gemma3, gemma4, llama, mistral, qwen,  # noqa: E402,F401
-                                       mixtral, qwen3, qwen3_5, qwen3_moe, smollm3)
+from tpu_keras.models.families import (gemma, gemma3, gemma4, gpt_oss, llama, mistral, qwen,  # noqa: E402,F401
+                                       mixtral, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3)
 
 __all__ = ["Family", "Target", "Unreadable", "exporter", "known", "no_rope_scaling", "of_backbone",
            "of_model_type", "refuse_first", "register", "repaired", "rope_parameters", "rope_type", "tasks",

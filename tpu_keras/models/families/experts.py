@@ -58,3 +58,13 @@ def per_expert(stacked, name: str) -> dict:
     """{name.format(e): expert e's (in, out) kernel transposed to transformers' (out, in)}."""
     from keras import ops
     return {name.format(e): ops.transpose(stacked[e]) for e in range(stacked.shape[0])}
+
+
+def fused_bank_weights(bank, prefix: str) -> dict:
+    """Qwen's expert bank (gate and up fused along the units, the gate first; the output) as
+    transformers 5 writes it, each expert's `{prefix}.experts.{e}.{gate,up,down}_proj.weight`."""
+    gate_up = bank._expert_feedforward_gate_dense
+    units = gate_up.shape[-1] // 2
+    return {**per_expert(gate_up[..., :units], f"{prefix}.experts.{{}}.gate_proj.weight"),
+            **per_expert(gate_up[..., units:], f"{prefix}.experts.{{}}.up_proj.weight"),
+            **per_expert(bank._expert_feedforward_output_dense, f"{prefix}.experts.{{}}.down_proj.weight")}

@@ -33,6 +33,10 @@ class Family:
     config_aliases: dict = dataclasses.field(default_factory=dict)
     # config.json -> more backbone arguments; raises Unreadable for what the backbone cannot build.
     read_config: Optional[Callable[[dict], dict]] = None
+    # (backbone, weights, config.json) -> None: the family's own reading of a checkpoint's
+    # weights in place of keras-hub's converter's (gpt-oss: keras-hub 0.32 reads MXFP4 experts
+    # alone); `weights` is keras-hub's safetensors loader (`port_weight`, `get_tensor`).
+    convert_weights: Optional[Callable] = None
     # backbone -> None: mends what keras-hub builds wrong (weight paths), once it is built.
     repair: Optional[Callable] = None
     # The backbone's constructor arguments -> layout rules of its weights (None: keras-hub's

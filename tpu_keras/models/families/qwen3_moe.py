@@ -85,12 +85,7 @@ def transformers_weights(backbone, include_lm_head=False) -> dict:
         weights[f"{prefix}.post_attention_layernorm.weight"] = block._feedforward_layernorm.scale
         mlp = block.mlp
         weights[f"{prefix}.mlp.gate.weight"] = ops.transpose(mlp._sparse_feedforward_gate_dense.kernel)
-        gate_up = mlp.expert_bank._expert_feedforward_gate_dense
-        units = gate_up.shape[-1] // 2
-        weights.update(experts.per_expert(gate_up[..., :units], f"{prefix}.mlp.experts.{{}}.gate_proj.weight"))
-        weights.update(experts.per_expert(gate_up[..., units:], f"{prefix}.mlp.experts.{{}}.up_proj.weight"))
-        weights.update(experts.per_expert(mlp.expert_bank._expert_feedforward_output_dense,
-                                          f"{prefix}.mlp.experts.{{}}.down_proj.weight"))
+        weights.update(experts.fused_bank_weights(mlp.expert_bank, f"{prefix}.mlp"))
     return weights
 
 
