@@ -33,14 +33,16 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))  # the helpers the test modu
 # xdist's loadscope hands whole modules to the workers in collection order, so
 # starting with the longest lets the short ones fill in at the end, and both
 # workers finish together instead of one running a long module alone.
-SLOWEST_FIRST = ("test_newer_families.py", "test_newer_families_on_a_mesh.py", "test_shipped_configs.py",
-                 "test_multislice.py",
+SLOWEST_FIRST = ("test_moe.py", "test_moe_families_on_expert_meshes.py",
+                 "test_newer_families.py", "test_newer_families_on_a_mesh.py", "test_shipped_configs.py",
+                 "test_grpo.py", "test_evaluate.py", "test_multislice.py",
                  "test_hub_transformers.py", "test_hub.py", "test_tpu_pod.py", "test_parallel.py",
-                 "test_plan.py", "test_steps.py", "test_data.py", "test_reliability.py",
-                 "test_train.py", "test_user_code.py", "test_evaluate.py", "test_lora_checkpoints.py",
-                 "test_accumulation.py", "test_nonfinite.py", "test_host_failure.py", "test_tpu_compiler.py",
-                 "test_engines.py", "test_tpu_topologies.py", "test_workdir.py", "test_errors.py",
-                 "test_builders.py", "test_cluster.py")
+                 "test_plan.py", "test_steps.py", "test_preference.py", "test_packing.py", "test_data.py",
+                 "test_reliability.py", "test_train.py", "test_user_code.py", "test_lora_checkpoints.py",
+                 "test_lora.py", "test_quantize.py", "test_accumulation.py", "test_nonfinite.py",
+                 "test_host_failure.py", "test_tpu_compiler.py", "test_step_cache.py", "test_benchmark.py",
+                 "test_memory.py", "test_families.py", "test_engines.py", "test_tpu_topologies.py",
+                 "test_workdir.py", "test_errors.py", "test_builders.py", "test_cluster.py")
 
 
 def pytest_collection_modifyitems(items):
