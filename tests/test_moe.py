@@ -151,6 +151,24 @@ def test_gpt_oss_attends_within_transformers_windows_and_reads_transformers_5s_y
     assert gpt_oss.read_config({"num_hidden_layers": 2, "rope_parameters": rope}) == {"rope_scaling_factor": 32.0}
 
 
+def test_active_parameters_count_top_k_of_the_experts_banks_and_everything_else():
+    """The plan's active parameters (MaxText's): the banks at top_k / E, every other weight whole."""
+    import math
+    import keras_hub
+    from tpu_keras.models import moe
+    backbone = keras_hub.models.GptOssBackbone(
+        vocabulary_size=16, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
+        intermediate_dim=4, num_experts=4, top_k=1, head_dim=4, sliding_window=8)
+    moe.route_blocks(backbone)
+    total = sum(math.prod(weight.shape) for weight in backbone.weights)
+    bank = 4 * (8 * 8 + 8 + 4 * 8 + 8)  # E x (gate and up (H, 2F), their bias, down (F, H), its bias)
+    assert moe.parameters(backbone) == {"total": total, "active": total - 2 * bank + 2 * bank // 4,
+                                        "experts": 4, "top_k": 1}
+    assert moe.parameters(keras_hub.models.LlamaBackbone(
+        vocabulary_size=16, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
+        intermediate_dim=4)) is None
+
+
 @pytest.mark.slow
 def test_moe_bad_inputs_are_one_line(tmp_path):
     moe_folder, dense_folder = tmp_path / "qwen3_moe", tmp_path / "qwen3"

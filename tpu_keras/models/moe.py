@@ -152,6 +152,21 @@ def num_experts(model) -> int:
     return found[0].num_experts if found else 0
 
 
+def parameters(model) -> Optional[dict]:
+    """{total, active, experts, top_k}: `model`'s parameters, and those one token uses (every
+    weight but the experts' banks, which count top_k / E of theirs), as MaxText counts an
+    MoE's active parameters; None for a dense model."""
+    found = blocks(model)
+    if not found:
+        return None
+    total = sum(math.prod(weight.shape) for weight in model.weights)
+    banks = sum(math.prod(weight.shape) for layer in found  # gpt-oss's bank is `experts`
+                for weight in (getattr(layer, "expert_bank", None) or layer.experts).weights)
+    experts, top_k = found[0].num_experts, found[0].top_k
+    return {"total": total, "active": total - banks + banks * top_k // experts, "experts": experts,
+            "top_k": top_k}
+
+
 def check_capacity(capacity_factor: Optional[float]) -> None:
     """A one-line error for a capacity factor that keeps no token."""
     if capacity_factor is not None and not capacity_factor > 0:

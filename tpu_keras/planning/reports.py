@@ -37,6 +37,8 @@ def format_plan(p: dict) -> str:
              f"{p['global_batch']:,} ({p['per_replica_batch']:,} per replica), {p['precision']}"]
     if p.get("weights", {}).get("frozen"):
         lines.append(weights_line(p["weights"]))
+    if p.get("experts"):
+        lines.append(experts_line(p["experts"]))
     objective = objectives.REGISTRY.get(p.get("objective", "sft"), objectives.Objective())
     lines += objective.plan_lines(p)  # DPO's pairs, GRPO's completions, and their reference
     lines += ["", "per device"]
@@ -148,6 +150,12 @@ def weights_line(weights: dict) -> str:
     parts = [f"{kind} {dtype} {format_bytes(size)}" for kind in ("frozen", "trainable")
              for dtype, size in sorted(weights[kind].items(), key=lambda item: -item[1])]
     return f"weights: {', '.join(parts)} (all devices together)"
+
+
+def experts_line(experts: dict) -> str:
+    """'mixture of experts: 30,532,122,624 parameters, 3,335,826,432 active per token (8 of 128 experts)'."""
+    return (f"mixture of experts: {experts['total']:,} parameters, {experts['active']:,} active per "
+            f"token ({experts['top_k']} of {experts['experts']} experts)")
 
 
 def format_measured(p: dict, m: dict, format_bytes) -> list[str]:

@@ -119,6 +119,12 @@ class Footprint:
         itemsizes = {}
         return planned_traffic.weight_uses(self.model, self.builder.loss(), itemsizes), itemsizes
 
+    @functools.cached_property
+    def experts(self):
+        """A mixture of experts' total and active parameters (`models.moe.parameters`); None: dense."""
+        from tpu_keras.models import moe
+        return moe.parameters(self.model)
+
     @property
     def weight_uses(self):
         return self._traced_weights[0]
@@ -274,6 +280,7 @@ def plan(config, slice_name: str, margin: float = 0.1, measure: bool = False,
         "grad_accum_steps": config.train.grad_accum_steps,
         "per_device": per_device,
         "weights": footprint.weight_dtypes,
+        "experts": footprint.experts,
         "fits": per_device["total"] <= usable,
         "largest_global_batch": largest * splits,
         "sent_per_step": sent,
