@@ -173,16 +173,12 @@ def transformers_weights(backbone, include_lm_head=False) -> dict:
     """Every weight by transformers' name, the experts fused as transformers keeps them
     (float: the export is a fine-tuned model, not MXFP4)."""
     from keras import ops
-    weights = {"model.embed_tokens.weight": backbone.token_embedding.embeddings,
-               "model.norm.weight": backbone.layer_norm.scale}
-    if include_lm_head:
-        weights["lm_head.weight"] = ops.transpose(backbone.token_embedding.reverse_embeddings)
-    hidden = backbone.hidden_dim
+    weights = experts.outer_weights(backbone, include_lm_head)  # its head is never tied
     for i, block in enumerate(backbone.transformer_layers):
         prefix, attention = f"model.layers.{i}", block.self_attention_layer
+        weights.update(experts.attention_weights(backbone, i, attention, (
+            "query_dense", "key_dense", "value_dense", "output_dense")))
         for name, dense in _projections(attention):
-            shape = (-1, hidden) if name == "o_proj" else (hidden, -1)
-            weights[f"{prefix}.self_attn.{name}.weight"] = ops.transpose(ops.reshape(dense.kernel, shape))
             weights[f"{prefix}.self_attn.{name}.bias"] = ops.reshape(dense.bias, (-1,))
         weights[f"{prefix}.self_attn.sinks"] = attention.sinks
         moe = block.sparse_moe_block
