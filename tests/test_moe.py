@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run_command, run_in_one_process, train_args
+from conftest import assert_one_line_error, run_command, run_in_one_process, train, train_args
 from hf_checks import TOLERANCE, TRANSFORMERS, assert_refused, probe
 import hf_pretrained
 
@@ -35,6 +35,9 @@ def test_sparse_layer_is_keras_hubs_bank_at_top_k_over_e_of_its_flops():
     capacity = found["capacity"]
     assert capacity["dropped"] == capacity["by_hand"] > 0 and capacity["dropless_dropped"] == 0, capacity
     assert capacity["per_expert"] == capacity["by_hand_per_expert"], capacity
+    assert capacity["mesh_dropped"] == capacity["mesh_by_hand"] > 0, capacity
+    for output in ("output", "dropless_output", "mesh_output", "mesh_dropless_output"):
+        assert capacity[output] <= 1e-5 * capacity["scale"], (output, capacity)
     flops = found["flops"]  # compiled for a TPU v5e chip: within 1.25x of top_k / E of the dense bank's
     assert flops["ratio"] <= 1.25 * flops["top_k_over_experts"], flops
 
@@ -110,11 +113,12 @@ def test_moe_families_start_from_transformers_logits_and_export_round_trips(tmp_
 
 
 @pytest.mark.slow
-def test_a_moe_run_exports_a_savedmodel_tf_serves_and_block_remat_refuses_its_balancing_loss(
+def test_a_moe_run_logs_its_experts_load_exports_a_savedmodel_and_block_remat_refuses_its_loss(
         tmp_path, data_dir):
     """The SavedModel's trace has a symbolic batch, which the sparse layer cannot sort: it is
     written with keras-hub's dense bank, the same function. train.remat='blocks' recomputes
-    each block apart, and the balancing loss gathers all of them: refused unless it is off."""
+    each block apart, and the balancing loss gathers all of them: refused unless it is off.
+    A run under a capacity logs its busiest expert's share of the tokens and the copies dropped."""
     folder = tmp_path / "qwen3_moe"
     hf_pretrained.write(folder, "qwen3_moe")
     base = ["--config.train.remat=blocks", "--config.train.steps=4", "--config.log.every_steps=2",
@@ -125,6 +129,11 @@ def test_a_moe_run_exports_a_savedmodel_tf_serves_and_block_remat_refuses_its_ba
         "with_loss": train_args(config, tmp_path / "refused", *base),
         "without_loss": train_args(config, tmp_path / "run", *base,
                                    "--config.model.router_aux_loss_coefficient=0")})
+    capacity = train(config, tmp_path / "capacity", *base[1:], "--config.model.moe_capacity_factor=1.0",
+                     "--config.export.formats=('keras_hub',)").stdout  # a process of its own: it logs
+    lines = [line for line in capacity.splitlines() if "step 4/4 |" in line]
+    load = dict(re.findall(r"(experts_busiest|experts_dropped) ([0-9.e-]+)", lines[-1]))
+    assert 2 / 8 <= float(load["experts_busiest"]) <= 1 and 0 <= float(load["experts_dropped"]) < 1, lines
     assert_one_line_error(runs["with_loss"], "train.remat='blocks'", "train.remat='none'",
                           "model.router_aux_loss_coefficient=0")
     assert runs["without_loss"].returncode == 0, runs["without_loss"].stderr[-3000:]

@@ -10,7 +10,8 @@ Prints one line, `MOE {json}`:
   largest output difference of the sparse call from keras-hub's own, and of its gradients;
 - `aux`: the layer's load-balancing loss against transformers' `load_balancing_loss_func` on
   the same router logits, with and without a padding mask;
-- `capacity`: copies dropped under a capacity factor, against a count by hand;
+- `capacity`: copies dropped under a capacity factor, against a count by hand, and the
+  output against the dense bank's over the kept copies, on one device and on fsdp 2 x expert 2;
 - `flops`: XLA's cost analysis of the forward layer compiled for one TPU v5e chip (libtpu),
   sparse against dense, at 8 experts with top 2.
 """
@@ -19,6 +20,8 @@ import os
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# Four CPU devices, for the capacity on a mesh of fsdp 2 x expert 2.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -111,22 +114,50 @@ def aux_against_transformers() -> dict:
             "masked": [ours(jnp.asarray(mask.reshape(-1), jnp.float32)), theirs(torch.tensor(mask))]}
 
 
+def kept_by_hand(experts, limit: int, groups: int = 1):
+    """(tokens, k) 1 for each copy an expert keeps: in each of `groups` runs of tokens (the
+    tokens an expert axis gathers), each expert's first `limit` copies in token order."""
+    kept = np.zeros(experts.shape, np.float32)
+    for group in np.split(np.arange(len(experts)), groups):
+        taken = np.zeros(EXPERTS, int)
+        for t in group:
+            for j, e in enumerate(experts[t]):
+                kept[t, j] = taken[e] < limit
+                taken[e] += 1
+    return kept
+
+
 def capacity_drops() -> dict:
     """Copies dropped at factor 1.0 over skewed choices, against the count by hand: expert e
-    keeps its first ceil(T k / E) copies in token order."""
+    keeps its first ceil(T k / E) copies in token order; and the output, against the dense
+    bank's over the kept copies alone, on one device and on a mesh of fsdp 2 x expert 2
+    (whose expert axis gathers half the tokens, so each half has its own capacity)."""
     experts = jnp.asarray(np.stack([rng.choice(4, TOP_K, replace=False, p=[.55, .25, .1, .1])
                                     for _ in range(TOKENS)]), jnp.int32)
-    weights = jnp.full(experts.shape, 0.5, jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.2, 0.8, experts.shape), jnp.float32)
     x = jnp.asarray(rng.normal(size=(TOKENS, HIDDEN)), jnp.float32)
     bank = moe.Bank(*(jnp.asarray(rng.normal(size=s), jnp.float32) / 8 for s in
                       ((EXPERTS, HIDDEN, UNITS), (EXPERTS, HIDDEN, UNITS), (EXPERTS, UNITS, HIDDEN))))
     limit = moe.capacity(1.0, TOKENS, TOP_K, EXPERTS)
     counts = np.bincount(np.asarray(experts).reshape(-1), minlength=EXPERTS)
-    _, per_expert, dropped = moe.experts_of(x, weights, experts, bank, moe._silu_glu, EXPERTS, 1.0)
+    out, per_expert, dropped = moe.experts_of(x, weights, experts, bank, moe._silu_glu, EXPERTS, 1.0)
     full, _, none = moe.experts_of(x, weights, experts, bank, moe._silu_glu, EXPERTS)
+    kept = lambda groups: kept_by_hand(np.asarray(experts), moe.capacity(1.0, TOKENS // groups, TOP_K,
+                                                                          EXPERTS), groups)
+    dense = lambda kept: moe.served(x, weights * kept, experts, bank, moe._silu_glu, EXPERTS)
+    mesh = keras.distribution.DeviceMesh((2, 2), ("fsdp", "expert"), jax.devices()[:4])
+    with keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh),
+                                          batch_dim_name="fsdp").scope():
+        on_mesh = {factor: jax.jit(lambda *a, f=factor: moe.experts_of(*a, moe._silu_glu, EXPERTS, f))(
+            x, weights, experts, bank) for factor in (1.0, 0.0)}
     return {"dropped": int(dropped), "by_hand": int(np.maximum(counts - limit, 0).sum()),
             "dropless_dropped": int(none), "per_expert": [int(c) for c in per_expert],
-            "by_hand_per_expert": [int(c) for c in counts]}
+            "by_hand_per_expert": [int(c) for c in counts],
+            "output": gap(out, dense(kept(1))), "dropless_output": gap(full, dense(1.0)),
+            "mesh_output": gap(on_mesh[1.0][0], dense(kept(2))),
+            "mesh_dropless_output": gap(on_mesh[0.0][0], dense(1.0)),
+            "mesh_dropped": int(on_mesh[1.0][2]),
+            "mesh_by_hand": int((1 - kept(2)).sum()), "scale": float(np.max(np.abs(np.asarray(full))))}
 
 
 def tpu_flops() -> dict:

@@ -318,9 +318,9 @@ def _route_experts(backbone, capacity_factor) -> None:
         return
     if keras.backend.backend() == "jax":
         routed = moe.route_blocks(backbone, capacity_factor)
-        drops = (f", at most {capacity_factor}x an even share of copies per expert"
-                 if capacity_factor else ", dropless")
-        logging.info("experts: sparse (grouped matmuls) in %d MoE layers%s", routed, drops)
+        how = (f"each expert's slots for at most {capacity_factor}x an even share of copies, "
+               "the rest dropped" if capacity_factor else "grouped matmuls, dropless")
+        logging.info("experts: sparse in %d MoE layers (%s)", routed, how)
     else:
         moe.check_capacity(capacity_factor)
         _say_once("experts: keras-hub's dense expert bank on the tf engine (every expert on every "

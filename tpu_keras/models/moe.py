@@ -22,9 +22,15 @@ the rows of its own experts, and sums the results back to the tokens' own
 devices (`psum_scatter`). The units of each expert may be split over `model`
 as well (their partial sums are added over it).
 
-Dropless by default, as transformers computes the layer. A capacity factor
-c keeps at most ceil(c x tokens x k / E) copies per expert (the earliest
-tokens of a batch first) and drops the rest, which are counted.
+Dropless by default, as transformers computes the layer: static shapes
+then hold every copy a device's experts could be sent. A capacity factor c
+keeps at most ceil(c x tokens x k / E) copies per expert (the earliest
+tokens of a batch first) in fixed slots, multiplied expert by expert as one
+batch, and drops the rest, which are counted: a device then holds its own
+experts' slots alone.
+
+The experts' load (tokens per expert, copies dropped) of a train step's
+forward pass is recorded for its log line (`recorded_load`).
 
 The router's load-balancing loss is transformers' `load_balancing_loss_func`
 over all MoE layers at once (the last layer adds it, from every layer's router
@@ -35,6 +41,7 @@ adds each layer's own loss in full: L terms, each of one layer alone.
 
 # Imported inside functions: JAX (optional: absent on a plain install; the tf engine keeps
 # keras-hub's dense bank and asks this module only which blocks a model has).
+import contextlib
 import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional
@@ -45,6 +52,7 @@ from tpu_keras.errors import UserError
 from tpu_keras.parallelism.mesh import BATCH_AXES
 
 EXPERT = "expert"
+BUSIEST, DROPPED = "experts_busiest", "experts_dropped"  # the log keys of the experts' load
 
 
 class Bank(NamedTuple):
@@ -207,6 +215,52 @@ def check_remat(model, remat: str) -> None:
                             "gpt-oss's is transformers' 0.9, fixed)")
 
 
+def unrecorded(model) -> None:
+    """Leaves `model`'s MoE blocks out of `recorded_load`: a block recomputed in the backward
+    pass (`train.remat='blocks'`) traces inside `jax.checkpoint`, whose values cannot leave it."""
+    for layer in blocks(model):
+        object.__setattr__(layer, "_tpu_keras_unrecorded", True)
+
+
+class Load:
+    """The experts' load of one forward pass: each MoE layer's tokens per expert (E,), its
+    dropped copies, its top k and whether it has a capacity (`recorded_load`)."""
+
+    def __init__(self):
+        self.layers = []
+
+    def logs(self) -> dict:
+        """{BUSIEST: the largest share of a layer's tokens that one expert took (even: top_k /
+        E; 1: every token to one expert), DROPPED: the share of the copies a capacity dropped,
+        where one is set}; {} for a pass with no recorded layer."""
+        import jax.numpy as jnp
+        if not self.layers:
+            return {}
+        copies = [jnp.maximum(jnp.sum(per_expert), 1).astype(jnp.float32)
+                  for per_expert, _, _, _ in self.layers]
+        busiest = [jnp.max(per_expert) * top_k / total
+                   for (per_expert, _, top_k, _), total in zip(self.layers, copies)]
+        logs = {BUSIEST: jnp.max(jnp.stack(busiest))}
+        if any(capped for *_, capped in self.layers):
+            logs[DROPPED] = sum(dropped for _, dropped, _, _ in self.layers) / sum(copies)
+        return logs
+
+
+_OPEN: list = []  # the `Load`s being recorded, innermost last
+
+
+@contextlib.contextmanager
+def recorded_load():
+    """Collects the load of the MoE layers called inside (a train step's forward pass) into
+    the `Load` it yields; its values are the traced step's, to return from it."""
+    load = Load()
+    _OPEN.append(load)
+    try:
+        yield load
+    finally:
+        _OPEN.remove(load)
+
+
 def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, training=None, *, layer,
                 place: tuple, capacity_factor: float, **kwargs):
     """The block's call: (output, router logits), as keras-hub's returns them (gpt-oss's
@@ -231,8 +285,10 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
     if symbolic:
         out = served(tokens, weights, experts, bank, block.activation, layer.num_experts)
     else:
-        out, _, _ = experts_of(tokens, weights, experts, bank, block.activation,
-                               layer.num_experts, capacity_factor)
+        out, per_expert, dropped = experts_of(tokens, weights, experts, bank, block.activation,
+                                              layer.num_experts, capacity_factor)
+        if _OPEN and not getattr(layer, "_tpu_keras_unrecorded", False):
+            _OPEN[-1].layers.append((per_expert, dropped, layer.top_k, bool(capacity_factor)))
     if block.shared is not None:
         out = out + block.shared(layer, tokens)
     factor = block.coefficient(layer)  # the backbone's argument (router_aux_loss_coef...)
@@ -380,18 +436,42 @@ def _local(tokens, weights, experts, bank: Bank, *, activation, num_experts: int
     order = jnp.argsort(choices, stable=True)  # the copies by expert; a batch's earliest first
     per_expert = jnp.bincount(choices, length=num_experts)
     starts = jnp.cumsum(per_expert) - per_expert
-    sorted_experts = choices[order]
-    keep = jnp.ones(order.shape, bool)
-    limit = capacity(capacity_factor, count, top_k, num_experts)
-    if limit:
-        keep = jnp.arange(order.size) - starts[sorted_experts] < limit
-    # This device's experts' rows first: rolled to the start of its first expert's group.
-    offset = starts[first]
-    order, sorted_experts, keep = (jnp.roll(t, -offset) for t in (order, sorted_experts, keep))
     sizes = jax.lax.dynamic_slice(per_expert, (first,), (held,)).astype(jnp.int32)
+    # No expert takes a token twice, so no capacity above the tokens keeps more.
+    limit = min(capacity(capacity_factor, count, top_k, num_experts), count)
+    if limit:
+        source, valid, out = _slots(tokens, order, jax.lax.dynamic_slice(starts, (first,), (held,)),
+                                    sizes, bank, activation, limit, top_k, units)
+        dropped = jnp.sum(jnp.maximum(sizes - limit, 0))
+    else:
+        source, valid, out = _rows(tokens, order, starts[first], sorted_experts=choices[order] - first,
+                                   sizes=sizes, bank=bank, activation=activation, top_k=top_k,
+                                   units=units, tiled=tiled)
+        dropped = jnp.zeros((), jnp.int32)
+    scale = jnp.reshape(weights, (-1,))[source] * valid
+    combined = jnp.zeros(tokens.shape, out.dtype).at[source // top_k].add(out * scale[:, None].astype(out.dtype))
+    if by_expert is not None:  # back to each token's own device, summed over the experts' devices
+        combined = jax.lax.psum_scatter(combined, by_expert, scatter_dimension=0, tiled=True)
+        dropped = jax.lax.psum(dropped, by_expert)
+    if batch_axes:
+        others = tuple(axis for axis in batch_axes if axis != by_expert)
+        per_expert = jax.lax.psum(per_expert, others) if others else per_expert
+        dropped = jax.lax.psum(dropped, others) if others else dropped
+    return combined, per_expert, dropped
+
+
+def _rows(tokens, order, offset, *, sorted_experts, sizes, bank: Bank, activation, top_k: int, units,
+          tiled: bool):
+    """Dropless: every copy of the (gathered) tokens a row, this device's experts' rows first
+    (rolled to the start of its first expert's group), multiplied group by group. Static at
+    every copy, the most this device's experts could be sent. (copies, mine, output rows)."""
+    import jax
+    import jax.numpy as jnp
+    held = bank.gate.shape[0]
+    order, sorted_experts = (jnp.roll(t, -offset) for t in (order, sorted_experts))
     mine = jnp.arange(order.size) < jnp.sum(sizes)
     rows = tokens[order // top_k]
-    local = jnp.clip(sorted_experts - first, 0, held - 1)
+    local = jnp.clip(sorted_experts, 0, held - 1)
     gate = grouped_matmul(rows, bank.gate, sizes, tiled)
     up = grouped_matmul(rows, bank.up, sizes, tiled)
     if bank.gate_bias is not None:
@@ -401,17 +481,35 @@ def _local(tokens, weights, experts, bank: Bank, *, activation, num_experts: int
         out = jax.lax.psum(out, units)
     if bank.down_bias is not None:
         out = out + bank.down_bias[local]
-    scale = jnp.reshape(weights, (-1,))[order] * (mine & keep)
-    combined = jnp.zeros(tokens.shape, out.dtype).at[order // top_k].add(out * scale[:, None].astype(out.dtype))
-    dropped = jnp.sum(~keep & mine)
-    if by_expert is not None:  # back to each token's own device, summed over the experts' devices
-        combined = jax.lax.psum_scatter(combined, by_expert, scatter_dimension=0, tiled=True)
-        dropped = jax.lax.psum(dropped, by_expert)
-    if batch_axes:
-        others = tuple(axis for axis in batch_axes if axis != by_expert)
-        per_expert = jax.lax.psum(per_expert, others) if others else per_expert
-        dropped = jax.lax.psum(dropped, others) if others else dropped
-    return combined, per_expert, dropped
+    return order, mine, out
+
+
+def _slots(tokens, order, starts, sizes, bank: Bank, activation, limit: int, top_k: int, units):
+    """Under a capacity: each of this device's experts gets `limit` slots, filled with its
+    earliest copies, and multiplies them as one batch (GShard's dispatch). The rows are
+    this device's experts' capacity, not every copy: on an expert axis of n devices,
+    about capacity_factor / n of the dropless rows. (copies, filled, output rows)."""
+    import jax
+    import jax.numpy as jnp
+    held = bank.gate.shape[0]
+    slot = jnp.arange(held * limit)
+    expert, rank = slot // limit, slot % limit
+    valid = rank < sizes[expert]
+    source = order[jnp.clip(starts[expert] + rank, 0, order.size - 1)]
+    rows = tokens[source // top_k]
+
+    def each_expert(x, kernels):  # (held * limit, K) x (held, K, N): slot by slot of its expert
+        x = jnp.reshape(x, (held, limit, x.shape[-1]))
+        return jnp.reshape(jnp.einsum("eck,ekn->ecn", x, kernels), (held * limit, -1))
+    gate, up = each_expert(rows, bank.gate), each_expert(rows, bank.up)
+    if bank.gate_bias is not None:
+        gate, up = gate + bank.gate_bias[expert], up + bank.up_bias[expert]
+    out = each_expert(activation(gate, up), bank.down)
+    if units is not None:
+        out = jax.lax.psum(out, units)
+    if bank.down_bias is not None:
+        out = out + bank.down_bias[expert]
+    return source, valid, out
 
 
 def grouped_matmul(rows, weights, sizes, tiled: Optional[bool] = None):

@@ -178,4 +178,6 @@ def made_with_remat(make: Callable[[], keras.Model], remat: str, model_config) -
                         f"{dict(model_config).get('name')!r} has none the toolkit knows (a keras-hub "
                         "backbone's transformer_layers); use train.remat='activations'")
     moe.check_remat(model, remat)
+    if remat == "blocks":
+        moe.unrecorded(model)
     return model

@@ -30,6 +30,10 @@ one step, one update, whatever k is. The loss tracker counts each batch by
 its weights for such a loss (`_update_metrics_variables`, the train and the
 test step's), so the logged loss and `val_loss` are means over every token.
 
+A mixture of experts' forward pass records its experts' load (`moe.recorded_load`),
+which the step returns beside `grad_norm` for the log line: the busiest expert's share
+(the largest over the micro-batches) and the copies a capacity dropped (their mean).
+
 `distributed_steps` also hands the jitted steps committed arrays. Under a
 `keras.distribution` on a one-device mesh (a laptop, one TPU chip or GPU),
 Keras leaves the weights it creates, and the metrics it resets each epoch,
@@ -47,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from tpu_keras.models import moe
 from tpu_keras.training import token_mean
 from tpu_keras.training.nonfinite import GRAD_NORM
 
@@ -92,8 +97,8 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
     trainable, non_trainable, optimizer_state, metrics = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if grad_accum_steps == 1:
-        (_, (unscaled_loss, y_pred, non_trainable, metrics)), gradients = jax.value_and_grad(
-            self.compute_loss_and_updates, has_aux=True)(
+        (_, ((unscaled_loss, y_pred, non_trainable, metrics), load)), gradients = jax.value_and_grad(
+            _with_load(self.compute_loss_and_updates), has_aux=True)(
             trainable, non_trainable, metrics, x, y, sample_weight, training=True,
             optimizer_variables=optimizer_state)
         logs, metrics = self._update_metrics_variables(
@@ -108,9 +113,9 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
             share = token_mean.share(self, batch[2], step_weight, grad_accum_steps)
 
             def shared_loss(*args, **kwargs):  # this micro-batch's term of the step's loss
-                loss, aux = self.compute_loss_and_updates(*args, **kwargs)
+                loss, aux = _with_load(self.compute_loss_and_updates)(*args, **kwargs)
                 return loss * share, aux
-            (_, (loss, y_pred, non_trainable, _)), gradients = jax.value_and_grad(
+            (_, ((loss, y_pred, non_trainable, _), load)), gradients = jax.value_and_grad(
                 shared_loss, has_aux=True)(
                 trainable, non_trainable, metrics, *batch, training=True,
                 optimizer_variables=optimizer_state)
@@ -118,11 +123,12 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
             # it (a language model's logits, stacked, were k times the largest activation).
             _, metrics = self._update_metrics_variables(metrics, loss, *batch[:2], y_pred, batch[2])
             return (jax.tree.map(jnp.add, gradient_sum, gradients), loss_sum + loss * share,
-                    non_trainable, metrics), None
+                    non_trainable, metrics), load
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
-        (gradients, unscaled_loss, non_trainable, metrics), _ = jax.lax.scan(
+        (gradients, unscaled_loss, non_trainable, metrics), loads = jax.lax.scan(
             micro_step, (zeros, jnp.zeros((), "float32"), non_trainable, metrics), micro_batches)
+        load = {key: (jnp.max if key == moe.BUSIEST else jnp.mean)(value) for key, value in loads.items()}
         logs = _results(self, metrics)
     grad_norm = global_norm(gradients)
     scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -144,7 +150,17 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
                            in zip(self.optimizer.variables, new_optimizer_state, optimizer_state)]
     else:
         optimizer_state = jax.tree.map(keep, new_optimizer_state, optimizer_state)
-    return {**logs, GRAD_NORM: grad_norm}, (trainable, non_trainable, optimizer_state, metrics)
+    return {**logs, **load, GRAD_NORM: grad_norm}, (trainable, non_trainable, optimizer_state, metrics)
+
+
+def _with_load(loss_and_updates):
+    """`compute_loss_and_updates` with the experts' load of its forward pass beside its aux
+    (`moe.recorded_load`; {} for a dense model), so the step logs it."""
+    def call(*args, **kwargs):
+        with moe.recorded_load() as load:
+            loss, aux = loss_and_updates(*args, **kwargs)
+        return loss, (aux, load.logs())
+    return call
 
 
 def _results(model, metrics) -> dict:
