@@ -29,6 +29,15 @@ from tpu_keras.measurement import peak
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))  # the helpers the test modules import
 
+# XLA:CPU's LLVM passes at -O0 in every process of the suite (this one and those it starts,
+# which inherit the variable; `run_command` keeps it beside a test's own XLA_FLAGS). The
+# suite's programs are tiny and run a few steps, so compiling them is most of their time:
+# about a sixth less CPU per process here. It changes how XLA:CPU optimises the machine
+# code, not the HLO passes that partition a program over devices, nor the TPU compiler's
+# figures (libtpu's own XLA).
+SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
+
 # Test modules by CPU time, slowest first (one full run on the 2-core machine).
 # xdist's loadscope hands whole modules to the workers in collection order, so
 # starting with the longest lets the short ones fill in at the end, and both
@@ -54,6 +63,8 @@ def run_command(args, *, timeout=300, env=None, check=True, merge_stderr=True, c
     """Runs `args` (from the repo root unless `cwd` says otherwise); returns the
     CompletedProcess (text; stderr merged into stdout unless `merge_stderr=False`)."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if "XLA_FLAGS" in (env or {}):  # the test's flags (a device count) and the suite's
+        full_env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {env['XLA_FLAGS']}"
     full_env.pop("TF_CONFIG", None)
     result = subprocess.run(args, cwd=cwd, env=full_env, timeout=timeout, text=True,
                             stdout=subprocess.PIPE,
