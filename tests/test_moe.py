@@ -207,3 +207,42 @@ def test_moe_bad_inputs_are_one_line(tmp_path):
     assert_refused(layouts["capacity"], "model.moe_capacity_factor=0 keeps no token", "leave it out")
     assert_refused(layouts["capacity_dense"], "model.moe_capacity_factor=1.25", "has none; drop it")
     # On the tf engine: mesh.resolve's "mesh.expert=2 needs the jax engine" (test_mesh_and_rules.py).
+
+
+def test_the_planner_traces_one_device_of_the_expert_axis_and_counts_no_slice_of_a_weight():
+    """The planner's trace (`traced_as_on_a_tpu`) has the shapes a TPU device of the expert axis
+    has: the axis's tokens in the grouped matmul (ragged_dot), its own experts; under a capacity,
+    its own experts' slots. A slice of a weight (Qwen3-MoE's gate half) is the weight, counted
+    among the parameters, not an activation."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_keras.models import moe
+    from tpu_keras.planning import activations
+    tokens, hidden, units, experts, k, axis = 16, 8, 4, 8, 2, 4
+    x = jnp.zeros((tokens, hidden))
+    weights, chosen = jnp.full((tokens, k), 0.5), jnp.zeros((tokens, k), jnp.int32)
+    bank = moe.Bank(jnp.zeros((experts, hidden, units)), jnp.zeros((experts, hidden, units)),
+                    jnp.zeros((experts, units, hidden)))
+
+    def equations(capacity_factor, expert_axis):
+        with moe.traced_as_on_a_tpu(expert_axis):
+            traced = jax.make_jaxpr(lambda *a: moe.experts_of(*a, moe._silu_glu, experts, capacity_factor))(
+                x, weights, chosen, bank)
+        return [(e.primitive.name, [tuple(v.aval.shape) for v in e.invars]) for e in traced.jaxpr.eqns]
+
+    ragged = [shapes for name, shapes in equations(0.0, axis) if name == "ragged_dot_general"]
+    assert ragged and all(s[0] == (axis * tokens * k, hidden) and s[1][0] == experts // axis
+                          for s in ragged[:2]), ragged
+    assert [s for name, s in equations(0.0, 1) if name == "ragged_dot_general"][0][0] == (tokens * k, hidden)
+    slots = [shapes for name, shapes in equations(1.25, axis) if name == "dot_general"]
+    limit = moe.capacity(1.25, axis * tokens, k, experts)
+    assert ((experts // axis, limit, hidden), (experts // axis, hidden, units)) in [tuple(s) for s in slots], slots
+
+    def kept(loss, kernels):  # the residual bytes of `loss`'s gradient for the frozen `kernels`' input
+        traced = jax.make_jaxpr(lambda w, h: jax.vjp(lambda h: loss(w, h), h)[1])(kernels, x)
+        return activations.residual_bytes(traced, None)
+    fused = kept(lambda w, h: jnp.sum(jnp.sin(h @ w[:, :units]) * (h @ w[:, units:])),
+                 jnp.ones((hidden, 2 * units)))
+    apart = kept(lambda w, h: jnp.sum(jnp.sin(h @ w[0]) * (h @ w[1])),
+                 (jnp.ones((hidden, units)), jnp.ones((hidden, units))))
+    assert fused == apart > 0, (fused, apart)  # the kernel's halves are not counted

@@ -387,6 +387,22 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> i
     return math.ceil(capacity_factor * tokens * top_k / experts) if capacity_factor else 0
 
 
+_AS_ON_A_TPU: list = []  # the expert axis of each open `traced_as_on_a_tpu`, innermost last
+
+
+@contextlib.contextmanager
+def traced_as_on_a_tpu(expert_axis: int = 1):
+    """Traces the layer as one TPU device of an expert axis of `expert_axis` devices runs it,
+    with no mesh: the axis's tokens gathered, its own E / expert_axis experts, the grouped
+    matmuls as `jax.lax.ragged_dot`. For the planner's trace of a step, whose shapes are
+    what it counts (`planning.activations`) and which is never compiled here."""
+    _AS_ON_A_TPU.append(expert_axis)
+    try:
+        yield
+    finally:
+        _AS_ON_A_TPU.pop()
+
+
 def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: int,
                capacity_factor: float = 0.0, tiled: Optional[bool] = None):
     """(output (T, H), tokens per expert (E,), dropped copies ()): each token's experts'
@@ -395,6 +411,11 @@ def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: in
     from jax.sharding import PartitionSpec
     distribution = keras.distribution.distribution()
     mesh = distribution.device_mesh.backend_mesh if distribution is not None else None
+    if tiled is None and _AS_ON_A_TPU:
+        if _AS_ON_A_TPU[-1] > 1:
+            return _one_device_of_the_axis(tokens, weights, experts, bank, activation, num_experts,
+                                           capacity_factor, _AS_ON_A_TPU[-1])
+        tiled = False
     if tiled is None:  # by the devices the step is compiled for (a TPU's in `plan`, from a CPU)
         device = mesh.devices.flat[0] if mesh is not None else (jax.config.jax_default_device
                                                                  or jax.devices()[0])
@@ -417,6 +438,20 @@ def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: in
     return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, kernels),
                          out_specs=(rows, PartitionSpec(), PartitionSpec()),
                          check_vma=False)(tokens, weights, experts, bank)
+
+
+def _one_device_of_the_axis(tokens, weights, experts, bank: Bank, activation, num_experts: int,
+                            capacity_factor: float, devices: int):
+    """`experts_of` with the shapes one device of an expert axis of `devices` has inside its
+    shard_map (`traced_as_on_a_tpu`): every device's tokens (here this one's, repeated), its
+    own experts; the output cut back to its own tokens, as the sum back to them does."""
+    import jax.numpy as jnp
+    gathered = [jnp.concatenate([t] * devices, axis=0) for t in (tokens, weights, experts)]
+    held = num_experts // devices
+    own = Bank(*(None if part is None else part[:held] for part in bank))
+    out, per_expert, dropped = _local(*gathered, own, activation=activation, num_experts=num_experts,
+                                      capacity_factor=capacity_factor, axes=None, tiled=False)
+    return out[:tokens.shape[0]], per_expert, dropped
 
 
 def _local(tokens, weights, experts, bank: Bank, *, activation, num_experts: int,

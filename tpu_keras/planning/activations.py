@@ -8,7 +8,8 @@ under mixed precision, attention's seq x seq scores) and allocates nothing.
 Not every residual is a buffer the compiler keeps; the estimate counts one
 that is, and leaves out:
 
-- weights passed straight through: they are already counted as parameters;
+- weights passed straight through: they are already counted as parameters, and so are
+  slices of them (an expert bank's gate half), which the compiler reads in place;
 - a value listed twice (one tensor that several backward rules need);
 - constants, computed from no input (a causal mask from `iota`, an array of
   -inf): the compiler makes them where they are used;
@@ -116,7 +117,7 @@ def _made_from_another(value, kept, producers) -> bool:
     """Whether cheap elementwise steps make `value` from another kept residual: each step
     reads one operand of the output's size, anything else it reads being smaller (a
     row's max or sum, a bias) or a constant."""
-    current = value
+    current, sliced = value, False
     while True:
         made = producers.made_by(current)
         if made is None:
@@ -124,8 +125,9 @@ def _made_from_another(value, kept, producers) -> bool:
         name, operands = made
         operands = [v for v in operands if not producers.is_constant(v)]
         shape = aval(current).shape
-        if name in _MOVES:
+        if name in _MOVES or name == "slice":
             full = operands[:1]
+            sliced = sliced or name == "slice"
         elif name in _NOT_ELEMENTWISE:
             return False
         else:
@@ -135,8 +137,10 @@ def _made_from_another(value, kept, producers) -> bool:
         if len(full) != 1:
             return False
         current = full[0]
+        if sliced and current in producers.inputs:
+            return True  # a slice of a weight
         if current in kept:
-            return True
+            return not sliced  # a slice of a kept activation counts apart, as a buffer of its own
 
 
 def step_temp_bytes(model, loss, batch: int) -> int:

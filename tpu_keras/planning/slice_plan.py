@@ -39,6 +39,7 @@ from tpu_keras.training import auto_values
 
 _ONE = (1,) * len(mesh_lib.AXES)  # one device: a size of 1 on every axis
 _MODEL = mesh_lib.AXES.index("model")
+_EXPERT = mesh_lib.AXES.index("expert")
 
 
 class Footprint:
@@ -71,19 +72,20 @@ class Footprint:
     def activation_line(self, remat: str, mesh: tuple = _ONE) -> tuple[float, float]:
         """(constant, per example): the activation bytes per device at batch b are
         constant + b x per example. `mesh` (one slice's sizes of `AXES`) matters through its
-        model axis, which splits what tensor parallelism splits."""
+        model axis, which splits what tensor parallelism splits, and its expert axis, whose
+        devices each gather the axis's tokens for their own experts (`models.moe`)."""
         from tpu_keras.planning import activations
         model_size = mesh[_MODEL]
-        only_model = _ONE[:_MODEL] + (model_size,) + _ONE[_MODEL + 1:]
-        if mesh != only_model:
-            return self.activation_line(remat, only_model)
+        kept = tuple(size if axis in (_MODEL, _EXPERT) else 1 for axis, size in enumerate(mesh))
+        if mesh != kept:
+            return self.activation_line(remat, kept)
         split = {}
         if model_size > 1:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
             split = {p.path: p.axes.index("model") for p in placements if "model" in p.axes}
         model = self._model_with(remat)
-        one, two = (activations.residual_bytes(self._backward(remat, b), model, split, model_size)
-                    for b in (1, 2))
+        one, two = (activations.residual_bytes(self._backward(remat, b, mesh[_EXPERT]), model, split,
+                                               model_size) for b in (1, 2))
         return 2 * one - two, two - one
 
     @functools.lru_cache(maxsize=None)
@@ -102,13 +104,15 @@ class Footprint:
         return model
 
     @functools.lru_cache(maxsize=None)
-    def _backward(self, remat: str, batch: int):
-        """`activations.backward_trace` of the `remat` model at `batch`: one trace per remat setting
-        and batch, whatever the mesh (a trace of a 1B model takes seconds). Its layers
-        keep the remat they were made with."""
+    def _backward(self, remat: str, batch: int, expert_axis: int = 1):
+        """`activations.backward_trace` of the `remat` model at `batch`: one trace per remat setting,
+        batch and expert axis (a mixture of experts' layers traced as one device of that axis
+        runs them), whatever the rest of the mesh (a trace of a 1B model takes seconds). Its
+        layers keep the remat they were made with."""
         import keras
+        from tpu_keras.models import moe
         from tpu_keras.planning import activations
-        with keras.StatelessScope(initialize_variables=False):
+        with keras.StatelessScope(initialize_variables=False), moe.traced_as_on_a_tpu(expert_axis):
             return activations.backward_trace(self._model_with(remat), self.builder.loss(), batch)
 
     @functools.cached_property
