@@ -31,8 +31,9 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))  # the helpers the test modu
 
 # XLA:CPU's LLVM passes at -O0 in every process of the suite (this one and those it starts,
 # which inherit the variable; `run_command` keeps it beside a test's own XLA_FLAGS). The
-# suite's programs are tiny and run a few steps, so compiling them is most of their time:
-# about a sixth less CPU per process here. It changes how XLA:CPU optimises the machine
+# suite's programs are tiny and run a few steps, so compiling them is much of their time:
+# the fast tier took a tenth less CPU with it, one run beside the other on a 2-core machine
+# (331 s against 369 s), the MoE probe a sixth less. It changes how XLA:CPU optimises the machine
 # code, not the HLO passes that partition a program over devices, nor the TPU compiler's
 # figures (libtpu's own XLA).
 SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -44,13 +45,14 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}"
 # workers finish together instead of one running a long module alone.
 SLOWEST_FIRST = ("test_moe.py", "test_moe_families_on_expert_meshes.py",
                  "test_newer_families.py", "test_newer_families_on_a_mesh.py", "test_shipped_configs.py",
-                 "test_grpo.py", "test_evaluate.py", "test_multislice.py",
-                 "test_hub_transformers.py", "test_hub.py", "test_tpu_pod.py", "test_parallel.py",
+                 "test_grpo.py", "test_evaluate.py", "test_memory.py", "test_multislice.py",
+                 "test_hub_transformers.py", "test_hub.py", "test_lora_checkpoints.py", "test_tpu_pod.py",
+                 "test_parallel.py",
                  "test_plan.py", "test_steps.py", "test_preference.py", "test_packing.py", "test_data.py",
-                 "test_reliability.py", "test_train.py", "test_user_code.py", "test_lora_checkpoints.py",
+                 "test_reliability.py", "test_train.py", "test_user_code.py",
                  "test_lora.py", "test_quantize.py", "test_accumulation.py", "test_nonfinite.py",
                  "test_host_failure.py", "test_tpu_compiler.py", "test_step_cache.py", "test_benchmark.py",
-                 "test_memory.py", "test_families.py", "test_engines.py", "test_tpu_topologies.py",
+                 "test_families.py", "test_engines.py", "test_tpu_topologies.py",
                  "test_workdir.py", "test_errors.py", "test_builders.py", "test_cluster.py")
 
 
