@@ -500,22 +500,13 @@ def _rows(tokens, order, offset, *, sorted_experts, sizes, bank: Bank, activatio
     """Dropless: every copy of the (gathered) tokens a row, this device's experts' rows first
     (rolled to the start of its first expert's group), multiplied group by group. Static at
     every copy, the most this device's experts could be sent. (copies, mine, output rows)."""
-    import jax
     import jax.numpy as jnp
     held = bank.gate.shape[0]
     order, sorted_experts = (jnp.roll(t, -offset) for t in (order, sorted_experts))
     mine = jnp.arange(order.size) < jnp.sum(sizes)
-    rows = tokens[order // top_k]
-    local = jnp.clip(sorted_experts, 0, held - 1)
-    gate = grouped_matmul(rows, bank.gate, sizes, tiled)
-    up = grouped_matmul(rows, bank.up, sizes, tiled)
-    if bank.gate_bias is not None:
-        gate, up = gate + bank.gate_bias[local], up + bank.up_bias[local]
-    out = grouped_matmul(activation(gate, up), bank.down, sizes, tiled)
-    if units is not None:  # each device along `model` has a part of the units: the sum
-        out = jax.lax.psum(out, units)
-    if bank.down_bias is not None:
-        out = out + bank.down_bias[local]
+    multiply = lambda x, kernels: grouped_matmul(x, kernels, sizes, tiled)
+    out = _feedforward(tokens[order // top_k], bank, activation, multiply,
+                       jnp.clip(sorted_experts, 0, held - 1), units)
     return order, mine, out
 
 
@@ -524,27 +515,34 @@ def _slots(tokens, order, starts, sizes, bank: Bank, activation, limit: int, top
     earliest copies, and multiplies them as one batch (GShard's dispatch). The rows are
     this device's experts' capacity, not every copy: on an expert axis of n devices,
     about capacity_factor / n of the dropless rows. (copies, filled, output rows)."""
-    import jax
     import jax.numpy as jnp
     held = bank.gate.shape[0]
     slot = jnp.arange(held * limit)
     expert, rank = slot // limit, slot % limit
     valid = rank < sizes[expert]
     source = order[jnp.clip(starts[expert] + rank, 0, order.size - 1)]
-    rows = tokens[source // top_k]
 
     def each_expert(x, kernels):  # (held * limit, K) x (held, K, N): slot by slot of its expert
         x = jnp.reshape(x, (held, limit, x.shape[-1]))
         return jnp.reshape(jnp.einsum("eck,ekn->ecn", x, kernels), (held * limit, -1))
-    gate, up = each_expert(rows, bank.gate), each_expert(rows, bank.up)
+    out = _feedforward(tokens[source // top_k], bank, activation, each_expert, expert, units)
+    return source, valid, out
+
+
+def _feedforward(rows, bank: Bank, activation, multiply, expert, units):
+    """Each row through its expert's gated MLP: `multiply(rows, kernels)` the bank's
+    products of `_rows` or `_slots`, `expert` each row's expert (for the biases); the
+    units' partial sums added over `model` where they are split over it."""
+    import jax
+    gate, up = multiply(rows, bank.gate), multiply(rows, bank.up)
     if bank.gate_bias is not None:
         gate, up = gate + bank.gate_bias[expert], up + bank.up_bias[expert]
-    out = each_expert(activation(gate, up), bank.down)
-    if units is not None:
+    out = multiply(activation(gate, up), bank.down)
+    if units is not None:  # each device along `model` has a part of the units: the sum
         out = jax.lax.psum(out, units)
     if bank.down_bias is not None:
         out = out + bank.down_bias[expert]
-    return source, valid, out
+    return out
 
 
 def grouped_matmul(rows, weights, sizes, tiled: Optional[bool] = None):
