@@ -68,13 +68,20 @@ class Bank(NamedTuple):
 
 class Block(NamedTuple):
     """What a keras-hub MoE block class is to this layer (`ADAPTERS`)."""
-    router: Callable            # layer -> its router's Dense layer (logits over the experts)
+    router: Optional[Callable]  # layer -> its router's Dense layer (logits over the experts);
+    #                             None: the router is keras-hub's, and `dispatched` routes
     bank: Callable              # layer -> Bank (arrays in the compute dtype)
     activation: Callable        # (gate, up) -> units, float32 where transformers computes so
     softmax_first: bool         # softmax over all experts, then top-k (else top-k of the logits)
     normalize: Callable         # layer -> whether the top-k weights are scaled to sum to 1
     coefficient: Callable       # layer -> the load-balancing loss's coefficient
     shared: Optional[Callable] = None  # layer, tokens -> the shared expert's output (Qwen 3.5)
+    top_k: Callable = lambda layer: layer.top_k  # layer -> the experts each token takes
+    # layer -> the layer that holds the experts' weights
+    bank_layer: Callable = lambda layer: getattr(layer, "expert_bank", None) or layer.experts
+    applies: Callable = lambda layer: True  # layer -> whether this one has experts
+    # layer, (weights, experts) -> the weights to combine with (Gemma 4's per-expert scale)
+    scaled: Callable = lambda layer, weights, experts: weights
 
 
 def _value(variable, dtype):
@@ -122,6 +129,26 @@ def _gpt_oss_bank(layer, dtype) -> Bank:
                 bias[..., ::2], bias[..., 1::2], _value(experts.down_proj_bias, dtype))
 
 
+def _gelu_glu(gate, up):
+    """Gemma 4's: up x gelu(gate) (tanh's approximation), the GELU in float32 as keras-hub's."""
+    import jax
+    import jax.numpy as jnp
+    return up * jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(up.dtype)
+
+
+def _gemma4_bank(layer, dtype) -> Bank:
+    bank = layer.moe_expert_bank
+    return Bank(_value(bank.gate_proj, dtype), _value(bank.up_proj, dtype), _value(bank.down_proj, dtype))
+
+
+def _gemma4_scaled(layer, weights, experts):
+    """Each chosen expert's weight times its learned output scale (keras-hub scales the
+    expert's output, transformers the weight: the same product)."""
+    import jax.numpy as jnp
+    return weights * jnp.asarray(keras.ops.convert_to_tensor(layer.moe_expert_bank.per_expert_scale),
+                                 weights.dtype)[experts]
+
+
 def _qwen3_5_shared(layer, tokens):
     """Qwen 3.5's shared expert, gated by a sigmoid of its own projection (keras-hub's)."""
     import jax
@@ -145,13 +172,26 @@ ADAPTERS = {
         router=lambda layer: layer.router.router_dense, bank=_gpt_oss_bank, activation=_gpt_oss_glu,
         softmax_first=False, normalize=lambda layer: True,
         coefficient=lambda layer: getattr(layer, "router_aux_loss_coefficient", 0.0)),
+    # Gemma 4's MoE decoder blocks (26B-A4B): a dense MLP beside the experts, keras-hub's router
+    # (`moe_router`: (T, E) weights, k of them non-zero) read by the bank (`dispatched`); no
+    # balancing loss.
+    "Gemma4TextDecoderBlock": Block(
+        router=None, bank=_gemma4_bank, activation=_gelu_glu, softmax_first=True,
+        normalize=lambda layer: True, coefficient=lambda layer: 0.0,
+        top_k=lambda layer: layer.num_experts_per_token, bank_layer=lambda layer: layer.moe_expert_bank,
+        applies=lambda layer: layer.enable_moe_block, scaled=_gemma4_scaled),
 }
 
 
 def blocks(model) -> list:
     """`model`'s MoE blocks of a class `ADAPTERS` knows."""
     return [layer for layer in model._flatten_layers(include_self=True)
-            if type(layer).__name__ in ADAPTERS]
+            if type(layer).__name__ in ADAPTERS and ADAPTERS[type(layer).__name__].applies(layer)]
+
+
+def top_k(layer) -> int:
+    """The experts each token takes in the MoE block `layer` (one of `blocks`)."""
+    return ADAPTERS[type(layer).__name__].top_k(layer)
 
 
 def num_experts(model) -> int:
@@ -168,11 +208,11 @@ def parameters(model) -> Optional[dict]:
     if not found:
         return None
     total = sum(math.prod(weight.shape) for weight in model.weights)
-    banks = sum(math.prod(weight.shape) for layer in found  # gpt-oss's bank is `experts`
-                for weight in (getattr(layer, "expert_bank", None) or layer.experts).weights)
-    experts, top_k = found[0].num_experts, found[0].top_k
-    return {"total": total, "active": total - banks + banks * top_k // experts, "experts": experts,
-            "top_k": top_k}
+    banks = sum(math.prod(weight.shape) for layer in found
+                for weight in ADAPTERS[type(layer).__name__].bank_layer(layer).weights)
+    experts, k = found[0].num_experts, top_k(found[0])
+    return {"total": total, "active": total - banks + banks * k // experts, "experts": experts,
+            "top_k": k}
 
 
 def check_capacity(capacity_factor: Optional[float]) -> None:
@@ -192,9 +232,15 @@ def route_blocks(model, capacity_factor: Optional[float] = None) -> int:
     for index, layer in enumerate(found):
         # An instance attribute, as `splash_attention` routes attention: keras-hub's call stays
         # the fallback.
-        object.__setattr__(layer, "call", functools.partial(
-            sparse_call, layer.call, ADAPTERS[type(layer).__name__], layer=layer,
-            place=(index, len(found), routers), capacity_factor=capacity_factor or 0.0))
+        block = ADAPTERS[type(layer).__name__]
+        if block.router is None:  # the bank takes keras-hub's router's weights
+            bank = block.bank_layer(layer)
+            object.__setattr__(bank, "call", functools.partial(
+                dispatched, bank.call, block, layer=layer, capacity_factor=capacity_factor or 0.0))
+        else:
+            object.__setattr__(layer, "call", functools.partial(
+                sparse_call, layer.call, block, layer=layer,
+                place=(index, len(found), routers), capacity_factor=capacity_factor or 0.0))
         object.__setattr__(layer, "_tpu_keras_sparse", True)
     return len(found)
 
@@ -273,22 +319,13 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
     # experts' tiles cannot size, and Keras 3.15 infers a functional model's shapes with
     # stand-in sizes (83 and 89 tokens), which a mesh's batch axes do not divide: there every
     # expert runs on every token (`served`), never run for values in the latter.
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-    symbolic = in_symbolic_scope() or not all(isinstance(d, int) for d in hidden_states.shape)
+    symbolic = _symbolic(hidden_states)
     batch, length, hidden = hidden_states.shape
     tokens = jnp.reshape(hidden_states, (-1, hidden))
     logits = block.router(layer)(tokens)
     weights, experts = select(logits, layer.top_k, block.softmax_first, block.normalize(layer),
                               by_sort=symbolic)
-    weights = weights.astype(tokens.dtype)
-    bank = block.bank(layer, tokens.dtype)
-    if symbolic:
-        out = served(tokens, weights, experts, bank, block.activation, layer.num_experts)
-    else:
-        out, per_expert, dropped = experts_of(tokens, weights, experts, bank, block.activation,
-                                              layer.num_experts, capacity_factor)
-        if _OPEN and not getattr(layer, "_tpu_keras_unrecorded", False):
-            _OPEN[-1].layers.append((per_expert, dropped, layer.top_k, bool(capacity_factor)))
+    out = _combined(block, layer, tokens, weights, experts, capacity_factor, symbolic)
     if block.shared is not None:
         out = out + block.shared(layer, tokens)
     factor = block.coefficient(layer)  # the backbone's argument (router_aux_loss_coef...)
@@ -305,27 +342,64 @@ def sparse_call(fallback, block: Block, hidden_states, attention_mask=None, trai
     return jnp.reshape(out, (batch, length, hidden)).astype(hidden_states.dtype), logits
 
 
+def dispatched(fallback, block: Block, tokens, dispatch_weights, *, layer, capacity_factor: float):
+    """The call of a bank that keras-hub's own router feeds (Gemma 4's): tokens (T, H) and
+    their weights over every expert (T, E), top-k of them non-zero; (T, H) out."""
+    import jax.numpy as jnp
+    if keras.backend.backend() != "jax":
+        return fallback(tokens, dispatch_weights)
+    symbolic = _symbolic(tokens)
+    weights, experts = _top(jnp.asarray(dispatch_weights, jnp.float32), block.top_k(layer), symbolic)
+    return _combined(block, layer, tokens, weights, experts, capacity_factor, symbolic).astype(tokens.dtype)
+
+
+def _symbolic(hidden_states) -> bool:
+    """Whether this trace's shapes are stand-ins (`sparse_call`'s note): every expert then
+    runs on every token (`served`)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    return in_symbolic_scope() or not all(isinstance(d, int) for d in hidden_states.shape)
+
+
+def _combined(block: Block, layer, tokens, weights, experts, capacity_factor: float, symbolic: bool):
+    """(T, H): the chosen experts' outputs for `tokens`, weighted; the load recorded."""
+    weights = block.scaled(layer, weights, experts).astype(tokens.dtype)
+    bank = block.bank(layer, tokens.dtype)
+    if symbolic:
+        return served(tokens, weights, experts, bank, block.activation, layer.num_experts)
+    out, per_expert, dropped = experts_of(tokens, weights, experts, bank, block.activation,
+                                          layer.num_experts, capacity_factor)
+    if _OPEN and not getattr(layer, "_tpu_keras_unrecorded", False):
+        _OPEN[-1].layers.append((per_expert, dropped, block.top_k(layer), bool(capacity_factor)))
+    return out
+
+
+def _top(scores, top_k: int, by_sort: bool):
+    """(values, indices) of the `top_k` largest `scores` along the last axis, the lower index
+    first among equals; `by_sort`: by a sort (`select`)."""
+    import jax
+    import jax.numpy as jnp
+    if not by_sort:
+        values, chosen = jax.lax.top_k(scores, top_k)
+        return values, chosen.astype(jnp.int32)
+    chosen = jnp.argsort(-scores, axis=-1, stable=True)[..., :top_k]
+    return jnp.take_along_axis(scores, chosen, axis=-1), chosen.astype(jnp.int32)
+
+
 def select(logits, top_k: int, softmax_first: bool, normalize: bool, by_sort: bool = False):
     """(weights, experts), each (tokens, top_k): the router's choice of experts per token.
     `by_sort`: the top k by a sort, for the SavedModel, whose TensorFlow (2.21) reads no
     StableHLO composite, which `jax.lax.top_k` is since jax 0.10."""
     import jax
     import jax.numpy as jnp
-
-    def top(x):
-        if not by_sort:
-            return jax.lax.top_k(x, top_k)
-        chosen = jnp.argsort(-x, axis=-1, stable=True)[..., :top_k]
-        return jnp.take_along_axis(x, chosen, axis=-1), chosen
     logits = logits.astype(jnp.float32)
     if softmax_first:
-        weights, experts = top(jax.nn.softmax(logits, axis=-1))
+        weights, experts = _top(jax.nn.softmax(logits, axis=-1), top_k, by_sort)
         if normalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     else:  # gpt-oss: the top-k logits, then a softmax over them
-        weights, experts = top(logits)
+        weights, experts = _top(logits, top_k, by_sort)
         weights = jax.nn.softmax(weights, axis=-1)
-    return weights, experts.astype(jnp.int32)
+    return weights, experts
 
 
 def served(tokens, weights, experts, bank: Bank, activation, num_experts: int):

@@ -21,12 +21,19 @@ converter does not read (it wants `global_head_dim`): `read_config` passes them
 through. keras-hub's exporter leaves out the rotary types (transformers then
 rotates the whole global head) and `attention_k_eq_v`: `transformers_config`
 adds them. The vision and audio towers are not trained: a `gemma4` checkpoint
-with either is refused, with the way to its text model; so are the mixture of
-experts (the 26B-A4B) and what keras-hub's blocks hard-code.
+with either is refused, with the way to its text model; so is what keras-hub's
+blocks hard-code.
+
+The 26B-A4B's blocks add a mixture of experts beside the dense MLP (`enable_moe_block`):
+keras-hub's router, with a learned scale per input feature, gives each token's weights
+over the experts, and the bank (gate, up and output stacked, E first, and a learned
+scale per expert's output) multiplies them. The jax engine computes the bank sparsely
+from the router's weights (`models.moe`); there is no balancing loss (transformers has
+none for Gemma 4). keras-hub's exporter writes the experts as transformers keeps them.
 """
 
 # Imported inside functions: keras-hub (optional: absent on a plain install).
-from tpu_keras.models.families import gemma, gemma3
+from tpu_keras.models.families import experts, gemma, gemma3
 from tpu_keras.models.families.family import Family, Target, Unreadable, refuse_first, register
 from tpu_keras.parallelism import Rule, replicated
 
@@ -36,9 +43,13 @@ _ROPE_TYPES = {"full_attention": "proportional", "sliding_attention": "default"}
 
 
 def layout(config: dict) -> list[Rule]:
-    """Gemma 3's rules, and the per-layer embeddings' (P per-layer width, L layers): their
-    table split over the vocabulary like the embedding, the rest small and whole."""
-    return gemma3.layout(config) + [
+    """Gemma 3's rules, the per-layer embeddings' (P per-layer width, L layers): their
+    table split over the vocabulary like the embedding, the rest small and whole; and the
+    experts' where the blocks have them (`_expert_rules`)."""
+    found = gemma3.layout(config) + (_expert_rules() if config.get("enable_moe_block") else [])
+    if not config.get("hidden_size_per_layer_input"):  # the larger sizes have no per-layer embeddings
+        return found
+    return found + [
         # per_layer_token_embedding/embeddings                            (V, L * P)
         Rule(r"per_layer_token_embedding/embeddings", ("model", None)),
         # per_layer_model_projection/kernel                               (D, L * P)
@@ -49,6 +60,19 @@ def layout(config: dict) -> list[Rule]:
         # layer_scalar ()
         replicated(rf"(per_layer_projection_norm|{LAYER}/post_per_layer_input_norm)/scale"),
         replicated(rf"{LAYER}/layer_scalar"),
+    ]
+
+
+def _expert_rules() -> list[Rule]:
+    """The 26B-A4B's blocks, a dense MLP (Gemma 3's rules) beside the experts (E experts, D
+    hidden, F units each): the router's kernel (D, E) and its scale (D,) whole; gate and up
+    (E, D, F) over `expert`, their units over `model`; the output (E, F, D) over `expert` and
+    `model`; each expert's output scale (E,) and the two paths' norms (D,) whole."""
+    bank = rf"{LAYER}/moe_expert_bank"
+    return experts.rules(rf"{LAYER}/moe_router/(proj/kernel|per_dim_scale)",
+                         [(rf"{bank}/(gate|up)_proj", ("expert", None, "model"))], rf"{bank}/down_proj") + [
+        replicated(rf"{bank}/per_expert_scale"),
+        replicated(rf"{LAYER}/(pre_ffw_norm_moe|post_ffw_norm_dense|post_ffw_norm_moe_path)/scale"),
     ]
 
 
@@ -72,8 +96,6 @@ def read_config(config: dict) -> dict:
     full = {i for i, kind in enumerate(kinds) if kind == "full_attention"}
     overrides = {tuple(sorted(over.items())) for i, over in per_layer.items() if i in full}
     refuse_first([
-        (config.get("enable_moe_block"), "a mixture of experts (enable_moe_block): the toolkit "
-         "does not lay Gemma 4's experts out yet"),
         (not config.get("tie_word_embeddings", True), "an output head of its own (tie_word_embeddings "
          "false): Gemma4Backbone always ties it to the embedding"),
         (set(per_layer) - full, f"per_layer_config for sliding layers {sorted(set(per_layer) - full)}: "
