@@ -275,6 +275,10 @@ CASES = [
                  ["model.lora_targets has 'gate_proj', which is not a projection of the gpt family",
                   "choose from q_proj, k_proj, v_proj, o_proj, up_proj, down_proj"],
                  id="lora-target-the-gpt-lacks"),
+    pytest.param(LLAMA_TINY, ["--config.model.lora_rank=4",
+                              "--config.model.lora_target_parameters=mlp.experts.gate_up_proj"],
+                 ["model.lora_target_parameters has 'mlp.experts.gate_up_proj'",
+                  "the llama family names no stacked expert weights"], id="lora-experts-of-a-dense-family"),
     # A quantized base under LoRA (model.quantize).
     pytest.param(LLAMA_TINY, ["--config.model.lora_rank=4", "--config.model.quantize=gptq"],
                  ["model.quantize='gptq'", "GPTQ kernels take no LoRA", "choose 'int8' or 'int4'"],

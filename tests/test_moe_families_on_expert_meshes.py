@@ -6,7 +6,7 @@ of the two long halves."""
 import pytest
 
 from hf_checks import FOUR_DEVICES, TRANSFORMERS, probe
-from test_moe import FAMILIES, ROUTER, relative
+from test_moe import EXPERTS, FAMILIES, ROUTER, relative
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_moe_families_on_expert_meshes_train_a_lora_peft_reads(mesh, tmp_path, d
         # Only the routers stay whole (experts.rules: small, and each device routes its tokens).
         whole = [path for path in result[name]["whole"] if not ROUTER.search(path)]
         assert not whole, (name, whole)
-        assert any("experts/" in path for path in result[name]["split_paths"]), (name, result[name])
+        assert any(EXPERTS.search(path) for path in result[name]["split_paths"]), (name, result[name])
         if runs:
             checks = result[name]["lora"]
             assert checks["losses"][-1] < checks["losses"][0], (name, checks["losses"])
@@ -30,3 +30,8 @@ def test_moe_families_on_expert_meshes_train_a_lora_peft_reads(mesh, tmp_path, d
             for gap in ("torch", "peft"):  # the merged export in transformers, the adapter in PEFT
                 assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
             assert checks["peft_config"]["target_modules"] == ["q_proj", "v_proj"], (name, checks)
+            # gpt-oss's run adapts its experts too, as PEFT's target_parameters (hf_probe.EXPERT_PARAMETERS)
+            experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if name == "gpt_oss" else None
+            assert checks["peft_config"]["target_parameters"] == experts, (name, checks["peft_config"])
+            toolkit, peft = checks["trainable"]["lora"]  # the same factors as PEFT's, experts included
+            assert toolkit == peft, (name, checks["trainable"])

@@ -92,11 +92,18 @@ MOE_CHECKPOINTS = {
                           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
                           "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
                           "layer_types": ["linear_attention", "full_attention"]}),
+    # Gemma 4's 26B-A4B: experts beside a dense MLP in every block, global layers with heads of
+    # their own size, no per-layer embeddings; a sliding layer and a global one.
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", "spm", ["<pad>", "<eos>", "<bos>", "<unk>"],
+                   {"num_hidden_layers": 2, "sliding_window": 8, "rms_norm_eps": 1e-6,
+                    "layer_types": ["sliding_attention", "full_attention"], "global_head_dim": 2 * HEAD_DIM,
+                    "hidden_size_per_layer_input": 0, "tie_word_embeddings": True, "enable_moe_block": True,
+                    "num_experts": EXPERTS, "top_k_experts": TOP_K, "moe_intermediate_size": EXPERT_UNITS}),
 }
 TASKS = {"qwen3": "Qwen3CausalLM", "smollm3": "SmolLM3CausalLM", "gemma3_text": "Gemma3CausalLM",
          "gemma4_text": "Gemma4CausalLM", "qwen3_5_text": "Qwen3_5CausalLM",
          "qwen3_moe": "Qwen3MoeCausalLM", "mixtral": "MixtralCausalLM", "gpt_oss": "GptOssCausalLM",
-         "qwen3_5_moe_text": "Qwen3_5MoeCausalLM"}
+         "qwen3_5_moe_text": "Qwen3_5MoeCausalLM", "gemma4_moe": "Gemma4CausalLM"}
 
 
 def write(folder, name: str, seed: int = 0, **changes) -> dict:

@@ -89,7 +89,7 @@ def write_checkpoint(folder: str, name: str) -> None:
 # Keys of a config.json that describe its files rather than the model.
 FILE_KEYS = ("torch_dtype", "dtype", "transformers_version")
 PEFT_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
-             "lora_dropout", "fan_in_fan_out", "inference_mode")
+             "lora_dropout", "fan_in_fan_out", "inference_mode", "target_parameters")
 tokens = np.random.default_rng(0).integers(0, 256, (4, 64)).astype("int32")
 
 
@@ -133,6 +133,8 @@ def config_differences(folder, checkpoint):
 
 # The LoRA runs' targets, in PEFT's names.
 LORA_TARGETS = {"lora": "q_proj,v_proj", "lora_all": "all-linear"}
+# A `NAME:lora` run of these also adapts the experts' stacked weights (PEFT's target_parameters).
+EXPERT_PARAMETERS = {"gpt_oss": "mlp.experts.gate_up_proj,mlp.experts.down_proj"}
 
 
 def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **backbone):
@@ -145,6 +147,9 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **ba
     if lora_rank:  # every projection with rsLoRA's scaling, lora_alpha / sqrt(r)
         config.model.update(lora_rank=lora_rank, lora_targets=lora_targets,
                             lora_rslora=lora_targets == LORA_TARGETS["lora_all"])
+    experts = EXPERT_PARAMETERS.get(name, "") if lora_targets == LORA_TARGETS["lora"] else ""
+    if lora_rank and experts:
+        config.model.lora_target_parameters = experts
     if quantize:
         config.model.quantize = quantize
     data, fsdp, model, *expert = (int(n) for n in mesh.split(","))
@@ -152,7 +157,7 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **ba
         fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model, **({"expert": expert[0]} if expert else {}))
     config.layout.replicate_below = 256
-    keras_hub_file = ("lora",) if lora_targets == LORA_TARGETS["lora"] else ()  # its loader's q, v
+    keras_hub_file = ("lora",) if lora_targets == LORA_TARGETS["lora"] and not experts else ()  # its loader's q, v
     config.export.formats = ("keras_hub", "transformers") + (("peft",) + keras_hub_file if lora_rank else ())
     config.train.update(batch_size=8, steps=4, warmup_steps=1, learning_rate=1e-2, eval_every=100,
                         eval_steps=1, steps_per_execution=2)
@@ -181,14 +186,17 @@ def read_back(name, folder, lora=None):
         return task
 
 
-def peft_trainable(checkpoint, targets):
-    """PEFT's own count of trainable parameters: LoRA rank 4 on the checkpoint."""
+def peft_trainable(name, checkpoint, targets):
+    """PEFT's own count of trainable parameters: LoRA rank 4 on the checkpoint (and on the
+    experts' stacked weights where the toolkit's run adapts them, `EXPERT_PARAMETERS`)."""
     import peft
     import torch
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    experts = EXPERT_PARAMETERS.get(name, "") if targets == LORA_TARGETS["lora"] else ""
     targets = targets if targets == "all-linear" else targets.split(",")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                      target_parameters=experts.split(",") if experts else None))
     return lora.get_nb_trainable_parameters()[0]
 
 
@@ -376,9 +384,9 @@ for name in names or hf_checkpoints.CHECKPOINTS:
         if rank:
             checks["trainable"] = {which: [toolkit_trainable(name, checkpoint, other, trained if
                                                              other == targets else None),
-                                           peft_trainable(checkpoint, other)]
+                                           peft_trainable(name, checkpoint, other)]
                                    for which, other in LORA_TARGETS.items()}
-            if variant == "lora":  # keras-hub's loader adapts the query and value alone
+            if variant == "lora" and name not in EXPERT_PARAMETERS:  # keras-hub's loader: query, value alone
                 base = read_back(name, checkpoint, lora=f"{folder}/lora.weights.h5")
                 checks["base_plus_lora"] = gap(expected, logits(base))
             if older:

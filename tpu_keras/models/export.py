@@ -40,6 +40,7 @@ files; they are written into a temporary folder and copied with
 # Imported inside functions: JAX and keras-hub (optional: absent on a plain install; the tf
 # engine runs without JAX); TensorFlow (start-up time: not every caller needs it).
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -53,8 +54,8 @@ from keras.src.backend.common import global_state
 
 from tpu_keras import workdir
 from tpu_keras.errors import UserError, first_line
-from tpu_keras.models import (families, hub, hub_presets, lora, lora_file, peft_format, quantized,
-                              weight_paths)
+from tpu_keras.models import (expert_lora, families, hub, hub_presets, lora, lora_file, peft_format,
+                              quantized, weight_paths)
 from tpu_keras.models.hub import KERAS_HUB
 from tpu_keras.models.hub_presets import complete_get_config
 
@@ -156,7 +157,7 @@ def _write_peft(task, config, local: str, export_dir: str):
     saying why not where its LoRA layers have no PEFT modules, else None."""
     backbone = task.backbone
     try:
-        found = peft_format.modules(backbone)
+        peft_format.modules(backbone)
     except peft_format.Unsupported as reason:
         return (f"export format 'peft': {reason} ({type(backbone).__name__}); "
                 "the other formats were written")
@@ -166,7 +167,7 @@ def _write_peft(task, config, local: str, export_dir: str):
     if write_base:
         base = os.path.join(export_dir, peft_format.BASE_FOLDER)
         base = base if workdir.is_remote(base) else os.path.abspath(base)
-    peft_format.write(os.path.join(local, peft_format.FOLDER), found, base)
+    peft_format.write(os.path.join(local, peft_format.FOLDER), backbone, base)
     if write_base:  # un-merged: the base weights alone
         _write_transformers(host_copy(task, preset, merged=False),
                             os.path.join(local, peft_format.BASE_FOLDER), preset, config)
@@ -307,7 +308,10 @@ def host_copy(task, preset: str = "", merged: bool = True):
         raise UserError(f"the keras-hub formats are written from a copy of {type(task).__name__} "
                         f"that keras-hub rebuilds from its config, and it differs: {detail}; "
                         "export the SavedModel alone (export.formats=['saved_model'])")
-    updates = {id(layer._kernel): layer for layer in lora.adapted_layers(backbone)} if merged else {}
+    updates = {id(layer._kernel): functools.partial(lora.delta, layer)
+               for layer in lora.adapted_layers(backbone)} if merged else {}
+    if merged:  # the experts' stacked weights (PEFT's target_parameters)
+        updates.update(expert_lora.updates(backbone))
     with _on_host():
         for key, target in targets.items():  # by name: same-shaped weights cannot swap
             source = sources[key]
@@ -316,7 +320,7 @@ def host_copy(task, preset: str = "", merged: bool = True):
             else:
                 value = keras.ops.convert_to_numpy(source.value)  # shard by shard to host memory
             if id(source) in updates:
-                value = value.astype("float32") + lora.delta(updates[id(source)])
+                value = value.astype("float32") + updates[id(source)]()
             value = value.astype(target.dtype, copy=False)  # a frozen bfloat16 base's: float32
             if target._value is None:  # made without its initialiser: the run's value is its first
                 target._initialize_with_initializer(lambda shape, dtype, value=value: value)

@@ -38,6 +38,7 @@ laid out along their kernels' axes.
 
 # Imported inside functions: keras-hub (optional: absent on a plain install); TensorFlow
 # (start-up time: not every caller needs it).
+import dataclasses
 import functools
 import inspect
 import os
@@ -50,7 +51,8 @@ import numpy as np
 
 from tpu_keras import workdir as workdir_lib
 from tpu_keras.errors import UserError, closest, first_line
-from tpu_keras.models import families, hub_presets, lora, moe, quantized, segments, vocabulary_split
+from tpu_keras.models import (expert_lora, families, hub_presets, lora, moe, quantized, segments,
+                              vocabulary_split)
 from tpu_keras.models.metrics import bits_per_byte, bits_per_token_metric, token_mean_loss
 from tpu_keras.models.registry import RESERVED, Builder, register_family
 from tpu_keras.parallelism import host_placement, rules_from_layout_map
@@ -58,7 +60,7 @@ from tpu_keras.parallelism import host_placement, rules_from_layout_map
 # model.* keys of the toolkit's, by kind of task; every other key is the backbone's.
 _PRESET_KEYS = ("preset", "preset_written_by")
 _TOOLKIT_KEYS = {
-    "causal_lm": _PRESET_KEYS + lora.KEYS + ("quantize", "quantize_block_size", "layout_map",
+    "causal_lm": _PRESET_KEYS + lora.KEYS + (expert_lora.KEY, "quantize", "quantize_block_size", "layout_map",
                                              "context_length", "example_end_token",
                                              "moe_capacity_factor"),
     "image_classifier": _PRESET_KEYS + lora.KEYS + ("layout_map", "num_classes"),
@@ -154,9 +156,16 @@ def lora_settings(backbone_cls, kwargs: dict):
     """The run's `lora.Settings` for a backbone of this class (None without LoRA), checked
     against its family's projections."""
     family = families.of_backbone(backbone_cls)
-    return lora.settings(kwargs, family.lora_targets if family else (),
-                         family.lora_default if family else (),
-                         family.name if family else backbone_cls.__name__)
+    name = family.name if family else backbone_cls.__name__
+    settings = lora.settings(kwargs, family.lora_targets if family else (),
+                             family.lora_default if family else (), name)
+    if settings is None:
+        if kwargs.get(expert_lora.KEY):
+            raise UserError(f"model.{expert_lora.KEY}={kwargs[expert_lora.KEY]!r} adapts experts with "
+                            "LoRA, and model.lora_rank is 0: set model.lora_rank (16, say), or drop it")
+        return None
+    return dataclasses.replace(settings, parameters=expert_lora.chosen(
+        kwargs, family.expert_targets if family else (), name))
 
 
 def _task_class(keras_hub, task_name):
@@ -194,7 +203,8 @@ def _make_in_base_policy(task_cls, kind, **kwargs):
 
 
 def _make(task_cls, kind, preset="", preset_written_by="", lora_rank=0,
-          lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(), lora_rslora=False, quantize="",
+          lora_alpha=lora.DEFAULT_ALPHA, lora_targets=(), lora_rslora=False, lora_target_parameters=(),
+          quantize="",
           quantize_block_size=0, layout_map="toolkit", context_length=128, example_end_token=-1,
           num_classes=10, run_policy="", moe_capacity_factor=None, **backbone_kwargs):
     """The wrapped task: a causal LM's token ids -> logits, a classifier's images -> logits.
@@ -229,13 +239,17 @@ def _make(task_cls, kind, preset="", preset_written_by="", lora_rank=0,
     if run_policy and run_policy != dtype:  # a frozen bfloat16 base: the run's float32 logits
         lora.float32_head(backbone)
     adapted = lora_settings(backbone_cls, dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                               lora_targets=lora_targets, lora_rslora=lora_rslora))
+                                               lora_targets=lora_targets, lora_rslora=lora_rslora,
+                                               lora_target_parameters=lora_target_parameters))
     if quantizing is not None and not quantizing.prepared:
         # A keras-hub preset's or a new model's base, quantized once its weights are in.
         with host_placement.placed_from_host():
             quantized.quantize_base(backbone, quantize, targets, block)
     if adapted:
-        lora.attach(backbone, families.of_backbone(backbone_cls).lora_targets, adapted)
+        family = families.of_backbone(backbone_cls)
+        lora.attach(backbone, family.lora_targets, adapted)
+        if adapted.parameters:
+            expert_lora.attach(backbone, family.expert_targets, adapted)
     _route_experts(backbone, moe_capacity_factor)
     name = task_cls.__name__.lower()
     if kind == "causal_lm":
@@ -347,7 +361,8 @@ def _layout(backbone_cls, kwargs):
                         "model.layout_map='keras_hub', or give layout.rules")
     else:
         return []  # replicated; on a mesh that splits weights, the Placer names what to cover
-    made = rules + lora.factor_rules(rules, _adapted_targets(backbone_cls, kwargs))
+    made = (rules + lora.factor_rules(rules, _adapted_targets(backbone_cls, kwargs))
+            + expert_lora.factor_rules(rules, _adapted_experts(backbone_cls, kwargs)))
     if kwargs.get("quantize"):
         made += quantized.rules(rules, family.lora_targets if family else (), kwargs["quantize"],
                                 quantized.block_size(kwargs["quantize"],
@@ -366,6 +381,13 @@ def _adapted_targets(backbone_cls, kwargs) -> list:
     if settings is None:
         return []
     return [t for t in families.of_backbone(backbone_cls).lora_targets if t.module in settings.modules]
+
+
+def _adapted_experts(backbone_cls, kwargs) -> list:
+    settings = lora_settings(backbone_cls, kwargs)
+    if settings is None:
+        return []
+    return [t for t in families.of_backbone(backbone_cls).expert_targets if t.module in settings.parameters]
 
 
 def expand_preset(preset: str, workdir: str) -> str:

@@ -101,6 +101,7 @@ class Settings:
     alpha: float
     modules: tuple[str, ...]
     rslora: bool = False
+    parameters: tuple[str, ...] = ()  # PEFT's target_parameters: experts' stacked weights
 
     @property
     def scaling(self) -> float:
@@ -283,9 +284,10 @@ def _adapt(layer, target: Target, settings: Settings) -> None:
 
 
 def adapted_layers(model) -> list:
-    """The layers of `model` that carry LoRA factors (`attach`)."""
+    """The projection layers of `model` that carry LoRA factors (`attach`); the experts'
+    stacked weights are `expert_lora`'s."""
     return [layer for layer in model._flatten_layers(include_self=False)
-            if getattr(layer, "_tpu_keras_lora", None) is not None]
+            if isinstance(getattr(layer, "_tpu_keras_lora", None), Adapter)]
 
 
 def settings_of(layers):
@@ -294,13 +296,15 @@ def settings_of(layers):
 
 
 def is_factor(path: str) -> bool:
-    return path.rsplit("/", 1)[-1] in FACTORS
+    """Whether the weight at `path` is a LoRA factor: a projection's (`lora_a`, `lora_b`) or a
+    stacked expert weight's (`{name}_lora_a`, `{name}_lora_b`, `models.expert_lora`)."""
+    return path.rsplit("/", 1)[-1].endswith(FACTORS)
 
 
 @contextlib.contextmanager
 def switched_off(layers):
-    """Within the block, the adapted `layers` compute as their base alone (read when a call is
-    traced): DPO's reference is the base model."""
+    """Within the block, the adapted `layers` (projections, or experts: `expert_lora`) compute
+    as their base alone (read when a call is traced): DPO's reference is the base model."""
     adapters = [layer._tpu_keras_lora for layer in layers]
     for adapter in adapters:
         adapter.on = False

@@ -34,10 +34,12 @@ KERAS_HUB_MODULES = ("q_proj", "v_proj")
 def refusal(settings, backbone) -> str | None:
     """Why keras-hub's loader cannot read a run of these LoRA settings on `backbone`, or None."""
     others = [module for module in settings.modules if module not in KERAS_HUB_MODULES]
-    if others:
+    if others or settings.parameters:
+        adapted = (f"{', '.join(others)} (model.lora_targets)" if others else
+                   f"the experts' {', '.join(settings.parameters)} (model.lora_target_parameters)")
         return (f"export format 'lora' is keras-hub's load_lora_weights file, which adapts the "
-                f"query and value projections alone, and this run also adapted {', '.join(others)} "
-                "(model.lora_targets); the 'peft' adapter holds every one of them")
+                f"query and value projections alone, and this run also adapted {adapted}; the "
+                "'peft' adapter holds every one of them")
     if not _keras_hub_rows(backbone):  # SmolLM3's are q_proj and v_proj: its loader finds none
         return (f"export format 'lora' is keras-hub's load_lora_weights file, and keras-hub 0.32's "
                 f"loader adapts no layer of {type(backbone).__name__} (it looks for layers named "

@@ -49,6 +49,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import keras
 
 from tpu_keras.errors import UserError
+from tpu_keras.models import expert_lora
 from tpu_keras.parallelism.mesh import BATCH_AXES
 
 EXPERT = "expert"
@@ -122,10 +123,12 @@ def _mixtral_bank(layer, dtype) -> Bank:
 
 
 def _gpt_oss_bank(layer, dtype) -> Bank:
-    """gpt-oss's: gate and up interleaved along the units (gate the even ones), with biases."""
+    """gpt-oss's: gate and up interleaved along the units (gate the even ones), with biases;
+    LoRA's update merged into the stacked weights where they are adapted (`expert_lora`)."""
     experts = layer.experts
-    gate_up, bias = _value(experts.gate_up_proj, dtype), _value(experts.gate_up_proj_bias, dtype)
-    return Bank(gate_up[..., ::2], gate_up[..., 1::2], _value(experts.down_proj, dtype),
+    gate_up = _value(expert_lora.weight(experts, "gate_up_proj"), dtype)
+    bias = _value(experts.gate_up_proj_bias, dtype)
+    return Bank(gate_up[..., ::2], gate_up[..., 1::2], _value(expert_lora.weight(experts, "down_proj"), dtype),
                 bias[..., ::2], bias[..., 1::2], _value(experts.down_proj_bias, dtype))
 
 

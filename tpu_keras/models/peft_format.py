@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from tpu_keras.models import lora
+from tpu_keras.models import expert_lora, lora
 
 FOLDER = "peft"
 BASE_FOLDER = "peft_base"  # the base model, in the transformers format, where none is named
@@ -47,9 +47,10 @@ def modules(backbone) -> dict:
     return found
 
 
-def tensors(found: dict) -> dict:
-    """{safetensors key: array} of the modules `found` (`modules`), as PEFT names them."""
-    made = {}
+def tensors(found: dict, backbone=None) -> dict:
+    """{safetensors key: array} of the modules `found` (`modules`), as PEFT names them, and of
+    `backbone`'s adapted experts (`expert_lora`, PEFT's target_parameters)."""
+    made = expert_lora.peft_tensors(backbone, _PREFIX) if backbone is not None else {}
     for name, layer in sorted(found.items()):
         lora_a, lora_b = lora.peft_matrices(layer)
         made[f"{_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
@@ -57,9 +58,11 @@ def tensors(found: dict) -> dict:
     return made
 
 
-def write(folder: str, found: dict, base: str) -> dict:
-    """Writes the adapter of `found` (`modules`) into the local `folder`; returns its config."""
+def write(folder: str, backbone, base: str) -> dict:
+    """Writes the adapter of `backbone`'s LoRA (its projections, `modules`, and its experts'
+    stacked weights) into the local `folder`; returns its config."""
     from safetensors.numpy import save_file
+    found = modules(backbone)
     settings = lora.settings_of(list(found.values()))
     alpha = settings.alpha
     config = {
@@ -68,6 +71,8 @@ def write(folder: str, found: dict, base: str) -> dict:
         "r": settings.rank,
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
         "target_modules": sorted({name.rsplit(".", 1)[-1] for name in found}),
+        # the experts' stacked weights, in the order PEFT nests their wrappers (`expert_lora`)
+        "target_parameters": expert_lora.parameters(backbone) or None,
         "base_model_name_or_path": base,
         "bias": "none",  # the adapted layers' biases are frozen (models/lora.py)
         "lora_dropout": 0.0,  # the toolkit's LoRA has none
@@ -77,7 +82,7 @@ def write(folder: str, found: dict, base: str) -> dict:
         "modules_to_save": None,
     }
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors(found), os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors(found, backbone), os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(folder, CONFIG_FILE), "w") as file:
         json.dump(config, file, indent=2)
     return config

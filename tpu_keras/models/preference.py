@@ -37,7 +37,7 @@ import dataclasses
 import keras
 
 from tpu_keras.errors import UserError
-from tpu_keras.models import lora
+from tpu_keras.models import expert_lora, lora
 
 HEADLINE = "reward_accuracy"
 COLUMNS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
@@ -53,7 +53,7 @@ class PolicyWrapper(keras.Model):
     def __init__(self, policy, reference=None, with_reference: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.policy, self.with_reference = policy, with_reference
-        self.adapters = lora.adapted_layers(policy)
+        self.adapters = lora.adapted_layers(policy) + expert_lora.adapted_layers(policy)
         if with_reference and not self.adapters and reference is None:
             raise ValueError("a policy without LoRA layers needs a reference copy")
         self.reference = None if self.adapters or not with_reference else reference

@@ -45,6 +45,9 @@ class Family:
     ties: tuple[Tie, ...] = ()                        # dimensions split alike (attention heads, MLP units)
     lora_targets: tuple[Target, ...] = ()             # the projections LoRA may adapt, PEFT's names
     lora_default: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT's default target_modules for it
+    # the experts' stacked weights LoRA may adapt (`expert_lora.ExpertTarget`s): PEFT's
+    # target_parameters, where transformers keeps each block's experts as one parameter
+    expert_targets: tuple = ()
     # Attention classes whose `_compute_attention(query, key, value, attention_mask, ...)` the
     # toolkit may restrict to one example of a packed row (`segments`); of them, those the
     # TPU's fused kernel serves (`splash_attention`).

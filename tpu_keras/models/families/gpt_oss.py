@@ -23,10 +23,12 @@ The load-balancing loss: keras-hub's backbone takes no coefficient; the
 toolkit applies transformers' `router_aux_loss_coef` of 0.9 (every released
 size's), and refuses a checkpoint with another. No fused attention (the
 TPU's splash kernel has no sink logit): gpt-oss attends through keras-hub's
-own einsums. LoRA: PEFT's names on the attention projections.
+own einsums. LoRA: PEFT's names on the attention projections, and PEFT's
+`target_parameters` on the stacked experts (`EXPERT_TARGETS`, `models.expert_lora`).
 """
 
 # Imported inside functions: keras-hub, NumPy's users (optional: absent on a plain install).
+from tpu_keras.models.expert_lora import ExpertTarget
 from tpu_keras.models.families import experts, llama
 from tpu_keras.models.families.family import (Family, Unreadable, refuse_first, register,
                                               rope_parameters, rope_type)
@@ -64,6 +66,13 @@ TIES = (Tie("attention heads", ((rf"{ATTENTION}/(query|key|value)/kernel", 1),
                                 (rf"{ATTENTION}/(query|key|value)/bias", 0),
                                 (rf"{ATTENTION}/attention_output/kernel", 0),
                                 (rf"{ATTENTION}/sinks", 0))),)
+
+
+# PEFT's target_parameters: transformers keeps each block's experts as one parameter, (E, in,
+# out) as keras-hub does: gate and up (E, H, 2F), the output (E, F, H).
+EXPERT_TARGETS = tuple(
+    ExpertTarget(f"mlp.experts.{name}", "transformer_layer_{i}/sparse_moe_block/experts",
+                 "model.layers.{i}.mlp.experts", variable=name) for name in ("gate_up_proj", "down_proj"))
 
 
 def read_config(config: dict) -> dict:
@@ -209,6 +218,7 @@ FAMILY = register(Family(
     layout=layout,
     ties=TIES,
     lora_targets=llama.LORA_TARGETS[:4],
+    expert_targets=EXPERT_TARGETS,
     transformers_config=transformers_config,
     transformers_weights=transformers_weights,
     transformers_tokenizer=transformers_tokenizer,
