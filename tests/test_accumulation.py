@@ -29,7 +29,8 @@ def test_four_micro_batches_make_the_update_of_their_union_under_mirrored(data_d
 def test_a_step_split_over_replicas_and_micro_batches_takes_one_token_mean(engine):
     """tests/helpers/token_mean_probe.py: rows of 1 to 16 weighted targets, split over 2 tf
     replicas (jax: a data 2 x model 2 mesh) and 2 micro-batches, against numpy and against
-    the same step on one device and one batch."""
+    the same step on one device and one batch; and split so with the loss in 4 pieces of the
+    sequence (train.loss_chunks), against the split step with whole logits."""
     out = run_command([sys.executable, "tests/helpers/token_mean_probe.py", engine]).stdout
     got = json.loads(re.search(r"^TOKENS (.*)$", out, re.M).group(1))
     assert got["devices"] == (2 if engine == "tf" else 4), got
@@ -37,8 +38,12 @@ def test_a_step_split_over_replicas_and_micro_batches_takes_one_token_mean(engin
     assert got["split_loss"] == pytest.approx(got["numpy"], rel=1e-6), got
     assert got["whole_loss"] == pytest.approx(got["numpy"], rel=1e-6), got
     assert got["moved"] > 0.1 and got["between_updates"] < 1e-5, got  # the same update
+    # train.loss_chunks=4: the head and loss in pieces of the sequence, the same loss and update
+    # (SGD: the update is the gradient times the learning rate)
+    assert got["chunked_loss"] == pytest.approx(got["split_loss"], rel=1e-6), got
+    assert got["chunked_against_split"] <= 1e-6 * got["moved"], got
     # evaluate: the mean over every weighted target of both batches, not of the batch means
-    for name in ("split_evaluate", "whole_evaluate"):
+    for name in ("split_evaluate", "whole_evaluate", "chunked_evaluate"):
         assert got[name] == pytest.approx(got["numpy_evaluate"], rel=1e-6), (name, got)
 
 

@@ -199,6 +199,9 @@ def defaults() -> ml_collections.ConfigDict:
         jit_compile=False,    # XLA on the tf engine; the jax engine and TPUs always compile
         precision="auto",     # 'float32' | 'mixed_bfloat16'; auto: bf16 on TPU, else float32
         remat="none",         # 'activations' | 'blocks': what the backward pass recomputes
+        # A causal LM's output head and loss over this many pieces of the sequence, one at a
+        # time, each recomputed in the backward pass: one piece's logits in memory (models.chunked_loss)
+        loss_chunks=1,
         # A NaN/Inf loss: 'stop' (keep the last good checkpoint), or 'restore_and_skip'
         # (reload it and leave out the batch that diverged, at most max_nonfinite_skips times).
         on_nonfinite="stop",
@@ -309,6 +312,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     if train.remat not in REMAT_MODES:
         raise UserError(f"train.remat={train.remat!r} is not one of "
                         f"{', '.join(map(repr, REMAT_MODES))}{closest(train.remat, REMAT_MODES)}")
+    length = config.model.get("context_length", 0)
+    if train.loss_chunks > 1 and length and length % train.loss_chunks:
+        raise UserError(f"train.loss_chunks={train.loss_chunks} does not divide the sequence's "
+                        f"{length} tokens (model.context_length); pick a divisor of it")
     if train.on_nonfinite not in NONFINITE_POLICIES:
         raise UserError(f"train.on_nonfinite={train.on_nonfinite!r} is not one of "
                         f"{NONFINITE_POLICIES}{closest(train.on_nonfinite, NONFINITE_POLICIES)}")
@@ -421,6 +428,7 @@ def a_type(kind: type) -> str:
 # interval checks in `check()`, which would divide by zero.
 _RANGES = (
     ("train.batch_size", 1, None), ("train.grad_accum_steps", 1, None), ("train.steps", 1, None), ("train.learning_rate", 0, None),
+    ("train.loss_chunks", 1, None),
     ("train.warmup_steps", 0, None), ("train.min_learning_rate_ratio", 0, 1),
     ("train.weight_decay", 0, None), ("train.clipnorm", 0, None), ("train.eval_every", 1, None),
     ("train.eval_steps", 0, None), ("train.steps_per_execution", 0, None),

@@ -6,11 +6,13 @@ A tiny gpt takes one SGD step on 8 rows whose weights (the response tokens
 of instruction data) are very unequal: 1 to 16 weighted targets a row, so
 each replica and micro-batch holds another count. Split two ways (tf: 2
 replicas x 2 micro-batches; jax: a mesh of data 2 x model 2, 2 micro-batches)
-and whole (one device, one batch), from the same weights. Prints one line,
-`TOKENS {json}`: the split step's logged loss against numpy's mean over every
-weighted target (at the starting weights), the largest difference between
-the two updates' weights, and `evaluate`'s loss over two batches of unequal
-weights against numpy's mean over both.
+and whole (one device, one batch), from the same weights; and split again with
+the head and loss in 4 pieces of the sequence (`train.loss_chunks`, "chunked").
+Prints one line, `TOKENS {json}`: each step's logged loss against numpy's mean
+over every weighted target (at the starting weights), the largest difference
+between the updates' weights (split against whole, chunked against split, and
+the largest update), and `evaluate`'s loss over two batches of unequal weights
+against numpy's mean over both.
 """
 
 from tpu_keras import lean_imports  # start as the command-line tools do
@@ -46,14 +48,14 @@ def batch(counts):
     return tokens[:, :-1], tokens[:, 1:], weights
 
 
-def config_for(split: bool):
+def config_for(split: bool, chunks: int = 1):
     config = defaults()
     config.engine = engine_name
     config.model = dict(name="gpt", vocab_size=64, context_length=LENGTH, width=32, depth=1,
                         num_heads=2)
     config.train.update(optimizer="sgd", learning_rate=0.5, warmup_steps=0, clipnorm=0.0,
                         weight_decay=0.0, steps=10, batch_size=8, steps_per_execution=1,
-                        grad_accum_steps=2 if split else 1)
+                        grad_accum_steps=2 if split else 1, loss_chunks=chunks)
     if engine_name == "tf":  # 2 logical CPU devices in the process, one of them for "whole"
         config.cluster.update(strategy="mirrored" if split else "one_device", virtual_devices=2)
     else:
@@ -82,14 +84,13 @@ def token_mean(model, *batches):
 
 train, other = batch(COUNTS[0]), batch(COUNTS[1])
 result, weights, initial = {}, {}, None
-for split in (True, False):
-    config = config_for(split)
+for name, split, chunks in (("split", True, 1), ("chunked", True, 4), ("whole", False, 1)):
+    config = config_for(split, chunks)
     cluster = tpu_keras.connect(config.cluster, engine=engine_name, mesh=config.mesh)
     keras.utils.set_random_seed(0)
     model = build_model(config, cluster)
     initial = initial or model.get_weights()
     model.set_weights(initial)
-    name = "split" if split else "whole"
     result[f"{name}_evaluate"] = float(model.evaluate(dataset(cluster, train, other), verbose=0,
                                                       return_dict=True)["loss"])
     if not split:
@@ -101,5 +102,7 @@ for split in (True, False):
     result["devices"] = result.get("devices") or cluster.num_replicas * (
         config.mesh["model"] if engine_name == "jax" else 1)
 result["between_updates"] = max(float(np.max(np.abs(a - b))) for a, b in zip(weights["split"], weights["whole"]))
+result["chunked_against_split"] = max(float(np.max(np.abs(a - b)))
+                                      for a, b in zip(weights["chunked"], weights["split"]))
 result["moved"] = max(float(np.max(np.abs(a - b))) for a, b in zip(weights["whole"], initial))
 print("TOKENS " + json.dumps(result), flush=True)

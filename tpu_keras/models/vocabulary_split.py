@@ -25,7 +25,9 @@ class LogitsOverVocabulary(keras.layers.Layer):
 
     def call(self, logits):
         layout = getattr(keras.distribution.distribution(), "vocabulary_layout", lambda: None)()
-        return logits if layout is None else keras.distribution.distribute_tensor(logits, layout)
+        if layout is None or len(logits.shape) != 3:  # a chunked head's per-token loss (chunked_loss)
+            return logits
+        return keras.distribution.distribute_tensor(logits, layout)
 
 
 def split(logits, task, wrappers=()):

@@ -132,7 +132,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     many attention layers run splash attention)."""
     import keras
     from tpu_keras import models
-    from tpu_keras.models import splash_attention
+    from tpu_keras.models import chunked_loss, splash_attention
     from tpu_keras.parallelism import distribution
     from tpu_keras.training import auto_values, optimization
 
@@ -156,6 +156,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     distribution.set_layout(cluster, placer)
     with keras.StatelessScope(initialize_variables=False):  # variables without values
         model = models.build(config.model, remat=config.train.remat)
+        chunked_loss.attach(model, config.train.loss_chunks)
         routed = (splash_attention.route(model, cluster)
                   if attention == "auto" and step == "toolkit" else 0)
         placer.check(model.weights)

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from tpu_keras.models import moe
+from tpu_keras.models import chunked_loss, moe
 from tpu_keras.training import token_mean
 from tpu_keras.training.nonfinite import GRAD_NORM
 
@@ -61,7 +61,13 @@ def distributed_steps(model: keras.Model, grad_accum_steps: int = 1) -> keras.Mo
     and a loss tracker that counts tokens; returns it."""
     def train_step(self, state, data):
         return guarded_train_step(self, state, data, grad_accum_steps)
+    keras_test_step = model.test_step
+
+    def test_step(self, state, data):  # a chunked head's per-token loss in place of the logits
+        with chunked_loss.targets(keras.utils.unpack_x_y_sample_weight(data)[1]):
+            return keras_test_step(state, data)
     model.train_step = types.MethodType(train_step, model)
+    model.test_step = types.MethodType(test_step, model)
     model._update_metrics_variables = types.MethodType(_update_metrics_variables, model)
     _hand_steps_committed_state(model)
     return model
@@ -155,10 +161,11 @@ def guarded_train_step(self, state, data, grad_accum_steps=1):
 
 def _with_load(loss_and_updates):
     """`compute_loss_and_updates` with the experts' load of its forward pass beside its aux
-    (`moe.recorded_load`; {} for a dense model), so the step logs it."""
-    def call(*args, **kwargs):
-        with moe.recorded_load() as load:
-            loss, aux = loss_and_updates(*args, **kwargs)
+    (`moe.recorded_load`; {} for a dense model), so the step logs it; its forward pass knows
+    its labels (`chunked_loss.targets`: a chunked head gives each token's loss)."""
+    def call(trainable, non_trainable, metrics, x, y, *args, **kwargs):
+        with moe.recorded_load() as load, chunked_loss.targets(y):
+            loss, aux = loss_and_updates(trainable, non_trainable, metrics, x, y, *args, **kwargs)
         return loss, (aux, load.logs())
     return call
 

@@ -174,6 +174,7 @@ def build_model(config, cluster, builder=None, objective=None):
     it; on tf every weight is replicated and the rules are only checked.
     """
     from tpu_keras import models
+    from tpu_keras.models import chunked_loss
     from tpu_keras.training import optimization
     if builder is None:
         builder, _ = models.registry.get(config.model)
@@ -183,6 +184,9 @@ def build_model(config, cluster, builder=None, objective=None):
         distribution.set_layout(cluster, placer)
     with cluster.scope():
         model = models.build(config.model, remat=config.train.remat)
+    if chunked_loss.attach(model, config.train.loss_chunks):
+        logging.info("loss: the output head and cross-entropy in %d pieces of the sequence",
+                     config.train.loss_chunks)
     if cluster.engine == "jax":
         from tpu_keras.models import splash_attention
         if routed := splash_attention.route(model, cluster):

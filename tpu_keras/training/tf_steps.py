@@ -33,6 +33,7 @@ import types
 import keras
 import tensorflow as tf
 
+from tpu_keras.models import chunked_loss
 from tpu_keras.training import token_mean
 from tpu_keras.training.nonfinite import GRAD_NORM
 
@@ -103,7 +104,8 @@ def test_step(self, data):
     """Keras's test step, its loss tracker counting each batch as `token_mean` says (by its
     weights' sum, for a weighted mean), so `val_loss` is the mean over every token."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    with chunked_loss.targets(y):  # a chunked head's per-token loss in place of the logits
+        y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
     replicas = tf.distribute.get_replica_context().num_replicas_in_sync  # compute_loss divided by them
     self._loss_tracker.update_state(loss * replicas,
@@ -190,9 +192,10 @@ def make_guarded_train_step(model, jit_forward_backward=False, grad_accum_steps=
     def loss_and_gradients(trainable, non_trainable, metrics, x, y, sample_weight, loss_scale):
         with tf.GradientTape() as tape:
             tape.watch(trainable)
-            y_pred, non_trainable, losses = model.stateless_call(
-                trainable, non_trainable, x, return_losses=True,
-                **({"training": True} if model._call_has_training_arg else {}))
+            with chunked_loss.targets(y):  # a chunked head's per-token loss in place of the logits
+                y_pred, non_trainable, losses = model.stateless_call(
+                    trainable, non_trainable, x, return_losses=True,
+                    **({"training": True} if model._call_has_training_arg else {}))
             model._losses_override = losses  # regularisation losses, for compute_loss
             loss, (_, non_trainable, metrics) = model.stateless_compute_loss(
                 trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred,
