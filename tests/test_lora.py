@@ -82,3 +82,23 @@ def test_on_a_mesh_each_factor_is_split_along_its_kernels_split_axis():
                      "block0_mlp_up/lora_a": [None, None], "block0_mlp_up/lora_b": [None, "model"],
                      "block0_mlp_down/lora_a": ["model", None], "block0_mlp_down/lora_b": [None, None]})
     assert specs == expected
+
+
+def test_all_linear_adapts_the_projections_a_model_has_and_a_named_one_it_lacks_is_one_line():
+    """PEFT's 'all-linear' is every linear layer the model has: a family's target that a size
+    lacks (Gemma 4's per-layer embeddings, absent from its larger sizes) is no error; named
+    in model.lora_targets, it is."""
+    import keras
+    from tpu_keras.errors import UserError
+    from tpu_keras.models import lora
+    targets = (lora.Target("q_proj", "q"), lora.Target("extra_proj", "extra"))
+
+    def model():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Dense(3, name="q")(inputs), name="small")
+
+    every = lora.settings({"lora_rank": 2, "lora_targets": "all-linear"}, targets, ("q_proj",), "small")
+    assert [layer.name for layer in lora.attach(model(), targets, every)] == ["q"]
+    named = lora.settings({"lora_rank": 2, "lora_targets": "q_proj,extra_proj"}, targets, ("q_proj",), "small")
+    with pytest.raises(UserError, match=r"model.lora_targets \['extra_proj'\] match no layer of small"):
+        lora.attach(model(), targets, named)

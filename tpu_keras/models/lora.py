@@ -102,6 +102,9 @@ class Settings:
     modules: tuple[str, ...]
     rslora: bool = False
     parameters: tuple[str, ...] = ()  # PEFT's target_parameters: experts' stacked weights
+    # PEFT's 'all-linear': every projection the model has (a family's targets that a size
+    # lacks, Gemma 4's per-layer embeddings in its larger sizes, are no error)
+    every_linear: bool = False
 
     @property
     def scaling(self) -> float:
@@ -128,7 +131,8 @@ def settings(kwargs: dict, targets: Sequence[Target], default: Sequence[str], fa
     chosen = kwargs.get("lora_targets") or tuple(default)
     if isinstance(chosen, str):
         chosen = tuple(name.strip() for name in chosen.split(",") if name.strip())
-    if tuple(chosen) == (ALL_LINEAR,):
+    every_linear = tuple(chosen) == (ALL_LINEAR,)
+    if every_linear:
         chosen = tuple(known)
     for name in chosen:
         if name not in known:
@@ -139,7 +143,7 @@ def settings(kwargs: dict, targets: Sequence[Target], default: Sequence[str], fa
     if not isinstance(rslora, bool):
         raise UserError(f"model.lora_rslora={rslora!r} must be True or False")
     ordered = tuple(name for name in known if name in chosen)
-    return Settings(rank, float(alpha), ordered, rslora)
+    return Settings(rank, float(alpha), ordered, rslora, every_linear=every_linear)
 
 
 # The policy of a LoRA run's frozen base where it computes in bfloat16 (`base_policy`).
@@ -236,7 +240,7 @@ def attach(model, targets: Sequence[Target], settings: Settings) -> list:
             adapted.append(layer)
     found = {layer._tpu_keras_lora.target.module for layer in adapted}
     missing = [t.module for t in chosen if t.module not in found]
-    if missing:
+    if missing and not settings.every_linear:
         raise UserError(f"model.lora_targets {missing} match no layer of {model.name} (the family "
                         f"names them at {[t.layer for t in chosen if t.module in missing]}); "
                         "correct the family's targets, or leave them out of model.lora_targets")

@@ -26,8 +26,9 @@ import keras
 from tpu_keras.parallelism.mesh import BATCH_AXES
 from tpu_keras.parallelism.rules import Placer, dtype_name
 
-# The outputs of keras-hub's MoE blocks (with the router's: flattened tokens) and of the layers in them.
-_INSIDE_EXPERTS = re.compile(r"sparse_moe_block(_\d+)?/(.+/)?output$")
+# The outputs of keras-hub's MoE blocks (with the router's: flattened tokens) and of the layers in
+# them; Gemma 4's router and bank are layers of its decoder block, called on flattened tokens.
+_INSIDE_EXPERTS = re.compile(r"(sparse_moe_block(_\d+)?|moe_router|moe_expert_bank)/(.+/)?output$")
 
 
 def set_layout(cluster, placer: Placer) -> None:
@@ -38,9 +39,30 @@ def set_layout(cluster, placer: Placer) -> None:
 def placed(cluster, placer: Placer) -> keras.distribution.ModelParallel:
     """The distribution that puts weights where `placer` says, on `cluster`'s jax mesh.
     Its `scope()` (Keras's own) sets it, then restores the one it replaced."""
+    _place_each_tensor_of_a_structure()
     # auto_shard_dataset=False: tpu_keras.data already gives each process its own rows.
     return _PlacedDistribution(placer, layout_map=keras.distribution.LayoutMap(cluster.device_mesh),
                                batch_dim_name=BATCH_AXES[0], auto_shard_dataset=False)
+
+
+def _place_each_tensor_of_a_structure() -> None:
+    """Keras 3.15 places a layer's output with `distribute_tensor(outputs, layout)`, which
+    leaves a `KerasTensor` (a functional model's build) alone but hands a tuple of them to
+    `jax.device_put`, which refuses them: a layer that returns (x, cache), such as Gemma 4's
+    decoder block, could not be built where its output has a layout (an fsdp mesh's batch).
+    Here each tensor of a structure is placed on its own; a tensor, as Keras places it."""
+    from keras.src.distribution import distribution_lib
+    keras_own = distribution_lib.distribute_tensor
+    if getattr(keras_own, "_tpu_keras", False):
+        return
+
+    def distribute_tensor(tensor, layout):
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(None if t is None else distribute_tensor(t, layout) for t in tensor)
+        return keras_own(tensor, layout)
+
+    distribute_tensor._tpu_keras = True
+    distribution_lib.distribute_tensor = distribute_tensor
 
 
 class _Layout(keras.distribution.TensorLayout):
