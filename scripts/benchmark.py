@@ -11,6 +11,7 @@
     python scripts/benchmark.py --checkpoint
     python scripts/benchmark.py --memory [--memory_size=0.85b]
     python scripts/benchmark.py --moe
+    python scripts/benchmark.py --long_context
 
 --run: one whole `python -m tpu_keras.train` run of the default config, on
 a dataset prepared beforehand, timed from outside, and where its wall time
@@ -96,6 +97,12 @@ against keras-hub's dense expert bank (every expert on every token), in
 turns, at 8 experts with top 2 and at 32 with top 4, with XLA's FLOPs of each
 forward layer for this CPU and for a TPU v5e chip (moe_layers.py);
 `sparse_over_dense` is the step-time ratio.
+
+--long_context: a training step of a Llama of a 32,768-entry vocabulary on 2
+sequences of 2,048 tokens, its head and loss over the whole logits against
+`train.loss_chunks=8` (models.chunked_loss), in turns: step times, and the
+memory XLA's compiled program needs beyond its arguments, for this CPU and
+for one TPU v5e chip (long_context.py); `chunked_over_whole` are the ratios.
 """
 
 import contextlib
@@ -151,6 +158,8 @@ _CHECKPOINT = flags.DEFINE_bool("checkpoint", False, "Blocked seconds per save, 
 _MEMORY = flags.DEFINE_bool("memory", False, "Peak host memory of a LoRA step over a 0.85B Llama 3, "
                             "over its float base and its int8 base (memory_benchmark.py).")
 _MEMORY_SIZE = flags.DEFINE_string("memory_size", "0.85b", "--memory: llama_checkpoint.py's size.")
+_LONG_CONTEXT = flags.DEFINE_bool("long_context", False, "A long sequence's step with the whole "
+                                   "logits against train.loss_chunks: time and temporaries.")
 _MOE = flags.DEFINE_bool("moe", False, "The sparse MoE layer's step against keras-hub's dense "
                          "expert bank at 8/2 and 32/4 experts/top-k (moe_layers.py).")
 _QUALITY = flags.DEFINE_integer("quality_steps", 200, "--fit: real training steps behind the "
@@ -530,6 +539,8 @@ def _benchmark(report):
             "memory_benchmark.py", f"--size={_MEMORY_SIZE.value}")}, indent=2))
     elif _MOE.value:
         emit(json.dumps({"benchmark": "moe", "result": script_json("moe_layers.py")}, indent=2))
+    elif _LONG_CONTEXT.value:
+        emit(json.dumps({"benchmark": "long_context", "result": script_json("long_context.py")}, indent=2))
     elif _DATA.value:
         results = [data_benchmark(name, _SECONDS.value) for name in _CONFIGS.value]
         emit(json.dumps({"benchmark": "data", "results": results}, indent=2))
