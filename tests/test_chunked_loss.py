@@ -52,3 +52,34 @@ def test_a_model_without_a_known_head_refuses_chunks_in_one_line():
     assert not chunked_loss.attach(model, 1)  # one piece: nothing to route
     with pytest.raises(UserError, match="train.loss_chunks=2 .* mine has none .* set train.loss_chunks=1"):
         chunked_loss.attach(model, 2)
+
+
+def test_dpo_and_grpo_scores_through_a_chunked_head_are_the_whole_logits_scores():
+    """DPO's pairs and GRPO's groups read each token's log-probability from the routed head's
+    pieces (GRPO's under its sampling temperature), with the gradients of the whole logits."""
+    from tpu_keras.models import gpt, grpo, preference
+
+    def policy(chunks):
+        keras.utils.set_random_seed(0)
+        model = gpt.gpt(vocab_size=64, context_length=16, width=16, depth=1, num_heads=2)
+        chunked_loss.attach(model, chunks)
+        return model
+
+    tokens = tf.constant(np.random.default_rng(2).integers(0, 64, (4, 17)), tf.int32)
+    with chunked_loss.targets(tokens[:, 1:]):  # the routed head gives each token's loss
+        assert policy(4)(tokens[:, :-1]).shape == (4, 16) and policy(1)(tokens[:, :-1]).shape == (4, 16, 64)
+    pairs = {"tokens": tf.reshape(tokens[:, :], (2, 2, 17)), "mask": tf.ones((2, 2, 17))}
+    scores, gradients = {}, {}
+    for chunks in (1, 4):
+        group = grpo.GroupModel(policy(chunks), with_reference=False, temperature=0.7)
+        pair = preference.PairsModel(policy(chunks), reference=policy(1))
+        with tf.GradientTape() as tape:
+            scores[chunks] = (group(tokens), pair(pairs))
+            total = tf.reduce_sum(scores[chunks][0]) + tf.reduce_sum(scores[chunks][1])
+        gradients[chunks] = tape.gradient(total, group.policy.trainable_variables
+                                          + pair.policy.trainable_variables)
+    for whole, pieces in zip(scores[1], scores[4]):
+        np.testing.assert_allclose(pieces, whole, rtol=1e-6)
+    for a, b in zip(gradients[4], gradients[1]):  # the embeddings' come as IndexedSlices
+        a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+        assert float(tf.reduce_max(tf.abs(a - b))) <= 1e-6 * max(float(tf.reduce_max(tf.abs(b))), 1e-12)

@@ -248,9 +248,6 @@ CASES = [
     pytest.param("{inputs}/grpo.py", ["--config.grpo.max_completion_length=100000"],
                  ["grpo.max_completion_length=100000 leaves no room for a prompt in "
                   "model.context_length=64 tokens", "set it below 64"], id="grpo-completion-fills-the-context"),
-    pytest.param("{inputs}/grpo.py", ["--config.train.loss_chunks=2"],
-                 ["train.loss_chunks=2", "GRPO scores sequences by log-probabilities",
-                  "set train.loss_chunks=1"], id="grpo-with-chunked-loss"),
     pytest.param(LM_TINY, ["--config.train.loss_chunks=3", DATA],
                  ["train.loss_chunks=3 does not divide the sequence's 64 tokens", "pick a divisor"],
                  id="loss-chunks-that-do-not-divide-the-sequence"),

@@ -16,8 +16,10 @@ forward pass inside `targets(y)`, and the head layer `attach` routed (a
 keras-hub task's `ReversibleEmbedding`, the `gpt` builder's `lm_head`) then
 returns each token's negative log-likelihood, (batch, length), instead of
 its logits. The loss (`models.metrics.TokenMeanCrossEntropy`) and the
-metrics read either, by rank. Outside `targets` (generation, exports,
-`predict`) the head returns logits as always.
+metrics read either, by rank. DPO's and GRPO's scores of a sequence take
+their per-token log-probabilities the same way (`log_probs`, GRPO's logits
+divided by its sampling temperature inside each piece). Outside `targets`
+(generation, exports, `predict`) the head returns logits as always.
 """
 
 # Imported inside functions: JAX (optional: the jax engine's alone; the tf engine loops in Python).
@@ -27,18 +29,30 @@ import keras
 
 from tpu_keras.errors import UserError
 
-_TARGETS: list = []  # the labels of the forward pass in progress, innermost last
+_TARGETS: list = []  # (labels, temperature) of the forward pass in progress, innermost last
 
 
 @contextlib.contextmanager
-def targets(labels):
+def targets(labels, temperature: float = 1.0):
     """While open, a routed head (`attach`) returns the negative log-likelihood of `labels`
-    (batch, length) rather than the logits."""
-    _TARGETS.append(labels)
+    (batch, length) under its logits divided by `temperature`, rather than the logits."""
+    _TARGETS.append((labels, temperature))
     try:
         yield
     finally:
         _TARGETS.pop()
+
+
+def log_probs(model, inputs, labels, temperature: float = 1.0, training=None):
+    """(rows, length) log-probabilities of `labels` under `model(inputs)`'s logits divided by
+    `temperature`: from a chunked head's pieces where `attach` routed it, else from the
+    whole logits."""
+    with targets(labels, temperature):
+        out = model(inputs, training=training)
+    if len(out.shape) == len(labels.shape):  # the head's own negative log-likelihoods
+        return -out
+    logits = out if temperature == 1.0 else out / temperature
+    return -keras.ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
 
 
 def attach(model, chunks: int) -> bool:
@@ -55,14 +69,14 @@ def attach(model, chunks: int) -> bool:
     call = head.call
 
     def routed(inputs, *args, **kwargs):
-        labels = _TARGETS[-1] if _TARGETS else None
+        labels, temperature = _TARGETS[-1] if _TARGETS else (None, 1.0)
         if labels is None or not _reverse(head, args, kwargs):
             return call(inputs, *args, **kwargs)
         if labels.shape[-1] % chunks:
             raise UserError(f"train.loss_chunks={chunks} does not divide the sequence's "
                             f"{labels.shape[-1]} tokens; pick a divisor of it")
         weights, logits_of = _head_function(head)
-        return per_token_nll(logits_of, inputs, labels, weights, chunks)
+        return per_token_nll(logits_of, inputs, labels, weights, chunks, temperature)
 
     object.__setattr__(head, "call", routed)
     return True
@@ -110,15 +124,17 @@ def _head_function(head):
     return [head.kernel.value] + ([head.bias.value] if head.bias is not None else []), dense_logits
 
 
-def per_token_nll(logits_of, hidden, labels, weights, chunks: int):
+def per_token_nll(logits_of, hidden, labels, weights, chunks: int, temperature: float = 1.0):
     """(batch, length) float32: each token's negative log-likelihood of its label under
-    `logits_of(hidden, *weights)`, computed over `chunks` pieces of the sequence, one at a
-    time, each recomputed in the backward pass."""
+    `logits_of(hidden, *weights)` / `temperature`, computed over `chunks` pieces of the
+    sequence, one at a time, each recomputed in the backward pass."""
     batch, length = labels.shape[0], labels.shape[-1]
     size = length // chunks
 
     def piece(h, y, *values):  # in float32, as the model's own logits are taken
         logits = keras.ops.cast(logits_of(h, *values), "float32")
+        if temperature != 1.0:
+            logits = logits / temperature
         return keras.ops.sparse_categorical_crossentropy(y, logits, from_logits=True)
 
     recomputed = keras.remat(piece)

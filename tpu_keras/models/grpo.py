@@ -52,7 +52,7 @@ import numpy as np
 
 from tpu_keras.config import GRPO_LOSS_TYPES as LOSS_TYPES
 from tpu_keras.errors import UserError
-from tpu_keras.models import preference
+from tpu_keras.models import chunked_loss, preference
 
 STD_EPSILON = 1e-4  # TRL's, added to the group's std
 
@@ -122,8 +122,8 @@ class GroupModel(preference.PolicyWrapper):
 
     def call(self, tokens, training=None):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        score = lambda model, training: log_probs(model(inputs, training=training) / self.temperature,
-                                                  targets)
+        score = lambda model, training: chunked_loss.log_probs(model, inputs, targets, self.temperature,
+                                                               training)
         policy = score(self.policy, training)
         if not self.with_reference:
             return keras.ops.expand_dims(policy, -1)

@@ -37,7 +37,7 @@ import dataclasses
 import keras
 
 from tpu_keras.errors import UserError
-from tpu_keras.models import expert_lora, lora
+from tpu_keras.models import chunked_loss, expert_lora, lora
 
 HEADLINE = "reward_accuracy"
 COLUMNS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
@@ -110,8 +110,7 @@ class PairsModel(PolicyWrapper):
 
     @staticmethod
     def _scores(model, inputs, targets, weights, training):
-        logits = model(inputs, training=training)
-        log_probs = -keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
+        log_probs = chunked_loss.log_probs(model, inputs, targets, training=training)
         return keras.ops.sum(log_probs * weights, axis=-1)
 
     def compute_output_spec(self, inputs, training=None):

@@ -81,21 +81,12 @@ def check(config) -> None:
                             f"data.{wanted}.{data_section.WHERE[wanted]} to train with "
                             f"{objective.name.upper()}")
     chosen.check(config)
-    _check_chunks(config, chosen)
-
-
-def _check_chunks(config, chosen) -> None:
-    if config.train.loss_chunks > 1 and not chosen.chunks_its_loss:
-        raise UserError(f"train.loss_chunks={config.train.loss_chunks} splits the loss of the "
-                        f"next token, and {chosen.name.upper()} scores sequences by log-probabilities "
-                        "it reads from the whole logits; set train.loss_chunks=1")
 
 
 def check_registered(config) -> Objective:
     """The objective of a config whose `model.imports` are imported: checked like any other."""
     chosen = of(config)
     chosen.check(config)
-    _check_chunks(config, chosen)
     return chosen
 
 

@@ -12,7 +12,6 @@ from tpu_keras.objectives.objective import Objective
 
 class DirectPreferenceOptimization(Objective):
     name = "dpo"
-    chunks_its_loss = False  # the pairs' log-probabilities, from the whole logits
     data_kinds = ("preferences",)
     chosen_for = ("preferences",)
     section = "dpo"

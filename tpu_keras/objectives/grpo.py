@@ -13,7 +13,6 @@ from tpu_keras.objectives.objective import Objective
 
 class GroupRelativePolicyOptimization(Objective):
     name = "grpo"
-    chunks_its_loss = False  # the completions' log-probabilities, from the whole logits
     data_kinds = ("prompts",)
     chosen_for = ("prompts",)
     section = "grpo"

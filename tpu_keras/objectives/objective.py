@@ -32,9 +32,6 @@ class Objective:
     # Whether the planner compiles the wrapped model's step (GRPO's clipped loss) rather than
     # the language model's own over `sequences_per_example` times the rows (DPO's pairs).
     plans_its_wrapper = False
-    # Whether its loss takes each token's loss from a head split by `train.loss_chunks`
-    # (`models.chunked_loss`), or needs the whole logits (log-probabilities of its own).
-    chunks_its_loss = True
     # What a non-finite step's error suggests besides lowering the learning rate.
     nonfinite_hint = ("check the data, or set train.on_nonfinite='restore_and_skip' to leave such "
                       "batches out")
