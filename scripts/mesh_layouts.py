@@ -40,7 +40,7 @@ from tpu_keras.planning import slice_plan
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm_stdlib.py")
 _TPU = flags.DEFINE_string("tpu", "v5litepod-16", "One TPU slice type.")
-_MESH = flags.DEFINE_multi_string("mesh", [], "data,fsdp,model (or data,fsdp,expert,model) of one "
+_MESH = flags.DEFINE_multi_string("mesh", [], "data,fsdp,model (or data,fsdp,expert,context,model) of one "
                                   "mesh (repeatable).")
 
 # The collectives of the planner's sent-per-step, by the mesh axis each crosses.
@@ -74,8 +74,9 @@ def default_meshes(devices):
 
 
 def _with_expert(shape):
-    """(data, fsdp, expert, model) of a (data, fsdp, model) with expert 1; a 4-tuple as it is."""
-    return shape if len(shape) == len(mesh_lib.AXES) else (shape[0], shape[1], 1, shape[2])
+    """(data, fsdp, expert, context, model) of a (data, fsdp, model) with expert and context 1;
+    a 5-tuple as it is."""
+    return shape if len(shape) == len(mesh_lib.AXES) else (shape[0], shape[1], 1, 1, shape[2])
 
 
 def main(argv):

@@ -79,7 +79,7 @@ def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_
         line = next(line for line in out.splitlines() if line.startswith("PROBE "))
         results[mesh] = json.loads(line[len("PROBE "):])
     reference, result = results["1x1"], results["4x2"]
-    assert result["mesh"] == {"slices": 1, "data": 4, "fsdp": 1, "expert": 1, "model": 2}
+    assert result["mesh"] == {"slices": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1, "model": 2}
     # Both embeddings, the query/key/value/output kernels and the three MLP kernels.
     assert assert_laid_out_as_placed(result) == 9
     assert_same_losses(result, reference)

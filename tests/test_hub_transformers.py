@@ -52,7 +52,8 @@ def tf_runs(tmp_path_factory, data_dir):
 # scaling and targets.
 PEFT_CONFIG = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
                "use_rslora": False, "target_modules": ["q_proj", "v_proj"], "bias": "none",
-               "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True}
+               "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True,
+               "target_parameters": None}  # PEFT's own config names none where none are adapted
 
 
 def assert_reloads(checks, variant):

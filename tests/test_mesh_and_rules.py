@@ -22,7 +22,7 @@ from tpu_keras.errors import UserError
     ({"data": 1, "fsdp": 2, "expert": 2, "model": -1}, 8, {"slices": 1, "data": 1, "fsdp": 2, "expert": 2, "model": 2}),
 ])
 def test_mesh_resolves_against_the_devices(config, devices, expected):
-    assert mesh.resolve(config, devices) == {"expert": 1, **expected}
+    assert mesh.resolve(config, devices) == {"expert": 1, "context": 1, **expected}
 
 
 @pytest.mark.parametrize("config, devices, message", [
@@ -41,8 +41,9 @@ def test_mesh_that_cannot_be_built_says_why(config, devices, message):
 
 
 def test_tf_engine_accepts_only_a_data_axis():
-    assert mesh.resolve({"data": -1}, 4, "tf") == {"slices": 1, "data": 4, "fsdp": 1, "expert": 1, "model": 1}
-    for axis in ("model", "fsdp", "expert", "slices"):
+    assert mesh.resolve({"data": -1}, 4, "tf") == {"slices": 1, "data": 4, "fsdp": 1, "expert": 1,
+                                                   "context": 1, "model": 1}
+    for axis in ("model", "fsdp", "expert", "context", "slices"):
         with pytest.raises(UserError, match=f"mesh.{axis}=2 needs the jax engine"):
             mesh.resolve({"data": -1, axis: 2}, 4, "tf")
     with pytest.raises(UserError, match="mesh axis 'fdsp' is not one of"):
@@ -52,7 +53,7 @@ def test_tf_engine_accepts_only_a_data_axis():
 def rows_of(data, model, devices_per_process):
     """`batch_rows` of a (data, 1, model) grid of CPU devices in process order."""
     devices = [FakeDevice(i, i // devices_per_process) for i in range(data * model)]
-    return mesh.batch_rows(mesh.device_grid(devices, 1, data, 1, 1, model), model)
+    return mesh.batch_rows(mesh.device_grid(devices, 1, data, 1, 1, 1, model), model)
 
 
 @pytest.mark.parametrize("data, model, per_process, process, expected", [
@@ -141,8 +142,8 @@ class FakeDevice:  # what device_grid reads from a jax device off TPU
 def test_slices_take_consecutive_blocks_of_the_outer_data_axis():
     # 2 slices x 2 hosts x 2 devices, listed out of order: hosts 0-1 are slice 0, 2-3 slice 1.
     devices = [FakeDevice(i, i // 2) for i in (7, 2, 5, 0, 3, 6, 1, 4)]
-    grid = mesh.device_grid(devices, 2, 2, 2, 1, 1)
-    assert grid.shape == (4, 2, 1, 1)
+    grid = mesh.device_grid(devices, 2, 2, 2, 1, 1, 1)
+    assert grid.shape == (4, 2, 1, 1, 1)
     assert [[d.id for d in row.flat] for row in grid] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert mesh.describe({"data": 2, "fsdp": 1, "expert": 2, "model": 1}) == "data=2 x expert=2 x model=1"
     assert mesh.batch_splits({"data": 2, "fsdp": 1, "expert": 2, "model": 2}) == 4
@@ -182,20 +183,20 @@ def test_on_a_tpu_slices_come_from_the_devices_and_each_is_laid_out_by_its_topol
     # Two v4-16 slices: 2x2x2 chips each, by the devices' own slice_index.
     chips = [FakeTpuChip(8 * s + 4 * z + 2 * y + x, (x, y, z), s)
              for s in (1, 0) for z in (0, 1) for y in (0, 1) for x in (0, 1)]
-    grid = mesh.device_grid(chips, 2, 2, 2, 1, 2)
-    assert grid.shape == (4, 2, 1, 2)
+    grid = mesh.device_grid(chips, 2, 2, 2, 1, 1, 2)
+    assert grid.shape == (4, 2, 1, 1, 2)
     assert [{d.slice_index for d in row.flat} for row in grid] == [{0}, {0}, {1}, {1}]
     assert sorted(d.id for d in grid.flat) == list(range(16))
     with pytest.raises(UserError, match="TPU devices are in 2 slice\\(s\\) but mesh.slices=1"):
-        mesh.device_grid(chips, 1, 4, 2, 1, 2)
+        mesh.device_grid(chips, 1, 4, 2, 1, 1, 2)
 
 
 def test_an_expert_axis_splits_the_batch_and_needs_the_jax_engine():
     assert mesh.AXES[-1] == "model" and "expert" in mesh.BATCH_AXES
     assert mesh.resolve({"data": -1, "expert": 2}, 8) == {"slices": 1, "data": 4, "fsdp": 1,
-                                                           "expert": 2, "model": 1}
+                                                           "expert": 2, "context": 1, "model": 1}
     two_slices = mesh.resolve({"slices": 2, "expert": 2, "model": 2}, 16)
-    assert two_slices == {"slices": 2, "data": 2, "fsdp": 1, "expert": 2, "model": 2}
+    assert two_slices == {"slices": 2, "data": 2, "fsdp": 1, "expert": 2, "context": 1, "model": 2}
     assert mesh.batch_splits(two_slices) == 8
     assert mesh.describe(two_slices) == "slices=2 x data=2 x expert=2 x model=2"
     assert mesh.describe({"data": 8, "fsdp": 1, "expert": 1, "model": 1}) == "data=8 x model=1"
@@ -205,16 +206,16 @@ def test_an_expert_axis_splits_the_batch_and_needs_the_jax_engine():
         mesh.resolve({"data": -1, "expert": 3}, 8)
     # A job on fewer devices keeps as much of the run's expert axis as they and the batch allow.
     assert mesh.refit({"data": 4, "expert": 4, "model": 2}, 4, 64) == {
-        "slices": 1, "data": 1, "fsdp": 1, "expert": 2, "model": 2}
+        "slices": 1, "data": 1, "fsdp": 1, "expert": 2, "context": 1, "model": 2}
     assert mesh.refit({"data": 2, "fsdp": 2, "expert": 2}, 8, 2) == {
-        "slices": 1, "data": 1, "fsdp": 1, "expert": 2, "model": 1}
+        "slices": 1, "data": 1, "fsdp": 1, "expert": 2, "context": 1, "model": 1}
 
 
-def test_the_grid_has_the_four_axes_and_expert_rows_split_the_batch():
+def test_the_grid_has_the_five_axes_and_expert_rows_split_the_batch():
     # 2 hosts x 4 devices, data=2 x expert=2 x model=2: the batch rows are data x expert.
     devices = [FakeDevice(i, i // 4) for i in (5, 0, 7, 2, 4, 1, 6, 3)]
-    grid = mesh.device_grid(devices, 1, 2, 1, 2, 2)
-    assert grid.shape == (2, 1, 2, 2)
+    grid = mesh.device_grid(devices, 1, 2, 1, 2, 1, 2)
+    assert grid.shape == (2, 1, 2, 1, 2)
     assert [[d.id for d in pair] for pair in grid.reshape(-1, 2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     rows = mesh.batch_rows(grid, 2)
     assert rows == {0: (0, 1), 1: (2, 3)}
@@ -222,14 +223,36 @@ def test_the_grid_has_the_four_axes_and_expert_rows_split_the_batch():
     assert mesh.feed_rows(rows, 8) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
     resolved = mesh.resolve({"data": -1, "expert": 2, "model": 2}, 8)
     assert mesh.grid_of(devices, resolved).shape == grid.shape
-    # Two slices: each a (data, fsdp, expert, model) block of the outer data axis.
+    # Two slices: each a (data, fsdp, expert, context, model) block of the outer data axis.
     many = [FakeDevice(i, i // 2) for i in range(16)]
     sliced = mesh.grid_of(many, {"slices": 2, "data": 2, "fsdp": 1, "expert": 2, "model": 2})
-    assert sliced.shape == (4, 1, 2, 2)
+    assert sliced.shape == (4, 1, 2, 1, 2)
     assert [sorted(d.id for d in row.flat) for row in sliced] == [list(range(4 * r, 4 * r + 4))
                                                                   for r in range(4)]
     with pytest.raises(TypeError, match="one slice's sizes of .*'expert'"):
-        mesh.device_grid(devices, 1, 4, 1, 2)  # the three sizes of before: refused, not guessed
+        mesh.device_grid(devices, 1, 4, 1, 1, 2)  # the four sizes of before: refused, not guessed
+
+
+def test_a_context_axis_splits_sequences_not_weights_and_its_devices_hold_the_same_rows():
+    assert mesh.AXES[-2:] == ("context", "model") and "context" not in mesh.BATCH_AXES
+    resolved = mesh.resolve({"data": -1, "fsdp": 2, "context": 2}, 8)
+    assert resolved == {"slices": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 2, "model": 1}
+    assert mesh.batch_splits(resolved) == 4 and mesh.row_devices(resolved) == 2
+    assert mesh.describe(resolved) == "data=2 x fsdp=2 x context=2 x model=1"
+    # 2 hosts x 4 devices, data=2 x context=2 x model=2: a row's context and model devices
+    # (one host's) hold the same examples.
+    devices = [FakeDevice(i, i // 4) for i in range(8)]
+    grid = mesh.device_grid(devices, 1, 2, 1, 1, 2, 2)
+    rows = mesh.batch_rows(grid, mesh.row_devices({"context": 2, "model": 2}))
+    assert rows == {0: (0,), 1: (1,)} and mesh.pipelines(rows) == {0: (2, 0), 1: (2, 1)}
+    assert mesh.refit({"data": 2, "context": 4}, 4, 8)["context"] == 4
+    with pytest.raises(UserError, match="'context', which splits sequences, not weights"):
+        parallelism.place_all([W("d0/kernel", (4, 4))], [parallelism.Rule("d0/kernel", ("context", None))],
+                              {"data": 1, "fsdp": 1, "context": 2, "model": 1})
+    # A large weight on a mesh that splits only batches and sequences needs no rule.
+    placed = parallelism.place_all([W("emb/embeddings", (512, 256))], [],
+                                   {"data": 2, "fsdp": 1, "context": 2, "model": 1})
+    assert placed[0].axes == (None, None)
 
 
 EXPERT_GRID_ON_A_TPU = """
@@ -237,9 +260,9 @@ import json
 from tpu_keras.cluster import libtpu
 from tpu_keras.parallelism import mesh
 chips = libtpu.devices("v5litepod-16")  # 4 x 4 chips, 4 hosts of 2 x 2
-grid = mesh.device_grid(chips, 1, 4, 1, 2, 2)
+grid = mesh.device_grid(chips, 1, 4, 1, 2, 1, 2)
 rows = mesh.batch_rows(grid, 2)
-two = mesh.device_grid(libtpu.devices("2xv5litepod-8"), 2, 2, 1, 2, 2)
+two = mesh.device_grid(libtpu.devices("2xv5litepod-8"), 2, 2, 1, 2, 1, 2)
 print("GRID " + json.dumps({
     "shape": grid.shape, "chips": sorted(d.id for d in grid.flat),
     "model_pairs": [[list(d.coords) for d in pair] for pair in grid.reshape(-1, 2)],
@@ -256,14 +279,14 @@ def test_on_libtpus_slices_the_expert_axis_is_laid_out_and_model_stays_on_neighb
     output = run_command([sys.executable, "-c", EXPERT_GRID_ON_A_TPU], timeout=120,
                          env={"TPU_SKIP_MDS_QUERY": "1"}, merge_stderr=False).stdout
     found = json.loads(next(line for line in output.splitlines() if line.startswith("GRID "))[5:])
-    assert found["shape"] == [4, 1, 2, 2] and found["chips"] == list(range(16))
+    assert found["shape"] == [4, 1, 2, 1, 2] and found["chips"] == list(range(16))
     for a, b in found["model_pairs"]:  # the last axis on chips one link apart
         assert sum(abs(x - y) for x, y in zip(a, b)) == 1, found["model_pairs"]
     held = sorted(row for rows in found["rows"].values() for row in rows)
     assert held == list(range(8))  # data 4 x expert 2 batch rows, each held by one host
     assert {tuple(p) for p in found["pipelines"].values()} == {(4, i) for i in range(4)}
     assert found["fed"] == list(range(16))
-    assert found["two_slices"] == [[4, 1, 2, 2], [[0], [0], [1], [1]]]
+    assert found["two_slices"] == [[4, 1, 2, 1, 2], [[0], [0], [1], [1]]]
 
 
 def test_rules_may_split_experts_over_the_expert_axis_which_needs_rules_above_1():

@@ -21,7 +21,7 @@ def test_two_v4_slices_in_the_tpu_chip_order_train_like_one_device(tmp_path):
     hosts = probe("digits", "--tpu=2xv4-16", init=tmp_path / "init.npz")
     assert [r["host"] for r in hosts] == [0, 1, 2, 3]
     for report in hosts:
-        assert report["mesh"] == {"slices": 2, "data": 4, "fsdp": 2, "expert": 1, "model": 1}
+        assert report["mesh"] == {"slices": 2, "data": 4, "fsdp": 2, "expert": 1, "context": 1, "model": 1}
         assert report["slice"] == report["host"] // 2  # each host in the slice the launcher told it
         # Slices on the outer data axis (rows 0-3 slice 0's hosts, 4-7 slice 1's); inside a
         # slice the chip torus alternates its two hosts along the data axis.

@@ -60,7 +60,7 @@ def probe(data_dir, tmp_path_factory):
                          ids=["model_2x4", "hybrid_4x2"])
 def test_mesh_shards_weights_and_matches_one_device(probe, data_axis, model_axis):
     reference, result = probe(1, 1), probe(data_axis, model_axis)
-    assert result["mesh"] == {"slices": 1, "data": data_axis, "fsdp": 1, "expert": 1, "model": model_axis}
+    assert result["mesh"] == {"slices": 1, "data": data_axis, "fsdp": 1, "expert": 1, "context": 1, "model": model_axis}
     split = assert_laid_out_as_placed(result)
     # 10 per block (QKV kernels and biases, attention-out, MLP up kernel and
     # bias, MLP down) + the token embedding + the head's kernel and bias (the
@@ -90,7 +90,7 @@ def layouts():
 @pytest.mark.parametrize("mesh", FSDP_MESHES, ids=["fsdp_1x8x1", "fsdp_2x2x2"])
 def test_fsdp_splits_every_large_weight_and_matches_one_device(probe, layouts, mesh):
     reference, result = probe(1, 1), probe(*mesh)
-    assert result["mesh"] == {"slices": 1, "expert": 1, **dict(zip(("data", "fsdp", "model"), mesh))}
+    assert result["mesh"] == {"slices": 1, "expert": 1, "context": 1, **dict(zip(("data", "fsdp", "model"), mesh))}
     assert_laid_out_as_placed(result)
     for path, weight in result["weights"].items():
         if math.prod(weight["shape"]) >= 65_536:  # layout.replicate_below
@@ -137,7 +137,7 @@ def test_plan_bytes_match_sharded_variables(probe):
     plan = json.loads(run_command(command, merge_stderr=False).stdout)
     sharded = probe(4, 2)
     assert plan["devices"] == 8 and plan["slices"] == sharded["mesh"]["slices"] == 1
-    assert plan["mesh"] == {axis: sharded["mesh"][axis] for axis in ("data", "fsdp", "expert", "model")}
+    assert plan["mesh"] == {axis: sharded["mesh"][axis] for axis in ("data", "fsdp", "expert", "context", "model")}
     assert plan["per_device"]["parameters"] == sharded["param_bytes_device0"]
     assert plan["per_device"]["optimizer"] == sharded["optimizer_bytes_device0"]
     assert plan["per_device"]["gradients"] == sharded["param_bytes_device0"]  # all trainable

@@ -258,11 +258,11 @@ def test_auto_plans_a_billion_parameter_gpt_on_a_v5p_64(plans):
         assert (c["sent_per_step"]["fsdp_all_gather"] > 0) == (mesh["fsdp"] > 1)
     # Data parallel alone: each device sends 2 x 31/32 of the gradients per micro-batch, in
     # bf16 where the model reads the weight in bf16 (the kernels), float32 elsewhere.
-    data_only = next(c for c in fitting if c["mesh"] == {"data": 32, "fsdp": 1, "expert": 1, "model": 1})
+    data_only = next(c for c in fitting if c["mesh"] == {"data": 32, "fsdp": 1, "expert": 1, "context": 1, "model": 1})
     gradients = 2 * 31 / 32 * data_only["per_device"]["gradients"] * data_only["grad_accum_steps"]
     assert 0.5 * gradients < data_only["sent_per_step"]["total"] < 0.51 * gradients
     # Splitting the weights over fsdp shrinks them by the axis size.
-    fsdp = next(c for c in fitting if c["mesh"] == {"data": 1, "fsdp": 32, "expert": 1, "model": 1})
+    fsdp = next(c for c in fitting if c["mesh"] == {"data": 1, "fsdp": 32, "expert": 1, "context": 1, "model": 1})
     assert fsdp["per_device"]["parameters"] < data_only["per_device"]["parameters"] / 16
     assert any("model=32" in f"model={s['mesh']['model']}" and "does not divide" in s["reason"]
                for s in result["skipped"])
@@ -282,7 +282,7 @@ def test_the_largest_batch_fits_and_one_more_per_replica_does_not(plans):
     # The 5-minute gpt on a v5litepod-8 in bf16: 8 replicas of 15.75 GiB (what a v5e device reports).
     first = json.loads(plans["gpt"].stdout)
     assert first["fits"] and first["devices"] == 8 and first["hosts"] == 1
-    assert first["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "model": 1} and first["precision"] == "mixed_bfloat16"
+    assert first["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "context": 1, "model": 1} and first["precision"] == "mixed_bfloat16"
     assert first["per_device"]["gradients"] == first["per_device"]["parameters"]  # all trainable
     largest = first["largest_global_batch"]
     assert largest % 8 == 0 and largest > first["global_batch"]

@@ -172,7 +172,7 @@ def test_a_multi_host_pod_is_driven_by_one_client_that_feeds_every_host(no_tpu_e
     # v4-32: 16 chips on 4 VMs. One process, four input pipelines (one per host's CPU).
     assert (cluster.kind, cluster.num_hosts, cluster.num_processes) == ("tpu", 4, 1)
     assert (cluster.num_replicas, cluster.replicas_per_host, cluster.input_pipelines) == (16, 4, 4)
-    assert cluster.is_chief and cluster.mesh == {"slices": 1, "data": 16, "fsdp": 1, "expert": 1, "model": 1}
+    assert cluster.is_chief and cluster.mesh == {"slices": 1, "data": 16, "fsdp": 1, "expert": 1, "context": 1, "model": 1}
     hosts = {d.split("/device:")[0] for d in cluster.strategy.extended.worker_devices}
     assert hosts == {f"/job:worker/replica:0/task:{t}" for t in range(4)}
     assert cluster.topology.num_tasks == 4

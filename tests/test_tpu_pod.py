@@ -18,7 +18,7 @@ def test_the_default_mesh_on_a_v5litepod_16_trains_like_one_device(tmp_path):
     [one] = probe("lm", init=tmp_path / "init.npz")
     hosts = probe("lm", "--tpu=v5litepod-16", init=tmp_path / "init.npz")
     assert [r["host"] for r in hosts] == [0, 1, 2, 3]
-    assert all(r["mesh"] == {"slices": 1, "data": 16, "fsdp": 1, "expert": 1, "model": 1} for r in hosts)
+    assert all(r["mesh"] == {"slices": 1, "data": 16, "fsdp": 1, "expert": 1, "context": 1, "model": 1} for r in hosts)
     assert [r["batch_rows"] for r in hosts] == [[0, 1, 6, 15], [2, 3, 4, 5], [7, 12, 13, 14], [8, 9, 10, 11]]
     assert [r["pipelines"] for r in hosts] == [[4, i] for i in range(4)]
     assert_trains_like_one_device(one, hosts)

@@ -65,7 +65,7 @@ def test_info_shows_each_hosts_rows_of_the_batch_as_the_slice_lays_them_out(info
     assert "mesh        data=8 x model=2 (jax engine)" in table, table
     assert "ring hops   data 2.00, model 1.00" in table, table  # the model axis on neighbours
     sliced = json.loads(info_calls["multislice"].stdout)
-    assert sliced["hosts"] == 4 and sliced["mesh"] == {"slices": 2, "data": 4, "fsdp": 2, "expert": 1, "model": 1}
+    assert sliced["hosts"] == 4 and sliced["mesh"] == {"slices": 2, "data": 4, "fsdp": 2, "expert": 1, "context": 1, "model": 1}
     rows = [set(h["batch_rows"]) for h in sliced["by_host"]]
     assert rows[0] | rows[1] == set(range(8)) and rows[2] | rows[3] == set(range(8, 16))
     assert "replicas 4-7" in info_calls["tf"].stdout  # TPUStrategy: host by host

@@ -63,7 +63,7 @@ def test_the_parallelism_guides_mesh_example_lays_out_checks_accumulates_and_pla
     # The user's plan is the CLI's plan of the same model registered as a builder.
     plan = r["PLAN"]
     assert plan["user"] == plan["cli"] and plan["printed"], plan
-    assert plan["user"]["mesh"] == {"data": 8, "fsdp": 2, "expert": 1, "model": 2}
+    assert plan["user"]["mesh"] == {"data": 8, "fsdp": 2, "expert": 1, "context": 1, "model": 2}
     assert plan["user"]["sent_per_step"]["model_all_reduce"] > 0
     # measure=True compiles the sharded step here and gives the compiler's figures beside the plan.
     measure = r["MEASURE"]

@@ -52,11 +52,11 @@ def defaults() -> ml_collections.ConfigDict:
     # Keras 3 on TensorFlow ('tf', tf.distribute) or on JAX ('jax', keras.distribution).
     config.engine = "tf"
 
-    # Devices as a (data, fsdp, expert, model) grid; all but data need the jax engine. -1: the
-    # devices the other axes leave (docs/parallelism.md).
+    # Devices as a (data, fsdp, expert, context, model) grid; all but data need the jax engine.
+    # -1: the devices the other axes leave (docs/parallelism.md).
     config.mesh = dict(
         # TPU slices joined by the data-center network (multislice, jax engine): data
-        # parallel across them, data x fsdp x expert x model inside each
+        # parallel across them, data x fsdp x expert x context x model inside each
         # (docs/running_on_a_tpu_pod.md, "Several slices").
         slices=1,
         data=-1,  # splits the batch
@@ -66,6 +66,9 @@ def defaults() -> ml_collections.ConfigDict:
         # Splits the batch, and a mixture of experts' experts by the family's layout rules
         # (expert parallelism: each device holds experts / expert of them).
         expert=1,
+        # Splits each sequence's tokens (context parallelism: attention gathers the keys and
+        # values along it; a language model's context_length must divide by it).
+        context=1,
         model=1,  # splits weights by the builder's layout rules (tensor parallelism)
     )
 
@@ -313,6 +316,13 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise UserError(f"train.remat={train.remat!r} is not one of "
                         f"{', '.join(map(repr, REMAT_MODES))}{closest(train.remat, REMAT_MODES)}")
     length = config.model.get("context_length", 0)
+    context = config.mesh.get("context", 1)
+    if context > 1 and not length:
+        raise UserError(f"mesh.context={context} splits a language model's sequences, and model "
+                        f"{config.model.get('name')!r} has no model.context_length; drop mesh.context")
+    if context > 1 and length % context:
+        raise UserError(f"mesh.context={context} does not divide the sequence's {length} tokens "
+                        "(model.context_length); pick a divisor of it")
     if train.loss_chunks > 1 and length and length % train.loss_chunks:
         raise UserError(f"train.loss_chunks={train.loss_chunks} does not divide the sequence's "
                         f"{length} tokens (model.context_length); pick a divisor of it")

@@ -65,7 +65,7 @@ model, cluster = built_from_shared_init(config, "jax", init_path)
 
 by_name = {f"{d.platform}:{d.id}": d for d in jax.devices()}
 grid = np.vectorize(by_name.__getitem__, otypes=[object])(cluster.device_mesh.devices)
-rows = mesh_lib.batch_rows(grid, cluster.mesh["model"])
+rows = mesh_lib.batch_rows(grid, mesh_lib.row_devices(cluster.mesh))
 mine = mesh_lib.feed_rows(rows, global_batch)[jax.process_index()]
 local = tf.data.Dataset.from_tensor_slices((inputs[:, mine], targets[:, mine])).repeat()
 # JAX places this host's rows where `feed_rows` says: the first global batch, as the mesh splits it.

@@ -39,7 +39,7 @@ from tpu_keras.cluster.record import Cluster  # noqa: E402
 from tpu_keras.models import segments, splash_attention  # noqa: E402
 from tpu_keras.parallelism import mesh as mesh_lib  # noqa: E402
 
-SIZES = {"data": 2, "fsdp": 2, "expert": 1, "model": 2}
+SIZES = {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "model": 2}
 mesh = keras.distribution.DeviceMesh(tuple(SIZES[a] for a in mesh_lib.AXES), mesh_lib.AXES,
                                      jax.devices())
 keras.distribution.set_distribution(keras.distribution.ModelParallel(

@@ -54,12 +54,12 @@ def check(chips, slices: int, mesh: tuple) -> tuple[str, bool]:
     grid = mesh_lib.device_grid(chips, slices, *mesh)
     if grid.shape != (slices * mesh[0], *mesh[1:]) or len({d.id for d in grid.flat}) != len(chips):
         return f"grid {grid.shape} does not hold every chip once", False
-    rows = mesh_lib.batch_rows(grid, mesh[-1])
+    rows = mesh_lib.batch_rows(grid, mesh[-2] * mesh[-1])  # context x model
     pipelines = mesh_lib.pipelines(rows)
     count = {n for n, _ in pipelines.values()}
     if len(count) != 1:
         return f"hosts disagree on the number of pipelines: {count}", False
-    row_count = slices * int(np.prod(mesh[:-1]))  # data x fsdp x expert
+    row_count = slices * int(np.prod(mesh[:-2]))  # data x fsdp x expert
     global_batch = row_count * EXAMPLES_PER_ROW
     per_host = global_batch // count.pop()
     positions = mesh_lib.feed_rows(rows, global_batch)

@@ -4,7 +4,7 @@
 builds the strategy that fits (`tf_engine`): with `strategy='auto'`, in
 order, a TPU, TF_CONFIG multi-worker, several local devices (mirrored), one
 device. On the jax engine it joins the run's processes and lays the devices
-out on the `(data, fsdp, expert, model)` mesh (`jax_engine`). Only the chosen engine's
+out on the `(data, fsdp, expert, context, model)` mesh (`jax_engine`). Only the chosen engine's
 module is imported. Everything above this package sees a `Cluster` and never
 asks which of those it got.
 """

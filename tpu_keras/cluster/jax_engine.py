@@ -63,7 +63,7 @@ def connect(config, mesh_config, refit_mesh: int = 0) -> Cluster:
     device_mesh = keras.distribution.DeviceMesh(
         grid.shape, mesh_lib.AXES, [_name(d) for d in grid.flat])
     batch_splits = mesh_lib.batch_splits(mesh)
-    rows = mesh_lib.batch_rows(grid, mesh["model"])
+    rows = mesh_lib.batch_rows(grid, mesh_lib.row_devices(mesh))
     pipelines, index = mesh_lib.input_pipelines(rows, jax.process_index())
     if simulated:
         logging.info("jax: %s laid out as on a %s; this host feeds batch rows %s",

@@ -50,7 +50,7 @@ import keras
 
 from tpu_keras.errors import UserError
 from tpu_keras.models import expert_lora
-from tpu_keras.parallelism.mesh import BATCH_AXES
+from tpu_keras.parallelism.mesh import BATCH_AXES, CONTEXT
 
 EXPERT = "expert"
 BUSIEST, DROPPED = "experts_busiest", "experts_dropped"  # the log keys of the experts' load
@@ -500,7 +500,8 @@ def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: in
     if mesh is None or math.prod(mesh.shape.values()) == 1:
         return _local(tokens, weights, experts, bank, activation=activation, num_experts=num_experts,
                       capacity_factor=capacity_factor, axes=None, tiled=tiled)
-    batch_axes = tuple(dict.fromkeys(axis for axis in (*BATCH_AXES, EXPERT) if axis in mesh.shape))
+    # The tokens, flattened from (batch, length): the batch's axes, then the sequence's.
+    batch_axes = tuple(dict.fromkeys(axis for axis in (*BATCH_AXES, EXPERT, CONTEXT) if axis in mesh.shape))
     by_expert = EXPERT if mesh.shape.get(EXPERT, 1) > 1 else None
     units = "model" if mesh.shape.get("model", 1) > 1 else None
     rows = PartitionSpec(batch_axes)

@@ -40,7 +40,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec
 
 from tpu_keras.models import families, segments as segments_lib
-from tpu_keras.parallelism.mesh import BATCH_AXES
+from tpu_keras.parallelism.mesh import BATCH_AXES, CONTEXT
 
 LANES = 128  # the kernel's blocks along the sequence are multiples of this
 # Below this length the kernel cost HBM instead of saving it: compiled for a v5litepod-8, a
@@ -160,9 +160,36 @@ def _attention(fallback, adapter, query, key, value, attention_mask=None, *, lay
         return kernel(query, key, value, segments)
     mesh = distribution.device_mesh.backend_mesh
     heads = "model" if query.shape[2] % mesh.shape["model"] == 0 else None
+    if mesh.shape.get(CONTEXT, 1) > 1:
+        if (query.shape[1] // mesh.shape[CONTEXT]) % LANES:  # each device's queries in whole tiles
+            return fallback(query, key, value, attention_mask, **kwargs)
+        return _split_sequence(query, key, value, segments, mesh, heads, settings.window, interpret)
     rows = PartitionSpec(BATCH_AXES, None, heads, None)
     return jax.shard_map(kernel, mesh=mesh, in_specs=(rows, rows, rows, PartitionSpec(BATCH_AXES)),
                          out_specs=rows, check_vma=False)(query, key, value, segments)
+
+
+def _split_sequence(query, key, value, segments, mesh, heads, window, interpret):
+    """The kernel on a sequence split over `context` (`models.context_attention`): each device
+    its own queries against every key and value of the sequence, gathered along the axis,
+    the mask's rows of its queries (the kernel's `q_seq_shards`, its mask split alike)."""
+    context = mesh.shape[CONTEXT]
+    local_heads = query.shape[2] // (mesh.shape["model"] if heads else 1)
+    splash = _kernel(query.shape[1], local_heads, window, interpret, q_seq_shards=context)
+    kernel_spec = splash.manual_sharding_spec(jax.sharding.NamedSharding(mesh, PartitionSpec(None, CONTEXT)))
+    queries = PartitionSpec(BATCH_AXES, CONTEXT, heads, None)
+    whole = PartitionSpec(BATCH_AXES, None, heads, None)
+
+    def local(splash, q, k, v, q_ids, kv_ids):
+        def one_row(q, k, v, q_ids, kv_ids):
+            return splash(q, k, v, segment_ids=splash_attention_kernel.SegmentIds(q=q_ids, kv=kv_ids))
+        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+        out = jax.vmap(one_row)(heads_first(q), heads_first(k), heads_first(v), q_ids, kv_ids)
+        return heads_first(out).astype(q.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(kernel_spec, queries, whole, whole,
+                                                     PartitionSpec(BATCH_AXES, CONTEXT), PartitionSpec(BATCH_AXES)),
+                         out_specs=queries, check_vma=False)(splash, query, key, value, segments, segments)
 
 
 def mask(length: int, window: Optional[int]):
@@ -173,16 +200,21 @@ def mask(length: int, window: Optional[int]):
     return splash_attention_mask.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
 
 
-def _local(query, key, value, segments, *, window, interpret):
-    """One device's rows and heads: (batch, length, heads, head_dim) in and out."""
-    length, heads = query.shape[1], query.shape[2]
-    block = next(size for size in BLOCKS if length % size == 0)
+def _kernel(length: int, heads: int, window, interpret, q_seq_shards: int = 1):
+    """The kernel for `heads` heads of a sequence of `length` (its mask's rows split in
+    `q_seq_shards`, for a sequence split over devices)."""
+    block = next(size for size in BLOCKS if (length // q_seq_shards) % size == 0)
     mask_all = splash_attention_mask.MultiHeadMask([mask(length, window)] * heads)
     sizes = splash_attention_kernel.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = splash_attention_kernel.make_splash_mha(
-        mask_all, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    return splash_attention_kernel.make_splash_mha(
+        mask_all, block_sizes=sizes, head_shards=1, q_seq_shards=q_seq_shards, interpret=interpret)
+
+
+def _local(query, key, value, segments, *, window, interpret):
+    """One device's rows and heads: (batch, length, heads, head_dim) in and out."""
+    kernel = _kernel(query.shape[1], query.shape[2], window, interpret)
 
     def one_row(q, k, v, ids):
         return kernel(q, k, v, segment_ids=splash_attention_kernel.SegmentIds(q=ids, kv=ids))

@@ -81,12 +81,22 @@ def check(config) -> None:
                             f"data.{wanted}.{data_section.WHERE[wanted]} to train with "
                             f"{objective.name.upper()}")
     chosen.check(config)
+    _check_context(config, chosen)
+
+
+def _check_context(config, chosen) -> None:
+    context = config.mesh.get("context", 1)
+    if context > 1 and not chosen.splits_sequences:
+        raise UserError(f"mesh.context={context} splits the sequences of a batch, and "
+                        f"{chosen.name.upper()} does not train on its rows as sequences yet; drop "
+                        "mesh.context, or split the batch (mesh.data, mesh.fsdp)")
 
 
 def check_registered(config) -> Objective:
     """The objective of a config whose `model.imports` are imported: checked like any other."""
     chosen = of(config)
     chosen.check(config)
+    _check_context(config, chosen)
     return chosen
 
 

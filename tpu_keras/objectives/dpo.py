@@ -12,6 +12,7 @@ from tpu_keras.objectives.objective import Objective
 
 class DirectPreferenceOptimization(Objective):
     name = "dpo"
+    splits_sequences = False  # its rows are one token longer than the model's
     data_kinds = ("preferences",)
     chosen_for = ("preferences",)
     section = "dpo"

@@ -13,6 +13,7 @@ from tpu_keras.objectives.objective import Objective
 
 class GroupRelativePolicyOptimization(Objective):
     name = "grpo"
+    splits_sequences = False  # its rows are one token longer than the model's
     data_kinds = ("prompts",)
     chosen_for = ("prompts",)
     section = "grpo"

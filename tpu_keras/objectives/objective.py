@@ -32,6 +32,9 @@ class Objective:
     # Whether the planner compiles the wrapped model's step (GRPO's clipped loss) rather than
     # the language model's own over `sequences_per_example` times the rows (DPO's pairs).
     plans_its_wrapper = False
+    # Whether its batches are sequences `mesh.context` may split (DPO's pairs and GRPO's
+    # sampled rows are one token longer than the model's and cut inside its model).
+    splits_sequences = True
     # What a non-finite step's error suggests besides lowering the learning rate.
     nonfinite_hint = ("check the data, or set train.on_nonfinite='restore_and_skip' to leave such "
                       "batches out")

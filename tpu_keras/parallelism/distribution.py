@@ -19,11 +19,13 @@ checks each dimension's entry as one axis name, while JAX's
 engine has nothing to set: Keras 3's TensorFlow backend ignores layouts.
 """
 
+# Imported inside functions: Keras's private distribution_lib, where its one function is
+# replaced (`_place_each_tensor_of_a_structure`), not read by anything else here.
 import re
 
 import keras
 
-from tpu_keras.parallelism.mesh import BATCH_AXES
+from tpu_keras.parallelism.mesh import BATCH_AXES, CONTEXT
 from tpu_keras.parallelism.rules import Placer, dtype_name
 
 # The outputs of keras-hub's MoE blocks (with the router's: flattened tokens) and of the layers in
@@ -88,8 +90,14 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
 
     def vocabulary_layout(self) -> keras.distribution.TensorLayout | None:
         """With `layout.split_logits` (`models.vocabulary_split`): logits split over the
-        vocabulary, across fsdp; else None."""
-        return _Layout((None, None, "fsdp"), self.device_mesh) if self.placer.split_logits else None
+        vocabulary, across fsdp (and their tokens over `context`); else None."""
+        if not self.placer.split_logits:
+            return None
+        return _Layout((None, self._sequence(), "fsdp"), self.device_mesh)
+
+    def _sequence(self):
+        """The mesh axis a sequence is split over: `context` where it is above 1, else None."""
+        return CONTEXT if self.placer.mesh.get(CONTEXT, 1) > 1 else None
 
     def free_outputs(self, paths) -> None:
         """Leaves the outputs of the layers at `paths` to XLA: the logits' way to their split."""
@@ -100,7 +108,11 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         return _Layout(placement.axes or (None,) * len(variable.shape), self.device_mesh)
 
     def get_data_layout(self, data_shape):
-        return _Layout((BATCH_AXES,) + (None,) * (len(data_shape) - 1), self.device_mesh)
+        """The batch over `BATCH_AXES`; a sequence's tokens (the second dimension) over
+        `context` where the mesh splits them."""
+        sequence = (self._sequence(),) if len(data_shape) > 1 else ()
+        return _Layout((BATCH_AXES,) + sequence + (None,) * (len(data_shape) - 1 - len(sequence)),
+                       self.device_mesh)
 
     def get_tensor_layout(self, path):
         """Every layer's output keeps the batch split, when weights are split over fsdp alone.
@@ -110,8 +122,10 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         activations' features instead of gathering the weight, and then
         reshuffle and all-reduce activations: several times the memory and
         the traffic FSDP should cost (seen in the compiled step, docs/parallelism.md,
-        "The check paid for itself"). With a model axis, layer outputs are split over
-        it by the rules, so only the batch could be named; left to XLA. Inside a mixture
+        "The check paid for itself"). With a `context` axis, the tokens too (every layer's
+        output holds a sequence along its second dimension). With a model axis, layer
+        outputs are split over it by the rules, so only the batch could be named; left to
+        XLA. Inside a mixture
         of experts' block and in its outputs (gpt-oss's router scores) the tokens are
         flattened, of a length Keras's shape inference leaves unknown, and `models.moe`
         places them itself: left to it.
@@ -119,6 +133,8 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         mesh = self.placer.mesh
         if path in self.vocabulary_outputs or _INSIDE_EXPERTS.search(path):
             return None
-        if path.endswith("/output") and mesh.get("fsdp", 1) > 1 and mesh.get("model", 1) == 1:
-            return _Layout((BATCH_AXES,), self.device_mesh)
+        split = mesh.get("fsdp", 1) > 1 or mesh.get(CONTEXT, 1) > 1
+        if path.endswith("/output") and split and mesh.get("model", 1) == 1:
+            sequence = self._sequence()
+            return _Layout((BATCH_AXES,) + ((sequence,) if sequence else ()), self.device_mesh)
         return None

@@ -1,25 +1,28 @@
 """The device mesh: `config.mesh = {'slices': S, 'data': -1, 'fsdp': F, 'expert': E,
-'model': M}` resolved against devices.
+'context': C, 'model': M}` resolved against devices.
 
-Four named axes inside a slice. `data`, `fsdp` and `expert` all split the
+Five named axes inside a slice. `data`, `fsdp` and `expert` all split the
 batch; `fsdp` also splits every large weight (and its gradient and optimizer
 state), which each layer all-gathers when it runs (fully-sharded data
 parallelism); `expert` also splits a mixture-of-experts layer's experts
 (expert parallelism, as MaxText does: outside those layers it is one more
 batch split; inside, each device holds E / expert of the experts and the
 tokens are exchanged along it, `models.moe`), by the family's layout rules;
-`model` splits weights by the builder's layout rules (tensor parallelism, see
-`parallelism.rules`). `model` is the last axis, so that JAX lays it on
-neighbouring chips. -1 means "all the devices the other axes leave". On
-the tf engine `fsdp`, `expert` and `model` must be 1: Keras 3's TensorFlow
-backend ignores layouts (keras-team/keras#18473).
+`context` splits each sequence (context parallelism: every activation holds
+its share of the tokens, and attention gathers the keys and values along it,
+`models.context_attention`); `model` splits weights by the builder's layout
+rules (tensor parallelism, see `parallelism.rules`). `context` and `model`
+are the last axes, so that JAX lays them on neighbouring chips. -1 means
+"all the devices the other axes leave". On the tf engine `fsdp`, `expert`,
+`context` and `model` must be 1: Keras 3's TensorFlow backend ignores
+layouts (keras-team/keras#18473).
 
 `slices` (default 1) is data parallelism across TPU slices, which only the
 data-center network (DCN) joins, far slower than the chip interconnect
 inside a slice. So slices carry whole replicas of the weights and exchange
 only the gradients' all-reduce: `data`, `fsdp`, `expert` and `model` are
-each slice's shape, there are `slices x data x fsdp x expert x model`
-devices, and the device mesh Keras sees keeps the four axes of `AXES`,
+each slice's shape, there are `slices x data x fsdp x expert x context x
+model` devices, and the device mesh Keras sees keeps the five axes of `AXES`,
 slices folded into the outer part of `data` (`device_grid`). A layout rule
 may not name `slices`, nor `data` when it spans slices.
 """
@@ -30,13 +33,14 @@ import math
 
 from tpu_keras.errors import UserError, first_line
 
-# The device mesh's axes, as Keras and JAX name them, outermost first: `model` last, where
-# JAX puts neighbouring chips.
-AXES = ("data", "fsdp", "expert", "model")
+# The device mesh's axes, as Keras and JAX name them, outermost first: `context` and `model`
+# last, where JAX puts neighbouring chips.
+AXES = ("data", "fsdp", "expert", "context", "model")
 BATCH_AXES = ("data", "fsdp", "expert")  # the axes the batch is split over (outside the experts)
+CONTEXT = "context"  # the axis the sequence is split over
 SLICES = "slices"  # data parallelism across slices: folded into the device mesh's `data`
-_DEFAULTS = {SLICES: 1, "data": -1, "fsdp": 1, "expert": 1, "model": 1}
-_SCHEMA = "{'slices': S, 'data': -1, 'fsdp': F, 'expert': E, 'model': M}"
+_DEFAULTS = {SLICES: 1, "data": -1, "fsdp": 1, "expert": 1, "context": 1, "model": 1}
+_SCHEMA = "{'slices': S, 'data': -1, 'fsdp': F, 'expert': E, 'context': C, 'model': M}"
 
 
 def check(mesh_config, engine: str = "jax") -> dict[str, int]:
@@ -81,9 +85,15 @@ def batch_splits(mesh: dict[str, int]) -> int:
     return mesh.get(SLICES, 1) * math.prod(mesh.get(axis, 1) for axis in BATCH_AXES)
 
 
+def row_devices(mesh: dict[str, int]) -> int:
+    """The devices that hold the same examples (one batch row): context x model."""
+    return mesh.get(CONTEXT, 1) * mesh.get("model", 1)
+
+
 def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int]:
-    """Returns `{'slices': S, 'data': D, 'fsdp': F, 'expert': E, 'model': M}` with
-    S x D x F x E x M == num_devices (D, F, E, M: each slice's shape), or a one-line error."""
+    """Returns `{'slices': S, 'data': D, 'fsdp': F, 'expert': E, 'context': C, 'model': M}`
+    with S x D x F x E x C x M == num_devices (D, F, E, C, M: each slice's shape), or a
+    one-line error."""
     mesh = check(mesh_config, engine)
     slices = mesh[SLICES]
     if num_devices % slices:
@@ -102,7 +112,7 @@ def resolve(mesh_config, num_devices: int, engine: str = "jax") -> dict[str, int
     elif fixed != per_slice:
         raise UserError(f"mesh={mesh} needs {fixed * slices} devices but there are {num_devices}; "
                         "set mesh.data=-1 to use them all")
-    for axis in ("model", "fsdp", "expert"):
+    for axis in ("model", "fsdp", "expert", CONTEXT):
         if engine == "tf" and mesh[axis] > 1:
             raise UserError(f"mesh.{axis}={mesh[axis]} needs the jax engine (--config.engine=jax): "
                             "Keras 3's TensorFlow backend ignores layouts (keras-team/keras#18473)")
@@ -114,20 +124,23 @@ def refit(mesh_config, num_devices: int, batch: int) -> dict[str, int]:
     of a pod, or on a larger one): one slice; `model`, `expert` and `fsdp` as large as both
     the run's and these devices allow (`expert` and `fsdp` also dividing the global `batch`,
     which they split), so that every layout rule still divides the weights it splits; then
-    as much `data` as the devices left and the batch allow. It may use fewer devices than
-    there are (the first ones)."""
+    as much `data` as the devices left and the batch allow; `context` as large as the run's
+    and the devices left allow. It may use fewer devices than there are (the first ones)."""
     mesh = check(mesh_config, "jax")
     model = math.gcd(max(mesh["model"], 1), num_devices)
-    expert = math.gcd(max(mesh["expert"], 1), num_devices // model, batch)
-    fsdp = math.gcd(max(mesh["fsdp"], 1), num_devices // (model * expert), batch // expert)
-    data = math.gcd(num_devices // (model * expert * fsdp), batch // (expert * fsdp))
-    return {SLICES: 1, "data": data, "fsdp": fsdp, "expert": expert, "model": model}
+    context = math.gcd(max(mesh[CONTEXT], 1), num_devices // model)
+    rest = num_devices // (model * context)
+    expert = math.gcd(max(mesh["expert"], 1), rest, batch)
+    fsdp = math.gcd(max(mesh["fsdp"], 1), rest // expert, batch // expert)
+    data = math.gcd(rest // (expert * fsdp), batch // (expert * fsdp))
+    return {SLICES: 1, "data": data, "fsdp": fsdp, "expert": expert, CONTEXT: context, "model": model}
 
 
 def describe(mesh: dict[str, int]) -> str:
-    """'data=4 x model=2', with slices, fsdp and expert named only when they split something."""
+    """'data=4 x model=2', with slices, fsdp, expert and context named only when they split
+    something."""
     named = [SLICES] * (mesh.get(SLICES, 1) > 1) + [
-        a for a in AXES if a not in ("fsdp", "expert") or mesh.get(a, 1) > 1]
+        a for a in AXES if a not in ("fsdp", "expert", CONTEXT) or mesh.get(a, 1) > 1]
     return " x ".join(f"{axis}={mesh[axis]}" for axis in named)
 
 
@@ -139,16 +152,16 @@ def grid_of(devices, mesh: dict[str, int], chips=None):
 
 
 def device_grid(devices, slices: int, *shape: int, chips=None):
-    """The devices as a `(slices * data, fsdp, expert, model)` array, where `shape` is one
-    slice's `data, fsdp, expert, model` (the sizes of `AXES`, in order; `grid_of` reads them
-    from a mesh): rows `s * data` to `(s + 1) * data - 1` are slice `s`, each slice a
-    `shape` block.
+    """The devices as a `(slices * data, fsdp, expert, context, model)` array, where `shape`
+    is one slice's `data, fsdp, expert, context, model` (the sizes of `AXES`, in order;
+    `grid_of` reads them from a mesh): rows `s * data` to `(s + 1) * data - 1` are slice
+    `s`, each slice a `shape` block.
 
     On a TPU, JAX's own helpers lay each slice out on the chips' physical
     coordinates (`mesh_utils.create_device_mesh`: the last axes, where
     collectives are most frequent, on neighbouring chips) and put slices on the
     outer data axis (`create_hybrid_device_mesh` with a DCN shape of
-    `(slices, 1, 1, 1)`). That order interleaves hosts: a host's chips may hold
+    `(slices, 1, 1, 1, 1)`). That order interleaves hosts: a host's chips may hold
     rows far apart, which `input_pipelines` and `feed_rows` allow for.
     On a pod the launcher simulates (`launch --tpu`), `chips` is libtpu's
     description of that slice (`cluster.libtpu`): the grid is laid out on it
@@ -209,11 +222,12 @@ def _torus_grid(chips, slices: int, shape):
 
 def _nearest_buildable(build, shape) -> str:
     """The mesh of the same devices closest to `shape` (one slice's sizes of `AXES`) that
-    `build` lays out, as flags. The expert size stays as asked: it must divide the experts."""
-    expert = shape[AXES.index("expert")]
-    devices = math.prod(shape) // expert
+    `build` lays out, as flags. The expert and context sizes stay as asked: they must divide
+    the experts and the sequence."""
+    expert, context = shape[AXES.index("expert")], shape[AXES.index(CONTEXT)]
+    devices = math.prod(shape) // (expert * context)
     divisors = [n for n in range(1, devices + 1) if devices % n == 0]
-    candidates = [(devices // (f * m), f, expert, m) for f in divisors for m in divisors
+    candidates = [(devices // (f * m), f, expert, context, m) for f in divisors for m in divisors
                   if (devices // f) % m == 0]
     def distance(candidate):
         return sum(abs(math.log(a / b)) for a, b in zip(candidate, shape))
@@ -251,11 +265,11 @@ def slice_of_row(row: int, mesh: dict[str, int]) -> int:
     return row // mesh["data"]
 
 
-def batch_rows(grid, model: int) -> dict[int, tuple[int, ...]]:
+def batch_rows(grid, per_row: int) -> dict[int, tuple[int, ...]]:
     """{process: the batch rows its devices hold}, ascending. A row is one of the batch's
-    `data x fsdp x expert` splits (one per row of the grid with those flattened); the
-    `model` devices of a row hold the same examples."""
-    rows = grid.reshape(-1, model)
+    `data x fsdp x expert` splits (one per row of the grid with those flattened); its
+    `per_row` devices (context x model, `row_devices`) hold the same examples."""
+    rows = grid.reshape(-1, per_row)
     held = {}
     for index, row in enumerate(rows):
         for device in row:

@@ -35,12 +35,12 @@ import re
 from typing import Iterable, Optional, Sequence
 
 from tpu_keras.errors import UserError, closest
-from tpu_keras.parallelism.mesh import SLICES
+from tpu_keras.parallelism.mesh import CONTEXT, SLICES
 
-# Axes that split only the batch: a large weight on a mesh of these alone needs no rule.
-# Not `expert`: it splits the batch too, but also a mixture of experts' experts, by the
-# family's rules, so above 1 every large weight needs a rule.
-_BATCH_ONLY = (SLICES, "data", "fsdp")
+# Axes that split only the batch (and `context`, its sequences): a large weight on a mesh of
+# these alone needs no rule. Not `expert`: it splits the batch too, but also a mixture of
+# experts' experts, by the family's rules, so above 1 every large weight needs a rule.
+_BATCH_ONLY = (SLICES, "data", "fsdp", CONTEXT)
 
 # Weights this large (elements) must be covered by a rule: 65,536 is a 256x256 kernel.
 REPLICATE_BELOW = 65_536
@@ -129,6 +129,10 @@ class Placer:
         self._placed: dict[tuple[str, tuple[int, ...]], Placement] = {}
         for rule in self.rules:
             refuse_across_slices(rule, self.mesh)
+            if CONTEXT in rule.axes:
+                raise UserError(f"layout rule '{rule.pattern}' splits weights over mesh axis "
+                                f"{CONTEXT!r}, which splits sequences, not weights; split them over "
+                                "'fsdp' or 'model'")
             unknown = [a for a in rule.axes if a is not None and a not in self.mesh]
             if unknown:
                 raise UserError(f"layout rule '{rule.pattern}' names mesh axis {unknown[0]!r}; "

@@ -23,8 +23,8 @@ tpu_keras.plan --measure`: the TPU compiler, `planning.tpu_compiler`, or
 XLA:CPU, `planning.compiled_step`).
 """
 
-# Imported inside functions: Keras, through models.grpo (the engine must be selected first:
-# engine.select).
+# Imported inside functions: Keras, through models.grpo and models.chunked_loss (the engine must
+# be selected first: engine.select).
 import math
 
 import jax
@@ -49,9 +49,13 @@ def abstract_inputs(model, batch: int):
 
 
 def loss_function(model, loss):
-    """loss(weights, state, x, y): the model's training loss as a pure function of its weights."""
+    """loss(weights, state, x, y): the model's training loss as a pure function of its weights
+    (a head split by `train.loss_chunks` gives each token's loss, as in a run's step)."""
+    from tpu_keras.models import chunked_loss
+
     def loss_of(weights, state, x, y):
-        logits, _ = model.stateless_call(weights, state, x, training=True)
+        with chunked_loss.targets(y):
+            logits, _ = model.stateless_call(weights, state, x, training=True)
         return loss(y, logits)
     return loss_of
 

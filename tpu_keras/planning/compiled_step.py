@@ -37,7 +37,7 @@ import tempfile
 from tpu_keras import cluster as cluster_lib
 from tpu_keras.cluster import engine
 from tpu_keras.errors import UserError
-from tpu_keras.parallelism.mesh import BATCH_AXES, batch_splits
+from tpu_keras.parallelism.mesh import batch_splits
 from tpu_keras.training import setup
 
 
@@ -91,13 +91,12 @@ def _analysis(model, config, batch_per_replica: int, slices: int = 1,
     """The compiled step's memory per device, by kind, and their sum at the step's peak."""
     import jax
     import keras
-    from jax.sharding import NamedSharding, PartitionSpec
     from tpu_keras.planning import activations, compiled_traffic
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
-    batch_sharding = NamedSharding(keras.distribution.distribution().device_mesh.backend_mesh,
-                                   PartitionSpec(BATCH_AXES))
-    batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=batch_sharding)
+    distribution = keras.distribution.distribution()  # as the trainer lays a batch out
+    batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                                       sharding=distribution.get_data_layout(spec.shape).backend_layout)
                   for spec in activations.abstract_inputs(model, rows))
     # What `fit` does first: build the compiled loss and metrics, whose variables are state.
     model._symbolic_build(data_batch=batch)

@@ -43,7 +43,7 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     footprint = Footprint(config)
     update_batch = config.train.batch_size * config.train.grad_accum_steps
     candidates, skipped = [], []
-    for mesh in meshes(found.devices, _expert(config)):
+    for mesh in meshes(found.devices, _kept(config, "expert"), _kept(config, mesh_lib.CONTEXT)):
         splits = mesh_lib.batch_splits(mesh) * slices
         if update_batch % splits:
             skipped.append({"mesh": mesh, "reason": f"the batch of {update_batch} does not divide "
@@ -118,25 +118,26 @@ def compiled_choice(config, slice_name: str, fitting: list[dict], count: int) ->
             "measured": (best or ranked[0])["measured"]}
 
 
-def meshes(devices: int, expert: int = 1) -> list[dict]:
-    """Every {'data', 'fsdp', 'expert', 'model'} whose product is `devices`, with `expert`
-    as given (none where it does not divide them)."""
-    if devices % expert:
+def meshes(devices: int, expert: int = 1, context: int = 1) -> list[dict]:
+    """Every {'data', 'fsdp', 'expert', 'context', 'model'} whose product is `devices`, with
+    `expert` and `context` as given (none where they do not divide them)."""
+    if devices % (expert * context):
         return []
-    devices //= expert
+    devices //= expert * context
     divisors = [n for n in range(1, devices + 1) if devices % n == 0]
-    return [{"data": devices // (fsdp * model), "fsdp": fsdp, "expert": expert, "model": model}
+    return [{"data": devices // (fsdp * model), "fsdp": fsdp, "expert": expert, "context": context,
+             "model": model}
             for fsdp in divisors for model in divisors if (devices // fsdp) % model == 0]
 
 
-def _expert(config) -> int:
-    """The config's `mesh.expert`, which every candidate keeps (-1, the devices left over,
-    is not searched either: 1)."""
-    return max(1, int(dict(config.mesh).get("expert", 1)))
+def _kept(config, axis: str) -> int:
+    """The config's `mesh.expert` or `mesh.context`, which every candidate keeps (-1, the
+    devices left over, is not searched either: 1)."""
+    return max(1, int(dict(config.mesh).get(axis, 1)))
 
 
 def _needs_jax(mesh: dict, slices: int) -> bool:
-    return slices > 1 or any(mesh.get(axis, 1) > 1 for axis in ("fsdp", "expert", "model"))
+    return slices > 1 or any(mesh.get(axis, 1) > 1 for axis in ("fsdp", "expert", "context", "model"))
 
 
 def flags(candidate: dict) -> str:

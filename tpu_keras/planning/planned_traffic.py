@@ -121,11 +121,14 @@ def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: in
     `placements` are the weights' (`parallelism.Placement`), `trainable` the
     paths that get gradients, `uses` the model's `weight_uses`, and
     `batch_per_replica` the examples each batch split holds per micro-batch.
-    `mesh` is one slice's (data, fsdp, expert, model) and `slices` how many there are;
-    `itemsizes` the bytes per element each weight is used in (`weight_uses`).
+    `mesh` is one slice's (data, fsdp, expert, context, model) and `slices` how many there
+    are; `itemsizes` the bytes per element each weight is used in (`weight_uses`). Each
+    device along `context` holds part of the same sequences, so a gradient is summed over
+    it too (what attention gathers along it is the compiler's to tell, `--measure`).
     """
     data, fsdp, model = mesh["data"], mesh["fsdp"], mesh["model"]
     expert = mesh.get("expert", 1)
+    data = data * mesh.get("context", 1)  # the gradients' all-reduce also spans the sequence split
     itemsizes = itemsizes or {}
     gathers = scatters = reductions = across = 0.0
     for p in placements:

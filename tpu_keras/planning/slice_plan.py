@@ -40,6 +40,7 @@ from tpu_keras.training import auto_values
 _ONE = (1,) * len(mesh_lib.AXES)  # one device: a size of 1 on every axis
 _MODEL = mesh_lib.AXES.index("model")
 _EXPERT = mesh_lib.AXES.index("expert")
+_CONTEXT = mesh_lib.AXES.index(mesh_lib.CONTEXT)
 
 
 class Footprint:
@@ -72,13 +73,17 @@ class Footprint:
     def activation_line(self, remat: str, mesh: tuple = _ONE) -> tuple[float, float]:
         """(constant, per example): the activation bytes per device at batch b are
         constant + b x per example. `mesh` (one slice's sizes of `AXES`) matters through its
-        model axis, which splits what tensor parallelism splits, and its expert axis, whose
-        devices each gather the axis's tokens for their own experts (`models.moe`)."""
+        model axis, which splits what tensor parallelism splits, its expert axis, whose
+        devices each gather the axis's tokens for their own experts (`models.moe`), and its
+        context axis, whose devices each hold their share of every sequence: counted as that
+        share of the activations (what attention gathers of the keys and values is the
+        compiler's to tell, `--measure`)."""
         from tpu_keras.planning import activations
         model_size = mesh[_MODEL]
         kept = tuple(size if axis in (_MODEL, _EXPERT) else 1 for axis, size in enumerate(mesh))
         if mesh != kept:
-            return self.activation_line(remat, kept)
+            constant, per_example = self.activation_line(remat, kept)
+            return constant / mesh[_CONTEXT], per_example / mesh[_CONTEXT]
         split = {}
         if model_size > 1:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
@@ -95,10 +100,11 @@ class Footprint:
         the slice routes it there (`models.splash_attention`), which keeps no scores."""
         import keras
         from tpu_keras import models
-        from tpu_keras.models import splash_attention
+        from tpu_keras.models import chunked_loss, splash_attention
         with keras.StatelessScope(initialize_variables=False):
             model = models.registry.made_with_remat(lambda: self.builder.make(**self.kwargs), remat,
                                                     self.config.model)
+        chunked_loss.attach(model, self.config.train.loss_chunks)  # the logits a piece at a time
         if self.config.engine == "jax":
             splash_attention.route_layers(model, one_device=True)
         return model
@@ -139,7 +145,7 @@ class Footprint:
 
     @functools.lru_cache(maxsize=None)
     def layout(self, mesh: tuple) -> dict:
-        """The layout report on `mesh` (data, fsdp, expert, model); a one-line error if the rules do not fit it."""
+        """The layout report on `mesh` (data, fsdp, expert, context, model); a one-line error if the rules do not fit it."""
         return layout_report.report_on(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model,
                                        self.optimizer)
 
@@ -203,7 +209,7 @@ def tpu_slices(config, tpu: str):
 
 
 def one_slice_mesh(config, found) -> dict:
-    """The config's per-slice (data, fsdp, expert, model) on one slice of `found`."""
+    """The config's per-slice (data, fsdp, expert, context, model) on one slice of `found`."""
     mesh_config = {k: v for k, v in dict(config.mesh).items() if k != mesh_lib.SLICES}
     resolved = mesh_lib.resolve(mesh_config, found.devices, config.engine)
     return {axis: resolved[axis] for axis in mesh_lib.AXES}  # the slices are the plan's own

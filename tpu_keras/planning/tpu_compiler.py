@@ -132,7 +132,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     many attention layers run splash attention)."""
     import keras
     from tpu_keras import models
-    from tpu_keras.models import chunked_loss, splash_attention
+    from tpu_keras.models import chunked_loss, context_attention, splash_attention
     from tpu_keras.parallelism import distribution
     from tpu_keras.training import auto_values, optimization
 
@@ -157,6 +157,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     with keras.StatelessScope(initialize_variables=False):  # variables without values
         model = models.build(config.model, remat=config.train.remat)
         chunked_loss.attach(model, config.train.loss_chunks)
+        context_attention.route(model, whole)
         routed = (splash_attention.route(model, cluster)
                   if attention == "auto" and step == "toolkit" else 0)
         placer.check(model.weights)
@@ -245,14 +246,14 @@ def _abstract_step_inputs(model, config, backend_mesh, batch_per_replica: int):
     hands them to the jitted step."""
     import jax
     import keras
-    from jax.sharding import NamedSharding, PartitionSpec
     from tpu_keras.planning import activations
 
     rows = batch_per_replica * batch_splits(config.mesh) * config.train.grad_accum_steps
-    split = NamedSharding(backend_mesh, PartitionSpec(BATCH_AXES))
-    batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=split)
-                  for spec in activations.abstract_inputs(model, rows))
     distribution = keras.distribution.distribution()
+    # As the trainer lays a batch out: its rows over BATCH_AXES, its tokens over `context`.
+    batch = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                                       sharding=distribution.get_data_layout(spec.shape).backend_layout)
+                  for spec in activations.abstract_inputs(model, rows))
     with keras.StatelessScope(initialize_variables=False):
         model._symbolic_build(data_batch=batch)  # the compiled loss and metrics, as fit does first
 

@@ -35,7 +35,7 @@ def layout_on_slice(config, tpu_type: str) -> dict:
                              for h in sorted(chips_of)]
         return result
     grid = mesh_lib.grid_of(chips, {**mesh, mesh_lib.SLICES: slices})
-    rows = mesh_lib.batch_rows(grid, mesh["model"])
+    rows = mesh_lib.batch_rows(grid, mesh_lib.row_devices(mesh))
     pipeline_of = mesh_lib.pipelines(rows)
     one_slice = grid[:mesh["data"]]  # ring hops inside a slice; slices meet over the DCN
     result["by_host"] = [{"host": h, "chips": chips_of[h], "batch_rows": list(rows[h]),

@@ -188,7 +188,10 @@ def build_model(config, cluster, builder=None, objective=None):
         logging.info("loss: the output head and cross-entropy in %d pieces of the sequence",
                      config.train.loss_chunks)
     if cluster.engine == "jax":
-        from tpu_keras.models import splash_attention
+        from tpu_keras.models import context_attention, splash_attention
+        if routed := context_attention.route(model, cluster.mesh):  # splash's fallback, where routed
+            logging.info("attention: each sequence split %d ways over context, keys and values "
+                         "gathered in %d layers", cluster.mesh["context"], routed)
         if routed := splash_attention.route(model, cluster):
             logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
     placer.check(model.weights)
