@@ -1,5 +1,6 @@
-"""What benchmark.py and accelerator_benchmark.py share: configs by name, the rate of
-`fit`'s executions, and the race of several models in turns.
+"""What benchmark.py and the scripts it runs share: configs by name, the rate of `fit`'s
+executions, a jitted function's median time, one TPU chip as libtpu describes it, and the
+race of several models in turns.
 
 No flags here: both scripts import it (benchmark.py defines the flags).
 """
@@ -13,6 +14,29 @@ def config_by_name(name):
     import importlib
     module, _, variant = name.partition(":")
     return importlib.import_module(module).get_config(variant or None)
+
+
+def median_seconds(function, arguments, seconds: float) -> float:
+    """The median time of `function(*arguments)` (a jitted JAX function) over `seconds`, at
+    least 3 calls, after one that compiles it."""
+    import jax
+    jax.block_until_ready(function(*arguments))  # compiled
+    times, started = [], time.perf_counter()
+    while time.perf_counter() - started < seconds or len(times) < 3:
+        began = time.perf_counter()
+        jax.block_until_ready(function(*arguments))
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def one_tpu_chip():
+    """A NamedSharding of one TPU v5e chip as libtpu describes it (no chip needed): what a
+    program is compiled for to read the TPU compiler's figures."""
+    import jax
+    import numpy as np
+    from tpu_keras.cluster import libtpu
+    chip = jax.sharding.Mesh(np.array(libtpu.devices("v5litepod-8")[:1]), ("one",))
+    return jax.sharding.NamedSharding(chip, jax.sharding.PartitionSpec())
 
 
 class TurnFailed(Exception):

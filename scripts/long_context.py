@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -77,24 +76,11 @@ def step_function(chunks: int, weights=None):
     return jax.jit(loss_and_gradients), (*state, x, y), model.get_weights()
 
 
-def median_seconds(function, arguments, seconds: float) -> float:
-    import jax
-    jax.block_until_ready(function(*arguments))
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < seconds or len(times) < 3:
-        began = time.perf_counter()
-        jax.block_until_ready(function(*arguments))
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def tpu_temporaries(function, arguments) -> int:
     """The step's temporaries compiled for one TPU v5e chip by libtpu (no chip needed)."""
     import jax
     import numpy as np
-    from tpu_keras.cluster import libtpu
-    chip = jax.sharding.Mesh(np.array(libtpu.devices("v5litepod-8")[:1]), ("one",))
-    whole = jax.sharding.NamedSharding(chip, jax.sharding.PartitionSpec())
+    whole = timing.one_tpu_chip()
     shaped = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=whole), arguments)
     return int(function.lower(*shaped).compile().memory_analysis().temp_size_in_bytes)
 
@@ -110,7 +96,7 @@ def main(argv):
     gap = lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     gradient_gap = max(gap(a, b) for a, b in zip(results["whole"][1], results["chunked"][1]))
     gradient_scale = max(float(np.max(np.abs(np.asarray(g)))) for g in results["whole"][1])
-    rates = timing.race({name: (lambda name=name: 1.0 / median_seconds(made[name], arguments,
+    rates = timing.race({name: (lambda name=name: 1.0 / timing.median_seconds(made[name], arguments,
                                                                        _SECONDS.value))
                          for name in made}, _ROUNDS.value)
     step = {name: 1.0 / statistics.median(rates[name]) for name in made}

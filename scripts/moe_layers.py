@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -77,26 +76,12 @@ def step_functions(layer, tokens: int):
     return made, (weights, x)
 
 
-def median_seconds(function, arguments, seconds: float) -> float:
-    import jax
-    jax.block_until_ready(function(*arguments))  # compiled
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < seconds or len(times) < 3:
-        began = time.perf_counter()
-        jax.block_until_ready(function(*arguments))
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def tpu_flops(layer, tokens: int) -> dict:
     """The forward layer's FLOPs by XLA's cost analysis, compiled for one TPU v5e chip."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from tpu_keras.cluster import libtpu
     from tpu_keras.models import moe
-    chip = jax.sharding.Mesh(np.array(libtpu.devices("v5litepod-8")[:1]), ("one",))
-    whole = jax.sharding.NamedSharding(chip, jax.sharding.PartitionSpec())
+    whole = timing.one_tpu_chip()
     shaped = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
     weights = [shaped(v.value) for v in layer.trainable_variables]
     x = jax.ShapeDtypeStruct((tokens, layer.hidden_dim), jnp.bfloat16, sharding=whole)
@@ -140,7 +125,7 @@ def measure(experts: int, top_k: int) -> dict:
     outputs = {name: made[name][1](*arguments) for name in made}
     import numpy as np
     gap = float(np.max(np.abs(np.asarray(outputs["dense"]) - np.asarray(outputs["sparse"]))))
-    rates = timing.race({name: (lambda name=name: 1.0 / median_seconds(made[name][0], arguments,
+    rates = timing.race({name: (lambda name=name: 1.0 / timing.median_seconds(made[name][0], arguments,
                                                                           _SECONDS.value))
                          for name in made}, _ROUNDS.value)
     step = {name: 1.0 / statistics.median(rates[name]) for name in made}
