@@ -27,13 +27,13 @@ def get_config(arg=None):
                         lora_targets="q_proj,v_proj", context_length=512)
     config.data.text.field = "text"  # each .jsonl line's text; data.text.files: the user's
     config.data.tokens.tokenizer = "preset"
-    config.mesh = dict(data=1, fsdp=1, model=8)
+    config.mesh.update(data=1, fsdp=1, model=8)
     config.train.update(batch_size=2, steps=1000, learning_rate=2e-4, warmup_steps=50,
                         precision="mixed_bfloat16", remat="activations", eval_every=200)
     config.checkpoint.every_steps = 200
     if arg == "full":
         config.model.lora_rank = 0
-        config.mesh = dict(data=1, fsdp=2, model=4)
+        config.mesh.update(data=1, fsdp=2, model=4)
         config.train.learning_rate = 2e-5
     elif arg not in (None, ""):
         raise ValueError(f"unknown variant {arg!r} of finetune; use '' or 'full'")

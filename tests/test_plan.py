@@ -27,6 +27,8 @@ GPT = ["--config=configs/lm_stdlib.py", "--tpu=v5litepod-8"]
 LLAMA_FSDP = ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", FLOAT32, "--config.engine=jax",
               "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.layout.replicate_below=4096",
               "--config.train.batch_size=8", "--measure", CPU, "--json"]
+LONG = ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-4", "--config.engine=jax",
+        "--config.train.batch_size=2", "--config.model.context_length=2048", "--margin=0.9993"]
 BAD_INPUTS = {
     "unknown-slice": (["--tpu=v4-31"], ["TPU slice 'v4-31' does not exist"]),
     "indivisible-batch": (["--tpu=v5p-64", "--config.train.batch_size=33"],
@@ -66,6 +68,13 @@ def plans():
                           "--config.model.context_length=512", "--json"],
         "llama_512_tf": ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-8", "--config.engine=tf",
                          "--config.model.context_length=512", "--json"],
+        # 2,048 tokens with 11.8 MB of HBM a device: one sequence's activations do not fit
+        # whole, and split over a context axis they do.
+        "long_auto": LONG + ["--auto", "--json"],
+        "long_whole": LONG + ["--config.mesh.data=2", "--config.mesh.model=2"],
+        "long_whole_json": LONG + ["--config.mesh.data=2", "--config.mesh.model=2", "--json"],
+        "long_split_json": LONG + ["--config.mesh.data=1", "--config.mesh.context=2",
+                                   "--config.mesh.model=2", "--json"],
         "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
                          "--config.model.depth=1", "--auto"],
         **{f"bad:{name}": (args if args[0].startswith("--config=") else ["--config=configs/lm_stdlib.py", *args])
@@ -197,6 +206,27 @@ def test_each_call_of_a_shared_program_keeps_its_own_residuals():
 
 
 @pytest.mark.slow
+def test_auto_splits_a_sequence_only_when_nothing_fits_whole(plans):
+    """`--auto` searches data x fsdp x model first and a context axis only when no whole
+    sequence fits; the plain plan says that one sequence's activations are what does not fit."""
+    auto = json.loads(plans["long_auto"].stdout)
+    by_context = {}
+    for c in auto["candidates"]:
+        by_context.setdefault(c["mesh"]["context"], []).append(c["fits"])
+    assert not any(by_context[1]) and any(by_context[2]), by_context
+    assert set(by_context) == {1, 2}  # it stopped at the first size that fits
+    assert "--config.mesh.context=2" in auto["flags"], auto["flags"]
+    # a device along context sends its share of the sequences over the model axis: half of
+    # each of 2 sequences (data=1 x context=2) is one whole sequence (data=2)
+    split, whole = (json.loads(plans[name].stdout)["sent_per_step"]["model_all_reduce"]
+                    for name in ("long_split_json", "long_whole_json"))
+    assert split == whole > 0, (split, whole)
+    whole = plans["long_whole"].stdout
+    assert "fits: NO" in whole and "one sequence's activations" in whole, whole[-1500:]
+    assert "mesh.context" in whole and "alone fill HBM" not in whole, whole[-1500:]
+
+
+@pytest.mark.slow
 def test_nothing_fits_exits_1(plans):
     result = plans["nothing_fits"]
     assert result.returncode == 1 and "nothing fits" in result.stdout, result.stdout[-2000:]
@@ -218,12 +248,14 @@ def test_pure_fsdp_gathers_weights_not_activations(measured):
 def test_blocks_remat_keeps_each_blocks_input_alone_and_gathers_its_weights_again(measured, plans):
     """train.remat='blocks' (models.block_remat) under fsdp: the compiled step keeps less, as
     each block's activations and gathered weights are made again in the backward pass, and
-    so gathers the blocks' weights twice; the plan counts the block inputs alone."""
+    so gathers the blocks' weights twice; the plan counts the block inputs and one block's
+    insides."""
     kept, remade = measured["llama_remat_none"], measured["llama_remat_blocks"]
     assert remade["measured"]["temporaries"] < kept["measured"]["temporaries"], (kept, remade)
     gathered = [run["measured"]["sent_per_step"]["all_gather"] for run in (kept, remade)]
     assert gathered[1] >= 1.5 * gathered[0] > 0, gathered
-    assert remade["per_device"]["activations"] < 0.5 * kept["per_device"]["activations"], (kept, remade)
+    # the plan: the blocks' inputs, and one of the two blocks' insides while its backward runs
+    assert remade["per_device"]["activations"] < 0.75 * kept["per_device"]["activations"], (kept, remade)
     # --auto weighs it for a model with transformer blocks (keras-hub's), not for the gpt
     assert {c["remat"] for c in measured["llama_auto"]["candidates"]} == {"none", "activations", "blocks"}
     assert {c["remat"] for c in json.loads(plans["auto_json"].stdout)["candidates"]} == {"none", "activations"}

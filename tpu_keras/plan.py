@@ -52,7 +52,8 @@ _MEASURE = flags.DEFINE_bool("measure", False, "Also compile the real training s
 _COMPILER = flags.DEFINE_enum("compiler", "auto", ["auto", "tpu", "cpu"], "Which compiler "
                               "--measure asks: tpu (libtpu, the TPU's own), cpu (XLA:CPU on fake "
                               "devices), or auto: tpu where libtpu is installed.")
-_AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model) of the slice with "
+_AUTO = flags.DEFINE_bool("auto", False, "Try every mesh (data x fsdp x model; a context axis "
+                          "too where no whole sequence fits) of the slice with "
                           "each remat setting and recommend the one that fits with the least "
                           "estimated communication time (slices: data across them).")
 _COMPILED = flags.DEFINE_integer("compiled", 3, "With --auto --measure on the TPU compiler: how "

@@ -3,7 +3,9 @@ with the least estimated communication time.
 
 Every way to write the slice's devices as data x fsdp x model is tried with
 each remat setting (`mesh.expert`, a mixture of experts' expert parallelism,
-is not searched: every candidate keeps the config's, 1 by default). The
+is not searched: every candidate keeps the config's, 1 by default). A language
+model's sequence is split over `mesh.context` only where nothing fits without
+it, and then no further than it must be (`_contexts`). The
 update's batch (`train.batch_size` x `train.grad_accum_steps`, what the
 config trains on per update) stays fixed: a candidate takes the largest
 micro-batch per batch split that fits in memory and divides the update's
@@ -25,6 +27,7 @@ with the reason.
 import copy
 import math
 
+from tpu_keras import objectives
 from tpu_keras.config import REMAT_MODES
 from tpu_keras.errors import UserError
 from tpu_keras.parallelism import mesh as mesh_lib
@@ -43,20 +46,23 @@ def search(config, slice_name: str, margin: float = 0.1, measure: bool = False,
     footprint = Footprint(config)
     update_batch = config.train.batch_size * config.train.grad_accum_steps
     candidates, skipped = [], []
-    for mesh in meshes(found.devices, _kept(config, "expert"), _kept(config, mesh_lib.CONTEXT)):
-        splits = mesh_lib.batch_splits(mesh) * slices
-        if update_batch % splits:
-            skipped.append({"mesh": mesh, "reason": f"the batch of {update_batch} does not divide "
-                                                    f"over {splits} batch splits"})
-            continue
-        try:
-            footprint.layout(tuple(mesh.get(axis, 1) for axis in mesh_lib.AXES))  # the rules' checks
-        except UserError as error:
-            skipped.append({"mesh": mesh, "reason": str(error)})
-            continue
-        for remat in footprint.remat_modes:
-            candidates.append(_candidate(footprint, found, slices, mesh, remat,
-                                         update_batch // splits, usable))
+    for context in _contexts(config, found.devices):
+        for mesh in meshes(found.devices, _kept(config, "expert"), context):
+            splits = mesh_lib.batch_splits(mesh) * slices
+            if update_batch % splits:
+                skipped.append({"mesh": mesh, "reason": f"the batch of {update_batch} does not "
+                                                        f"divide over {splits} batch splits"})
+                continue
+            try:
+                footprint.layout(tuple(mesh.get(axis, 1) for axis in mesh_lib.AXES))  # the rules' checks
+            except UserError as error:
+                skipped.append({"mesh": mesh, "reason": str(error)})
+                continue
+            for remat in footprint.remat_modes:
+                candidates.append(_candidate(footprint, found, slices, mesh, remat,
+                                             update_batch // splits, usable))
+        if any(c["fits"] for c in candidates):
+            break  # the sequence is split only as far as one must be for it to fit
     fitting = [c for c in candidates if c["fits"]]
     best = min(fitting, key=_preference, default=None)
     result = {
@@ -128,6 +134,19 @@ def meshes(devices: int, expert: int = 1, context: int = 1) -> list[dict]:
     return [{"data": devices // (fsdp * model), "fsdp": fsdp, "expert": expert, "context": context,
              "model": model}
             for fsdp in divisors for model in divisors if (devices // fsdp) % model == 0]
+
+
+def _contexts(config, devices: int) -> list[int]:
+    """The `mesh.context` sizes to search, in the order tried: the config's own where it sets
+    one; otherwise 1, then each size that divides the devices and the sequence, smallest
+    first. The search stops at the first size with a candidate that fits: splitting a sequence
+    gathers its keys and values in every layer, which the plan's traffic does not count, so
+    it is the last resort for a sequence whose activations fit no other way."""
+    kept = _kept(config, mesh_lib.CONTEXT)
+    length = config.model.get("context_length", 0)
+    if kept > 1 or not length or not objectives.of(config).splits_sequences:
+        return [kept]
+    return [1] + [c for c in range(2, devices + 1) if devices % c == 0 and length % c == 0]
 
 
 def _kept(config, axis: str) -> int:

@@ -146,7 +146,8 @@ def per_step(placements, trainable: set, uses, mesh: dict, batch_per_replica: in
         elif p.path in trainable:
             inside, dcn = network.hierarchical("all-reduce", shard, data * fsdp * copies, slices)
             reductions, across = reductions + inside, across + dcn
-    model_axis = model_axis_bytes(placements, uses, model) * batch_per_replica
+    # a device along `context` holds its share of each sequence's tokens, and sends that share
+    model_axis = model_axis_bytes(placements, uses, model) * batch_per_replica / mesh.get("context", 1)
     sent = {"fsdp_all_gather": gathers, "fsdp_reduce_scatter": scatters,
             "gradient_all_reduce": reductions, "gradient_all_reduce_across_slices": across,
             "model_all_reduce": model_axis}

@@ -93,17 +93,41 @@ def format_plan(p: dict) -> str:
                      + (f"fits: yes, {share:.1%} of usable HBM" if share >= 0.001
                         else "fits: yes, under 0.1% of usable HBM"))
     else:
-        lines.append(f"{'the plan: ' if compiled else ''}fits: NO, {share:.0%} of usable HBM: lower train.batch_size, split the "
-                     "weights over mesh.fsdp or mesh.model (jax engine), or use a larger slice; "
-                     "--auto searches the layouts")
+        lines.append(f"{'the plan: ' if compiled else ''}fits: NO, {share:.0%} of usable HBM: "
+                     + _advice(p))
     if p["largest_global_batch"]:
         lines.append(f"largest global batch that fits: {p['largest_global_batch']:,} "
                      f"({p['largest_global_batch'] // (mesh_lib.batch_splits(mesh) * p.get('slices', 1)):,} per "
                      "replica)")
     else:
-        lines.append("largest global batch that fits: none (the weights, optimizer state and "
-                     "gradients alone fill HBM)")
+        lines.append(f"largest global batch that fits: none ({_what_fills(p)})")
     return "\n".join(lines)
+
+
+def _state_bytes(p: dict) -> int:
+    """Per device, what any batch needs: weights, optimizer state, gradients (and a reference)."""
+    d = p["per_device"]
+    return sum(d.get(key, 0) for key in ("parameters", "optimizer", "gradients", "reference"))
+
+
+def _what_fills(p: dict) -> str:
+    """Why no batch fits: the state alone, or one sequence's activations beside it."""
+    if _state_bytes(p) >= p["usable_bytes_per_device"]:
+        return "the weights, optimizer state and gradients alone fill HBM"
+    return (f"the weights, optimizer state and gradients take {format_bytes(_state_bytes(p))}; "
+            "one sequence's activations do not fit beside them")
+
+
+def _advice(p: dict) -> str:
+    """What to change when the plan does not fit: split the weights when they alone fill
+    HBM, split or shorten each sequence's activations when they are what does not fit."""
+    if _state_bytes(p) >= p["usable_bytes_per_device"] or p["per_replica_batch"] > 1:
+        return ("lower train.batch_size, split the weights over mesh.fsdp or mesh.model (jax "
+                "engine), or use a larger slice; --auto searches the layouts")
+    return ("one sequence's activations "
+            f"({format_bytes(p['per_device']['activations'])}) are what does not fit: split each "
+            "sequence over mesh.context (jax engine), set train.remat=blocks and "
+            "train.loss_chunks, or use a larger slice; --auto searches the layouts")
 
 
 def _sent_parts(sent: dict) -> str:

@@ -91,7 +91,13 @@ class Footprint:
         model = self._model_with(remat)
         one, two = (activations.residual_bytes(self._backward(remat, b, mesh[_EXPERT]), model, split,
                                                model_size) for b in (1, 2))
-        return 2 * one - two, two - one
+        constant, per_example = 2 * one - two, two - one
+        if remat == "blocks":  # and the insides of the one block whose backward pass runs
+            from tpu_keras.models import block_remat
+            inside = self.activation_line("none", mesh)
+            count = len(block_remat.blocks(self.model))
+            constant, per_example = constant + inside[0] / count, per_example + inside[1] / count
+        return constant, per_example
 
     @functools.lru_cache(maxsize=None)
     def _model_with(self, remat: str):

@@ -356,8 +356,10 @@ WHY = {
     "temporaries_squeezed": "the compiler's peak is within {:.0%} of HBM: near its limit the TPU "
                             "compiler recomputes activations in the backward pass until the step "
                             "fits (a slower step), so its figure is what it squeezed into HBM",
-    "temporaries_high": "the compiler's workspace (collective buffers, tiles padded to the "
-                        "chip's layout) outweighs this model's activations at this batch",
+    "temporaries_high": "the compiler's temporaries hold more than what autodiff keeps for the "
+                        "backward pass: the backward pass's own buffers (the gradients of each "
+                        "layer's activations, the collectives' buffers, tiles padded to the "
+                        "chip's layout), which the plan does not count",
     "program": "the compiled code, which the plan does not count",
 }
 
