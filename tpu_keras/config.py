@@ -85,6 +85,10 @@ def defaults() -> ml_collections.ConfigDict:
         # output head (models.vocabulary_split; for steps of fewer tokens than the
         # vocabulary, as in fine-tuning).
         split_logits=False,
+        # With mesh.model > 1, each transformer block's output (the residual stream) is held
+        # split along the sequence over model (Megatron's sequence parallelism,
+        # models.sequence_parallel): a device keeps its share of each block's input, not a copy.
+        sequence_parallel=False,
     )
 
     # Where to run (docs/running_on_a_tpu_pod.md, "Clusters").
@@ -323,6 +327,18 @@ def check(config: ml_collections.ConfigDict) -> None:
     if context > 1 and length % context:
         raise UserError(f"mesh.context={context} does not divide the sequence's {length} tokens "
                         "(model.context_length); pick a divisor of it")
+    if config.layout.sequence_parallel:
+        model = config.mesh.get("model", 1)
+        if model == 1 or not length:
+            raise UserError("layout.sequence_parallel splits a language model's sequences over "
+                            f"mesh.model, and this run has mesh.model={model}"
+                            + ("" if length else f" and model {config.model.get('name')!r} no "
+                               "model.context_length") + ": set mesh.model above 1 (jax engine) "
+                            "or leave layout.sequence_parallel False")
+        if length % (context * model):
+            raise UserError(f"layout.sequence_parallel splits each sequence's {length} tokens "
+                            f"(model.context_length) over context x model = {context * model} "
+                            "devices, which does not divide them; pick sizes that do")
     if train.loss_chunks > 1 and length and length % train.loss_chunks:
         raise UserError(f"train.loss_chunks={train.loss_chunks} does not divide the sequence's "
                         f"{length} tokens (model.context_length); pick a divisor of it")

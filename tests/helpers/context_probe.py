@@ -1,17 +1,18 @@
 """Context parallelism (`mesh.context`): the tiny Llama's steps with its sequences split over
 devices against the same steps on one device, in one process of 4 CPU devices.
 
-    python tests/helpers/context_probe.py DATA_DIR
+    python tests/helpers/context_probe.py DATA_DIR [MESH,MESH,...]
 
 For plain text (configs/llama_stdlib.py:tiny, byte windows of 64) and for
 instruction pairs packed apart (configs/instruct_stdlib.py:tiny, 128 tokens,
 each pair attending to itself alone), from the same initial weights and on
-the same batches: 3 SGD steps on one device, on `fsdp=2 x context=2` and on
-`context=4`. Prints one line, `CONTEXT {json}`: per data and mesh, the logged
+the same batches: 3 SGD steps on one device, on `fsdp=2 x context=2`, on
+`context=4`, and on `context=2 x model=2` without and with
+`layout.sequence_parallel` (a second argument, MESH,MESH,..., runs those alone). Prints one line, `CONTEXT {json}`: per data and mesh, the logged
 losses, the largest difference of the weights from the one-device run's
 after the steps, and the largest update; the attention layers whose keys and
 values a trace gathered over `context`, and the all-gathers in the compiled
-forward pass of each split mesh. Then the TPU's fused kernel on a split
+forward pass of each split mesh (its reduce-scatters and all-reduces too). Then the TPU's fused kernel on a split
 sequence (`splash`: each device's queries against the gathered keys, in
 Pallas's interpreter) against keras-hub's own attention, for a keras-hub
 Llama of 256 tokens on data=2 x context=2: the largest differences of the
@@ -46,16 +47,22 @@ import llama_stdlib  # noqa: E402
 
 data_dir = sys.argv[1]
 MESHES = {"one": dict(data=1), "fsdp2_context2": dict(data=1, fsdp=2, context=2),
-          "context4": dict(data=1, context=4)}
+          "context4": dict(data=1, context=4),
+          # layout.sequence_parallel: each block's output split along the sequence over
+          # context x model (models.sequence_parallel); against the same mesh without it
+          "context2_model2": dict(data=1, context=2, model=2),
+          "context2_model2_sequence": dict(data=1, context=2, model=2)}
+MESHES = {name: MESHES[name] for name in sys.argv[2].split(",")} if len(sys.argv) > 2 else MESHES
 STEPS, BATCH = 3, 8
 
 
-def config_of(kind, mesh):
+def config_of(kind, name, mesh):
     config = (llama_stdlib.get_config("tiny") if kind == "text" else instruct_stdlib.get_config("tiny"))
     config.engine = "jax"
     config.data.data_dir = data_dir
     config.mesh = dict(mesh)
-    if mesh == MESHES["one"]:
+    config.layout.sequence_parallel = name.endswith("_sequence")
+    if name == "one":
         config.cluster.strategy = "one_device"
     config.train.update(optimizer="sgd", learning_rate=0.5, warmup_steps=0, clipnorm=0.0, weight_decay=0.0,
                         batch_size=BATCH, steps_per_execution=1, precision="float32")
@@ -69,14 +76,16 @@ def compiled_forward_gathers(model, cluster, x) -> int:
     inputs = jax.device_put(x, layout)
     values = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables])
     text = jax.jit(model.stateless_call).lower(*values, inputs).compile().as_text()
-    return text.count(" all-gather(") + text.count(" all-gather-start(")
+    return {"all_gathers": text.count(" all-gather(") + text.count(" all-gather-start("),
+            "reduce_scatters": text.count(" reduce-scatter(") + text.count(" reduce-scatter-start("),
+            "all_reduces": text.count(" all-reduce(") + text.count(" all-reduce-start(")}
 
 
 result = {}
 for kind in ("text", "instructions"):
     initial, runs = None, {}
     for name, mesh in MESHES.items():
-        config = config_of(kind, mesh)
+        config = config_of(kind, name, mesh)
         cluster = tpu_keras.connect(config.cluster, engine="jax", mesh=config.mesh)
         # As a run resolves it: the tokens per row and the end token of packed pairs.
         config = run_config.resolve(config, cluster, tempfile.mkdtemp(), checkpointed=False)
@@ -89,11 +98,12 @@ for kind in ("text", "instructions"):
         runs[name] = {"losses": [float(x) for x in history.history["loss"]], "weights": model.get_weights()}
         if name != "one":
             x = next(iter(data.build(config.data, cluster, BATCH, training=True)[0]))[0]
-            runs[name]["all_gathers"] = compiled_forward_gathers(model, cluster, np.asarray(x))
+            runs[name].update(compiled_forward_gathers(model, cluster, np.asarray(x)))
         keras.backend.clear_session()
     gap = lambda a, b: max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
     result[kind] = {name: {"losses": run["losses"], "from_one_device": gap(run["weights"], runs["one"]["weights"]),
-                           **({"all_gathers": run["all_gathers"]} if "all_gathers" in run else {})}
+                           **{key: run[key] for key in ("all_gathers", "reduce_scatters", "all_reduces")
+                              if key in run}}
                     for name, run in runs.items()}
     result[kind]["update"] = gap(runs["one"]["weights"], initial)
 result["gathered_layers"] = context_attention.gathered_layers()
@@ -133,5 +143,6 @@ def splash_on_a_split_sequence() -> dict:
                              for a, b in zip(splash_grads, keras_grads))}
 
 
-result["splash"] = splash_on_a_split_sequence()
+if len(sys.argv) <= 2:
+    result["splash"] = splash_on_a_split_sequence()
 print("CONTEXT " + json.dumps(result), flush=True)

@@ -87,6 +87,7 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         super().__init__(**kwargs)
         self.placer = placer
         self.vocabulary_outputs: set[str] = set()  # `models.vocabulary_split`'s, left to it
+        self.sequence_outputs: set[str] = set()  # `models.sequence_parallel`'s blocks
 
     def vocabulary_layout(self) -> keras.distribution.TensorLayout | None:
         """With `layout.split_logits` (`models.vocabulary_split`): logits split over the
@@ -98,6 +99,11 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
     def _sequence(self):
         """The mesh axis a sequence is split over: `context` where it is above 1, else None."""
         return CONTEXT if self.placer.mesh.get(CONTEXT, 1) > 1 else None
+
+    def split_sequence_at(self, paths) -> None:
+        """Holds the outputs of the layers at `paths` (transformer blocks) split along the
+        sequence over context x model (`layout.sequence_parallel`)."""
+        self.sequence_outputs.update(f"{path}/output" for path in paths)
 
     def free_outputs(self, paths) -> None:
         """Leaves the outputs of the layers at `paths` to XLA: the logits' way to their split."""
@@ -133,6 +139,9 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         mesh = self.placer.mesh
         if path in self.vocabulary_outputs or _INSIDE_EXPERTS.search(path):
             return None
+        if path in self.sequence_outputs:  # a block's output: its tokens over context x model
+            tokens = (CONTEXT, "model") if mesh.get(CONTEXT, 1) > 1 else "model"
+            return _Layout((BATCH_AXES, tokens, None), self.device_mesh)
         split = mesh.get("fsdp", 1) > 1 or mesh.get(CONTEXT, 1) > 1
         if path.endswith("/output") and split and mesh.get("model", 1) == 1:
             sequence = self._sequence()

@@ -132,7 +132,7 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
     many attention layers run splash attention)."""
     import keras
     from tpu_keras import models
-    from tpu_keras.models import chunked_loss, context_attention, splash_attention
+    from tpu_keras.models import chunked_loss, context_attention, sequence_parallel, splash_attention
     from tpu_keras.parallelism import distribution
     from tpu_keras.training import auto_values, optimization
 
@@ -160,6 +160,8 @@ def _built(config, found, slices: int, mesh: dict, chips, step: str = "toolkit",
         context_attention.route(model, whole)
         routed = (splash_attention.route(model, cluster)
                   if attention == "auto" and step == "toolkit" else 0)
+        if config.layout.sequence_parallel:
+            sequence_parallel.apply(model)
         placer.check(model.weights)
         if objectives.of(config).plans_its_wrapper:  # GRPO's step: the group model's
             model, builder = _wrapped(model, builder, config)

@@ -194,6 +194,10 @@ def build_model(config, cluster, builder=None, objective=None):
                          "gathered in %d layers", cluster.mesh["context"], routed)
         if routed := splash_attention.route(model, cluster):
             logging.info("attention: the TPU's fused kernel (splash) in %d layers", routed)
+        if config.layout.sequence_parallel:
+            from tpu_keras.models import sequence_parallel
+            logging.info("the residual stream split along the sequence over model, at %d blocks' "
+                         "outputs", sequence_parallel.apply(model))
     placer.check(model.weights)
     objective = objective or objectives.of(config)
     reference = None
