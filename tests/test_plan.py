@@ -75,6 +75,12 @@ def plans():
         "long_whole_json": LONG + ["--config.mesh.data=2", "--config.mesh.model=2", "--json"],
         "long_split_json": LONG + ["--config.mesh.data=1", "--config.mesh.context=2",
                                    "--config.mesh.model=2", "--json"],
+        # layout.sequence_parallel: the residual stream split along the sequence over model
+        **{f"stream_{split}": ["--config=configs/llama_stdlib.py", "--tpu=v5litepod-4",
+                               "--config.engine=jax", "--config.mesh.data=2", "--config.mesh.model=2",
+                               "--config.train.remat=blocks", "--config.train.batch_size=2",
+                               f"--config.layout.sequence_parallel={split}", "--json"]
+           for split in (False, True)},
         "nothing_fits": ["--config=configs/lm_stdlib.py", "--tpu=v5e-1", "--config.model.width=16384",
                          "--config.model.depth=1", "--auto"],
         **{f"bad:{name}": (args if args[0].startswith("--config=") else ["--config=configs/lm_stdlib.py", *args])
@@ -224,6 +230,15 @@ def test_auto_splits_a_sequence_only_when_nothing_fits_whole(plans):
     whole = plans["long_whole"].stdout
     assert "fits: NO" in whole and "one sequence's activations" in whole, whole[-1500:]
     assert "mesh.context" in whole and "alone fill HBM" not in whole, whole[-1500:]
+
+
+@pytest.mark.slow
+def test_a_residual_stream_split_along_the_sequence_counts_once_per_shard(plans):
+    """With layout.sequence_parallel, what the backward pass keeps of the residual stream
+    (under remat 'blocks', each block's input) counts once per model shard."""
+    whole, split = (json.loads(plans[f"stream_{s}"].stdout)["per_device"] for s in (False, True))
+    assert split["activations"] < whole["activations"], (whole, split)
+    assert split["parameters"] == whole["parameters"], (whole, split)
 
 
 @pytest.mark.slow

@@ -5,11 +5,12 @@ residual stream: every block's input and output, (batch, tokens, hidden), a
 copy per device, and under `train.remat="blocks"` the copies the backward
 pass keeps. Megatron's sequence parallelism splits those tensors along the
 tokens over the model axis instead. Here each transformer block's output is
-held split so (with `mesh.context`, over context x model): the compiler then
-gathers the tokens before a block's column-parallel matmuls and turns the
-row-parallel matmuls' all-reduce into a reduce-scatter, the same bytes on
-the wire as the all-reduce, and each device keeps its share of every block's
-input. What happens inside a block is left to the compiler.
+held split so (with `mesh.context`, over context x model), and each device
+keeps its share of every block's input. What happens inside a block is left
+to the compiler: it gathers the tokens before the column-parallel matmuls
+(Megatron's way) or, where a weight is smaller than the tokens, the weight.
+Holding the norms inside the blocks whole over `model` too, to force the
+former, measured worse on the TPU compiler (docs/parallelism.md).
 """
 
 import keras

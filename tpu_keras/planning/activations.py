@@ -78,13 +78,17 @@ def backward_trace(model, loss, batch: int):
                                              *abstract_inputs(model, batch))
 
 
-def residual_bytes(traced, model, model_split: dict | None = None, model_size: int = 1) -> int:
+def residual_bytes(traced, model, model_split: dict | None = None, model_size: int = 1,
+                   stream: tuple | None = None) -> int:
     """Bytes of the residuals in `traced` (`backward_trace` of `model`) that the compiler
     keeps (the module's docstring says which those are).
 
     With a `model` axis of `model_size` devices, `model_split` maps a weight's
     path to the dimension split over it; a residual that tensor parallelism
-    splits (`planning.model_split`) then counts once per shard.
+    splits (`planning.model_split`) then counts once per shard. `stream`, (tokens,
+    width) of the residual stream, says the stream is split along the sequence over
+    `model` too (`layout.sequence_parallel`): a whole residual of that shape counts
+    once per shard as well.
     """
     split = {}
     if model_size > 1 and model_split:
@@ -103,7 +107,8 @@ def residual_bytes(traced, model, model_split: dict | None = None, model_size: i
     for value, v in kept.items():
         if _made_from_another(value, kept, producers):
             continue
-        total += nbytes(v) / model_size if split.get(v) is not None else nbytes(v)
+        in_stream = stream is not None and tuple(v.aval.shape[1:]) == tuple(stream)
+        total += nbytes(v) / model_size if split.get(v) is not None or in_stream else nbytes(v)
     return round(total)
 
 

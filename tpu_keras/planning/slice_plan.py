@@ -89,8 +89,9 @@ class Footprint:
             placements = layout_report.placements(self.config, dict(zip(mesh_lib.AXES, mesh)), self.model)
             split = {p.path: p.axes.index("model") for p in placements if "model" in p.axes}
         model = self._model_with(remat)
+        stream = self._stream if model_size > 1 else None
         one, two = (activations.residual_bytes(self._backward(remat, b, mesh[_EXPERT]), model, split,
-                                               model_size) for b in (1, 2))
+                                               model_size, stream) for b in (1, 2))
         constant, per_example = 2 * one - two, two - one
         if remat == "blocks":  # and the insides of the one block whose backward pass runs
             from tpu_keras.models import block_remat
@@ -98,6 +99,17 @@ class Footprint:
             count = len(block_remat.blocks(self.model))
             constant, per_example = constant + inside[0] / count, per_example + inside[1] / count
         return constant, per_example
+
+    @functools.cached_property
+    def _stream(self) -> tuple | None:
+        """(tokens, width) of the residual stream where `layout.sequence_parallel` splits it
+        along the sequence over `model` (`models.sequence_parallel`); else None."""
+        widths = [layer.hidden_dim for layer in self.model._flatten_layers(include_self=True)
+                  if isinstance(getattr(layer, "hidden_dim", None), int)]  # keras-hub's backbone
+        width = widths[0] if widths else None
+        if not self.config.layout.get("sequence_parallel") or not width:
+            return None
+        return (self.config.model.context_length, width)
 
     @functools.lru_cache(maxsize=None)
     def _model_with(self, remat: str):
