@@ -140,7 +140,7 @@ class _PlacedDistribution(keras.distribution.ModelParallel):
         if path in self.vocabulary_outputs or _INSIDE_EXPERTS.search(path):
             return None
         if path in self.sequence_outputs:  # a block's output: its tokens over context x model
-            tokens = (CONTEXT, "model") if mesh.get(CONTEXT, 1) > 1 else "model"
+            tokens = (self._sequence(), "model") if self._sequence() else "model"
             return _Layout((BATCH_AXES, tokens, None), self.device_mesh)
         split = mesh.get("fsdp", 1) > 1 or mesh.get(CONTEXT, 1) > 1
         if path.endswith("/output") and split and mesh.get("model", 1) == 1:

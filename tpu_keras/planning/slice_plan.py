@@ -104,12 +104,11 @@ class Footprint:
     def _stream(self) -> tuple | None:
         """(tokens, width) of the residual stream where `layout.sequence_parallel` splits it
         along the sequence over `model` (`models.sequence_parallel`); else None."""
+        if not self.config.layout.get("sequence_parallel"):
+            return None
         widths = [layer.hidden_dim for layer in self.model._flatten_layers(include_self=True)
                   if isinstance(getattr(layer, "hidden_dim", None), int)]  # keras-hub's backbone
-        width = widths[0] if widths else None
-        if not self.config.layout.get("sequence_parallel") or not width:
-            return None
-        return (self.config.model.context_length, width)
+        return (self.config.model.context_length, widths[0]) if widths else None
 
     @functools.lru_cache(maxsize=None)
     def _model_with(self, remat: str):
