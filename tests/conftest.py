@@ -9,8 +9,8 @@ lives in `tests/helpers/`: the probes, programs the tests start as subprocesses
 own), and the modules tests import (`resume`, `pods`, `placements`, ...). This file
 puts `tests/helpers` on `sys.path` for the test modules; a probe run as a script
 finds the helpers beside it (a script's own folder is `sys.path[0]`). The helpers
-that import `conftest` (`resume`, `pods`) are imported by tests only, where pytest
-has put `tests/` on the path to import this file.
+that import `conftest` (`resume`, `pods`, `shipped`) are imported by tests (and this
+file's fixtures) only, where pytest has put `tests/` on the path to import this file.
 """
 
 import fcntl
@@ -183,6 +183,23 @@ def tiny_run(tmp_path_factory, data_dir):
         return str(workdir), result.stdout
     workdir, output = once_per_suite(tmp_path_factory, "lm_tiny", make)
     return Path(workdir), output
+
+
+@pytest.fixture(scope="session")
+def grpo_warm_start(tmp_path_factory):
+    """configs/grpo_stdlib.py's documented warm start (its :sft command), run once for the
+    suite as its docstring shows it, on an empty home, FOLDER/home, into FOLDER/arithmetic_sft:
+    {"folder", "command", "code", "output"}. The shipped-config test runs GRPO's :tiny command
+    beside a copy of it, and tests/test_grpo.py's runs start from another."""
+    def make():
+        from shipped import chosen_and_before, empty_home_env, in_folder, run_as_documented
+        folder = shared_tmp(tmp_path_factory) / "grpo_warm_start"
+        (folder / "home").mkdir(parents=True)
+        command = in_folder(chosen_and_before("grpo_stdlib")[0], folder)
+        result = run_as_documented(command, empty_home_env(folder / "home"))
+        return {"folder": str(folder), "command": command, "code": result.returncode,
+                "output": result.stdout[-4000:]}
+    return once_per_suite(tmp_path_factory, "grpo_warm_start", make)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import assert_one_line_error, run_command
+from conftest import assert_one_line_error, run_command, run_in_one_process
 
 
 def evaluate(workdir, *flags, check=True):
@@ -133,9 +133,11 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes_and_lora_needs_it
     original = (checkpoint / "config.json").read_text()
     config = json.loads(original)
     (checkpoint / "config.json").write_text(json.dumps({**config, "rope_theta": config["rope_theta"] / 2}))
-    evaluate(full, "--step=4")
+    edited = run_in_one_process("tpu_keras.evaluate", {  # one start of TensorFlow and keras-hub
+        name: [f"--workdir={workdir}", "--step=4"] for name, workdir in (("full", full), ("lora", lora))})
+    assert edited["full"].returncode == 0, edited["full"].stdout[-3000:] + edited["full"].stderr[-3000:]
     assert_same_figures(full)
-    assert_one_line_error(evaluate(lora, "--step=4", check=False), f"model.preset='{checkpoint}' is "
+    assert_one_line_error(edited["lora"], f"model.preset='{checkpoint}' is "
                           f"not the model this run started with (kept in {lora / 'model'}), and "
                           f"{lora}'s checkpoints hold its LoRA adapters alone: put the original back")
     (checkpoint / "config.json").write_text(original)
@@ -149,10 +151,10 @@ def test_a_run_keeps_its_model_when_its_preset_changes_or_goes_and_lora_needs_it
 
     shutil.rmtree(checkpoint)  # export then builds the full fine-tune from DIR/model alone
     shutil.rmtree(full / "export")
-    run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={full}", "--step=4",
-         "--formats=transformers"])
+    exports = run_in_one_process("tpu_keras.export", {
+        "full": [f"--workdir={full}", "--step=4", "--formats=transformers"],
+        "gone": [f"--workdir={lora}", "--step=4"]})
+    assert exports["full"].returncode == 0, exports["full"].stdout[-3000:] + exports["full"].stderr[-3000:]
     exported = json.loads((full / "export" / "transformers" / "config.json").read_text())
     assert exported["rope_theta"] == config["rope_theta"], exported  # the run's, not the edit's
-    gone = run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={lora}", "--step=4"],
-                       check=False)
-    assert_one_line_error(gone, "its base comes from model.preset again", "does not exist")
+    assert_one_line_error(exports["gone"], "its base comes from model.preset again", "does not exist")

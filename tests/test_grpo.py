@@ -7,7 +7,9 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,12 +165,13 @@ def logged(output: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def grpo_runs(tmp_path_factory, data_dir):
-    """(folder, output): the warm start (SFT) in FOLDER/arithmetic_sft, where the GRPO config
-    reads its preset from beside its own workdir, and the tiny GRPO run in FOLDER/grpo, with
-    its completions logged."""
+def grpo_runs(tmp_path_factory, data_dir, grpo_warm_start):
+    """(folder, output): the warm start (SFT, the suite's: conftest) in FOLDER/arithmetic_sft,
+    where the GRPO config reads its preset from beside its own workdir, and the tiny GRPO run in
+    FOLDER/grpo, with its completions logged."""
     folder = tmp_path_factory.mktemp("grpo")
-    train(f"{GRPO}:sft", folder / "arithmetic_sft", f"--config.data.data_dir={data_dir}")
+    assert grpo_warm_start["code"] == 0, grpo_warm_start["output"]
+    shutil.copytree(Path(grpo_warm_start["folder"]) / "arithmetic_sft", folder / "arithmetic_sft")
     output = train(f"{GRPO}:tiny", folder / "grpo", *GRPO_ARGS.format(data_dir=data_dir).split()).stdout
     return folder, output
 

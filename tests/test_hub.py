@@ -72,13 +72,12 @@ def test_sentencepiece_llama_trains_on_packed_text_exports_and_generates(stdlib_
 
 @pytest.mark.slow
 def test_llama_on_a_hybrid_mesh_shards_by_its_rules_and_matches_one_device(data_dir, tmp_path):
-    init, results = tmp_path / "init.npz", {}
-    for mesh in ("1x1", "4x2"):  # the first run saves the initial weights the second loads
-        out = run_command([sys.executable, "tests/helpers/mesh_probe.py", mesh, data_dir, str(init),
-                   "llama_stdlib:tiny"], timeout=500).stdout
-        line = next(line for line in out.splitlines() if line.startswith("PROBE "))
-        results[mesh] = json.loads(line[len("PROBE "):])
-    reference, result = results["1x1"], results["4x2"]
+    # One process: one device first, which saves the initial weights the mesh's run loads.
+    out = run_command([sys.executable, "tests/helpers/mesh_probe.py", "1x1,4x2", data_dir,
+                       str(tmp_path / "init.npz"), "llama_stdlib:tiny"], timeout=500).stdout
+    reference, result = (json.loads(line[len("PROBE "):]) for line in out.splitlines()
+                         if line.startswith("PROBE "))
+    assert reference["mesh"]["data"] == reference["mesh"]["model"] == 1, reference["mesh"]
     assert result["mesh"] == {"slices": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1, "model": 2}
     # Both embeddings, the query/key/value/output kernels and the three MLP kernels.
     assert assert_laid_out_as_placed(result) == 9

@@ -134,9 +134,20 @@ def test_transformers_itself_reads_every_transformers_export_with_the_checkpoint
 
 
 
+@pytest.fixture(scope="module")
+def jax_mesh_runs(tmp_path_factory, data_dir):
+    """Every checkpoint on a jax mesh of fsdp 2 x model 2, in one process (its folder, its
+    figures): Llama's LoRA, Qwen's full fine-tune, and LoRA over Llama's int8 and int4 bases."""
+    out = tmp_path_factory.mktemp("hf_jax")
+    runs = TRAINED_JAX + ("qwen2:full", "llama:lora_int8", "llama:lora_int4")
+    return out, probe("jax", out, data_dir, "1,2,2", runs, JAX_CHECKPOINTS + JAX_CHECKPOINTS_SLOW,
+                      env=FOUR_DEVICES)
+
+
 @pytest.mark.slow
-def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,2,2", TRAINED_JAX, JAX_CHECKPOINTS, env=FOUR_DEVICES)
+@pytest.mark.timeout(900)  # the first of the module's jax tests runs jax_mesh_runs' probe
+def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(jax_mesh_runs):
+    out, result = jax_mesh_runs
     for name in JAX_CHECKPOINTS:  # Llama: fsdp 2 x model 2; Qwen, Gemma: fsdp 4
         assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
         assert result[name]["first_step"] <= TRANSFORMERS, (name, result[name])
@@ -144,7 +155,7 @@ def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(t
         assert_reloads(result[name][variant], variant)
     # The commands that read the run, on a host that shows them the run's 4 devices (a TPU
     # VM host has 4 to 8): export and generate rebuild it on one of them, evaluate on its mesh.
-    workdir = tmp_path / "llama" / "lora"
+    workdir = out / "llama" / "lora"
     (workdir / "export" / "peft" / "adapter_config.json").unlink()
     exported = run_command([sys.executable, "-m", "tpu_keras.export", f"--workdir={workdir}", "--formats=peft"],
                            env=FOUR_DEVICES).stdout
@@ -166,9 +177,9 @@ def test_on_a_jax_mesh_that_splits_weights_logits_match_and_a_lora_run_exports(t
 
 
 @pytest.mark.slow
-def test_llama31_and_mistral_on_a_jax_mesh_and_a_full_fine_tune_of_qwen_from_it(tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,2,2", ("qwen2:full",),
-                   JAX_CHECKPOINTS_SLOW + ("qwen2",), env=FOUR_DEVICES)
+@pytest.mark.timeout(900)
+def test_llama31_and_mistral_on_a_jax_mesh_and_a_full_fine_tune_of_qwen_from_it(jax_mesh_runs):
+    _, result = jax_mesh_runs
     for name in JAX_CHECKPOINTS_SLOW + ("qwen2",):  # Llama 3.1, Mistral: fsdp 2 x model 2; Qwen: fsdp 4
         assert result[name]["split_weights"] >= 8 and not result[name]["whole"], (name, result[name])
         assert result[name]["first_step"] <= TRANSFORMERS, (name, result[name])
@@ -176,10 +187,10 @@ def test_llama31_and_mistral_on_a_jax_mesh_and_a_full_fine_tune_of_qwen_from_it(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_lora_over_an_int8_or_int4_base_trains_on_a_mesh_and_its_adapter_loads_on_the_float_base(
-        tmp_path, data_dir):
-    result = probe("jax", tmp_path, data_dir, "1,2,2", ("llama:lora_int8", "llama:lora_int4"), ("llama",),
-                   env=FOUR_DEVICES)["llama"]
+        jax_mesh_runs):
+    result = jax_mesh_runs[1]["llama"]
     # The quantization error of the logits before training, as a share of the largest logit,
     # measured on this random tiny Llama 3: 0.048 (int8), 0.91 (int4, 16 levels per output
     # feature) and 0.39 (int4 in groups of 16 input features). These bound what Keras's

@@ -7,6 +7,7 @@ older checkpoints holding the base included: tests/test_reliability.py (checkpoi
 import hashlib
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -59,12 +60,20 @@ def changed_weights(preset):
                                 if isinstance(item, h5py.Dataset) and item.dtype.kind == "f" else None)
 
 
+@pytest.fixture(scope="module")
+def saved_base(tmp_path_factory):
+    """SAVE_BASE's preset, written once for both engines (each test changes a copy of its own)."""
+    folder = tmp_path_factory.mktemp("lora_base") / "base"
+    run_command([sys.executable, "-c", SAVE_BASE, str(folder)])
+    return folder
+
+
 @pytest.mark.slow  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
 @pytest.mark.parametrize("engine", ["tf", "jax"])
 def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_refuses_a_changed_base(
-        engine, data_dir, tmp_path):
+        engine, saved_base, data_dir, tmp_path):
     base, killed = tmp_path / "base", tmp_path / "killed"
-    run_command([sys.executable, "-c", SAVE_BASE, str(base)])
+    shutil.copytree(saved_base, base)
     args = (f"--config.data.data_dir={data_dir}", f"--config.engine={engine}", *WIDER,
             f"--config.model.preset={base}")
     reference = train(LORA, tmp_path / "reference", *args).stdout

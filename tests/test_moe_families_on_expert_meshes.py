@@ -16,7 +16,7 @@ def test_moe_families_on_expert_meshes_train_a_lora_peft_reads(mesh, tmp_path, d
     """data, fsdp, model, expert: the experts split over `expert`; with fsdp, a LoRA run whose
     adapter PEFT reads on the checkpoint to the run's logits."""
     runs = tuple(f"{name}:lora" for name in FAMILIES) if mesh == "1,2,1,2" else ()
-    result = probe("jax", tmp_path, data_dir, mesh, runs, FAMILIES, env=FOUR_DEVICES)
+    result = probe("jax", tmp_path, data_dir, mesh, runs, FAMILIES, env=FOUR_DEVICES, lean=True)
     for name in FAMILIES:
         assert relative(result, name, result[name]["first_step"]) <= TRANSFORMERS, (name, result[name])
         # Only the routers stay whole (experts.rules: small, and each device routes its tokens).
@@ -29,6 +29,13 @@ def test_moe_families_on_expert_meshes_train_a_lora_peft_reads(mesh, tmp_path, d
             assert checks["config"] == {} and checks["peft_base_is_the_checkpoint"], (name, checks)
             for gap in ("torch", "peft"):  # the merged export in transformers, the adapter in PEFT
                 assert relative(result, name, checks[gap]) <= TRANSFORMERS, (name, gap, checks)
+            # The merged export read by plain keras-hub (its dense expert bank). gpt-oss's is the run's
+            # weights in keras-hub's own model, whose sliding windows sit on other blocks
+            # (docs/fine_tuning.md): it attends as keras-hub does, 0.51 of the logit scale apart here.
+            if name == "gpt_oss":
+                assert relative(result, name, checks["keras_hub"]) > 1e-2, (name, checks)
+            else:
+                assert relative(result, name, checks["keras_hub"]) <= TRANSFORMERS, (name, checks)
             assert checks["peft_config"]["target_modules"] == ["q_proj", "v_proj"], (name, checks)
             # gpt-oss's run adapts its experts too, as PEFT's target_parameters (hf_probe.EXPERT_PARAMETERS)
             experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if name == "gpt_oss" else None

@@ -21,8 +21,8 @@ INSTRUCT_TINY = "configs/instruct_stdlib.py:tiny"
 
 
 @pytest.mark.parametrize("engine, models", [
-    pytest.param("tf", "gpt,llama", marks=pytest.mark.slow),  # over 15 s: the full suite's (the fast tier keeps within 5 minutes)
-    pytest.param("tf", "qwen3,smollm3,gemma3,gemma4,qwen3_5", marks=pytest.mark.slow),
+    # over 15 s each: the full suite's (the fast tier keeps within 5 minutes); one process an engine
+    pytest.param("tf", "gpt,llama,qwen3,smollm3,gemma3,gemma4,qwen3_5", marks=pytest.mark.slow),
     pytest.param("jax", "gpt,llama,qwen3,smollm3,gemma3,gemma4,qwen3_5", marks=pytest.mark.slow)])
 def test_a_packed_rows_logits_are_each_examples_alone(engine, models):
     out = run_command([sys.executable, "tests/helpers/segments_probe.py", engine, models]).stdout

@@ -33,8 +33,8 @@ def probe(data_dir, tmp_path_factory):
     """`probe(data, model)` or `probe(data, fsdp, model)`: 5 steps of configs/lm_stdlib.py's
     gpt on that mesh (memoized).
 
-    The first call runs on one device and saves the initial weights the
-    others start from; the 8-device meshes then run in one process.
+    The first call runs every mesh in one process of 8 devices: first one device alone,
+    which saves the initial weights the others start from, then the 8-device meshes.
     """
     init, results = tmp_path_factory.mktemp("mesh") / "init.npz", {}
 
@@ -48,10 +48,9 @@ def probe(data_dir, tmp_path_factory):
                 results[tuple(result["mesh"][a] for a in ("data", "fsdp", "model"))] = result
 
     def get(*mesh):
-        if _mesh_key(mesh) not in results:
-            run_probe(*MESHES, *FSDP_MESHES)
+        if not results:
+            run_probe((1, 1), *MESHES, *FSDP_MESHES)
         return results[_mesh_key(mesh)]
-    run_probe((1, 1))
     return get
 
 

@@ -12,9 +12,11 @@ FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 EVERY_PROJECTION = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
-def probe(engine, out, data_dir, mesh, runs, checkpoints, env=None):
+def probe(engine, out, data_dir, mesh, runs, checkpoints, env=None, lean=False):
+    """hf_probe.py's figures; `lean`: a LoRA run computes only what the MoE mesh test reads."""
     result = run_command([sys.executable, "tests/helpers/hf_probe.py", engine, str(out), data_dir, mesh,
-                          ",".join(runs), ",".join(checkpoints)], timeout=900, env=env)
+                          ",".join(runs), ",".join(checkpoints), *(["lean"] if lean else [])],
+                         timeout=900, env=env)
     return json.loads(next(line[3:] for line in result.stdout.splitlines() if line.startswith("HF ")))
 
 

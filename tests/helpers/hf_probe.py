@@ -1,6 +1,6 @@
 """Transformers checkpoints in, exports out, for every family, on one engine and mesh.
 
-    python tests/helpers/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [NAME:RUN,...] [NAME,...]
+    python tests/helpers/hf_probe.py ENGINE OUT_DIR DATA_DIR DATA,FSDP,MODEL [NAME:RUN,...] [NAME,...] [lean]
 
 For each checkpoint of tests/helpers/hf_checkpoints.py (Llama 3, Llama 3.1 in both
 config forms, Qwen 2, Gemma, Mistral), or those named last, where given (these
@@ -34,6 +34,10 @@ with the mean over the same response tokens of transformers' model of the
 transformers export, each pair run alone. A LoRA run also counts its
 trainable parameters against PEFT's
 `get_peft_model` on the checkpoint, for q_proj,v_proj and for 'all-linear'.
+With `lean` last, a LoRA run checks its run, its keras-hub and transformers
+exports, its PEFT adapter and its own targets' count alone (what
+tests/test_moe_families_on_expert_meshes.py reads): no 'all-linear' model, no
+keras-hub LoRA file, no second PEFT export from a keras-hub start.
 Reloads are read in host memory, with no distribution.
 Families without layout rules of the toolkit's (Qwen, Gemma) fold `model`
 into `fsdp`. Prints one line, `HF {json}`: the largest absolute logit
@@ -51,7 +55,8 @@ import sys
 
 engine_name, out, data_dir, mesh = sys.argv[1:5]
 runs = sys.argv[5].split(",") if len(sys.argv) > 5 and sys.argv[5] else []  # 'llama:lora', ...
-names = sys.argv[6].split(",") if len(sys.argv) > 6 else None  # 'llama', 'gemma', ...
+names = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None  # 'llama', 'gemma', ...
+lean = sys.argv[7:] == ["lean"]
 
 from tpu_keras.cluster import engine  # noqa: E402
 
@@ -157,7 +162,7 @@ def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **ba
         fsdp, model = fsdp * model, 1
     config.mesh = dict(data=data, fsdp=fsdp, model=model, **({"expert": expert[0]} if expert else {}))
     config.layout.replicate_below = 256
-    keras_hub_file = ("lora",) if lora_targets == LORA_TARGETS["lora"] and not experts else ()  # its loader's q, v
+    keras_hub_file = ("lora",) if lora_targets == LORA_TARGETS["lora"] and not experts and not lean else ()  # q, v
     config.export.formats = ("keras_hub", "transformers") + (("peft",) + keras_hub_file if lora_rank else ())
     config.train.update(batch_size=8, steps=4, warmup_steps=1, learning_rate=1e-2, eval_every=100,
                         eval_steps=1, steps_per_execution=2)
@@ -385,8 +390,8 @@ for name in names or hf_checkpoints.CHECKPOINTS:
             checks["trainable"] = {which: [toolkit_trainable(name, checkpoint, other, trained if
                                                              other == targets else None),
                                            peft_trainable(name, checkpoint, other)]
-                                   for which, other in LORA_TARGETS.items()}
-            if variant == "lora" and name not in EXPERT_PARAMETERS:  # keras-hub's loader: query, value alone
+                                   for which, other in LORA_TARGETS.items() if not lean or other == targets}
+            if variant == "lora" and name not in EXPERT_PARAMETERS and not lean:  # keras-hub's loader: query, value alone
                 base = read_back(name, checkpoint, lora=f"{folder}/lora.weights.h5")
                 checks["base_plus_lora"] = gap(expected, logits(base))
             if older:
@@ -399,6 +404,9 @@ for name in names or hf_checkpoints.CHECKPOINTS:
             checks["peft"] = gap(expected, transformers_logits(adapter["base_model_name_or_path"],
                                                                f"{folder}/peft"))
             checks["peft_config"] = {key: adapter[key] for key in PEFT_KEYS}
+            if lean:
+                result[name][variant] = checks
+                continue
             # From a keras-hub preset (the run's own export stands in for one), the base has no
             # transformers checkpoint: the export writes it, un-merged, and names it.
             keras_hub_start = config_for(name, checkpoint, rank, targets)

@@ -4,7 +4,8 @@
 
 Runs in its own process (JAX fixes its device count at start-up) with
 DATA x MODEL fake CPU devices (the same count for every mesh listed, which
-then share one start-up), on `configs/lm_stdlib.py:VARIANT` ('' or 'tiny';
+then share one start-up; a mesh of 1x1 among them runs on the first device
+alone, `cluster.strategy='one_device'`), on `configs/lm_stdlib.py:VARIANT` ('' or 'tiny';
 'llama_stdlib:tiny' names another config file) with the model arguments in
 MODEL_JSON changed. The first run of a series
 saves its initial weights to INIT.npz; later runs load them, so losses
@@ -27,7 +28,7 @@ config_name, _, variant = sys.argv[4].rpartition(":")
 config_name, variant = config_name or "lm_stdlib", variant or None
 model_overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 steps = int(sys.argv[6]) if len(sys.argv) > 6 else 5
-devices = {d * f * m for d, f, m in meshes}
+devices = {d * f * m for d, f, m in meshes if (d, f, m) != (1, 1, 1)} or {1}
 assert len(devices) == 1, f"every mesh must use the same devices, not {sorted(devices)}"
 
 from tpu_keras.cluster import engine  # noqa: E402
@@ -61,6 +62,8 @@ def probe(data_axis, fsdp_axis, model_axis):
     config.data.data_dir = data_dir
     config.model.update(model_overrides)
     config.mesh.update(data=data_axis, fsdp=fsdp_axis, model=model_axis)
+    if (data_axis, fsdp_axis, model_axis) == (1, 1, 1):  # one device of the process's
+        config.cluster.strategy = "one_device"
     model, history, cluster = train_from_shared_init(config, "jax", init_path, steps)
 
     placer = models.registry.placer(config.model, config.layout, cluster.mesh)
