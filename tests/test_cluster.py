@@ -14,6 +14,7 @@ def test_auto_on_a_plain_cpu_is_one_device():
     assert run_command([sys.executable, "-c", code]).stdout.strip().endswith("one_device 1 0 1 1 1 x CPU")
 
 
+@pytest.mark.slow
 def test_virtual_devices_give_a_mirrored_replica_each():
     code = ("import tpu_keras; c = tpu_keras.connect({'virtual_devices': 3}); "
             "print(c.kind, c.num_replicas, c.strategy.num_replicas_in_sync)")

@@ -94,6 +94,7 @@ def assert_saved_before(workdir, step):
         assert all(np.isfinite(v).all() for v in weights(workdir, s).values() if v.dtype.kind == "f")
 
 
+@pytest.mark.slow
 def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(nan_config, tmp_path):
     result = train(nan_config, tmp_path, check=False)
     step = poisoned_step(tmp_path)
@@ -104,6 +105,7 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(nan_config, tmp_
     assert_saved_before(tmp_path, step)
 
 
+@pytest.mark.slow
 def test_restore_and_skip_leaves_the_batch_out_and_finishes(nan_config, tmp_path):
     result = train(nan_config, tmp_path, "--config.train.on_nonfinite=restore_and_skip")
     step = poisoned_step(tmp_path)

@@ -80,6 +80,7 @@ objectives.register(DoubledCrossEntropy())
 '''
 
 
+@pytest.mark.slow
 def test_an_objective_of_the_users_own_trains_from_a_file(tmp_path, data_dir):
     (tmp_path / "doubled.py").write_text(DOUBLED)
     out = train(DIGITS_TINY, tmp_path / "run", f"--config.data.data_dir={data_dir}",

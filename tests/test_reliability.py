@@ -79,6 +79,7 @@ def assert_resumed_exactly(workdir, reference, resumed_at):
     assert seen == reference[1]
 
 
+@pytest.mark.slow
 def test_kill_9_at_a_random_step_resumes_exactly(reference, tmp_path, data_dir):
     boundary = random.choice([10, 20, 30])
     delay = random.uniform(0, 0.5)

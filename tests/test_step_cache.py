@@ -67,6 +67,7 @@ def probe(folder, with_jax_cache):
     return result, calls
 
 
+@pytest.mark.slow
 def test_a_step_loads_whole_until_its_config_shapes_or_entry_change(tmp_path):
     folder = tmp_path / "steps"
     result, calls = probe(folder, with_jax_cache=False)
@@ -79,6 +80,7 @@ def test_a_step_loads_whole_until_its_config_shapes_or_entry_change(tmp_path):
     assert len(os.listdir(folder)) == 3  # one entry per config and shapes
 
 
+@pytest.mark.slow
 def test_a_step_that_jax_s_own_cache_served_is_not_kept(tmp_path):
     # XLA:CPU serializes such an executable without its kernels; kept, it would fail to run.
     folder = tmp_path / "steps"
@@ -123,6 +125,7 @@ for _ in range(2):  # compiled and kept, then loaded whole
 """
 
 
+@pytest.mark.slow
 def test_a_step_on_a_mesh_in_another_device_order_loads_for_that_order(tmp_path):
     """On a TPU the mesh does not list devices in JAX's order. A kept step must run on its
     mesh's devices as compiled: loaded in JAX's order, it aborted the process."""

@@ -50,6 +50,7 @@ def test_profile_steps_trace_the_chosen_steps(tiny_run):
     assert_profiled(*tiny_run)
 
 
+@pytest.mark.slow
 def test_plot_run_draws_loss_throughput_and_mfu(tiny_run, tmp_path):
     workdir, _ = tiny_run
     out = tmp_path / "run.png"
