@@ -70,6 +70,7 @@ def test_split_is_disjoint_and_about_five_percent_validation():
     assert 0.02 < len(validation) / len(listing) < 0.10
 
 
+@pytest.mark.slow
 def test_split_is_the_same_in_every_process():
     here = hashlib.sha256(repr(stdlib_bytes.stdlib_files()).encode()).hexdigest()
     assert repr(stdlib_bytes.stdlib_files()) == repr(stdlib_bytes.stdlib_files())

@@ -97,6 +97,7 @@ def test_fewer_files_than_hosts_falls_back_to_examples_and_warns(tmp_path):
                      r"128 examples to keep 64 \(2\.0x over-read\)", output)
 
 
+@pytest.mark.slow
 def test_same_seed_same_order_and_each_epoch_reshuffled(tmp_path):
     pattern, all_ids = write_files(tmp_path, [64] * 4)
     # One process builds the pipeline three times, from seeds 7, 7 and 8.
@@ -179,6 +180,7 @@ print("STEPS", train_steps, eval_steps)
 """
 
 
+@pytest.mark.slow
 def test_tfds_split_slicing(data_dir):
     result = run_command([sys.executable, "-c", SLICED, data_dir])
     # 1437 examples: TFDS gives the first half 718 (11 full batches of 64) and

@@ -57,6 +57,7 @@ def numpy_grpo(b, scale=True, beta=BETA):
             "clip_fraction": (clipped * mask).sum() / mask.sum()}
 
 
+@pytest.mark.slow
 def test_the_objective_equals_numpy_and_weighs_prompts_and_equal_groups_zero(tmp_path):
     b = batch(tmp_path / "batch.npz")
     out = run_command([sys.executable, "tests/helpers/grpo_probe.py", str(tmp_path / "batch.npz")]).stdout
