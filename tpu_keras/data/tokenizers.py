@@ -18,7 +18,8 @@ token, where the tokenizer has one). `fingerprint` names the tokenizer's
 exact vocabulary, so counts made with one are never read for another.
 
 All of them tokenize a whole block of documents at once inside tf.data
-(graph ops: keras-hub tokenizers are TensorFlow preprocessing layers).
+(graph ops: keras-hub tokenizers are TensorFlow preprocessing layers), a
+keras-hub tokenizer through one graph per process that every pipeline calls.
 """
 
 # Imported inside functions: keras-hub (optional: absent on a plain install), and
