@@ -416,3 +416,43 @@ def test_a_token_count_whose_counting_host_died_ends_in_bounded_time(tmp_path):
     assert "data.tokens.counts" in message, message
     # The record host 0 wrote stays: a restart counts nothing it already counted.
     assert len([n for n in (tmp_path / "counts").iterdir() if n.suffix == ".json"]) == 1
+
+
+ONE_TOKENIZER_GRAPH = """
+import json, sys
+from tpu_keras import lean_imports
+lean_imports.install()
+import ml_collections
+import tensorflow as tf
+from tpu_keras.data import tokenizers
+folder = sys.argv[1]
+tokenizer = tokenizers.make(ml_collections.ConfigDict({"tokenizer": "BytePairTokenizer",
+    "vocabulary": f"{folder}/vocab.json", "merges": f"{folder}/merges.txt"}))
+built = []  # one entry per graph of keras-hub's layer that a trace built
+layer_tokenize = tokenizer.layer.tokenize
+def counted(texts):
+    if not tf.executing_eagerly():
+        built.append(1)
+    return layer_tokenize(texts)
+tokenizer.layer.tokenize = counted
+texts = ["ab ab", "ba a", "b"]
+pipelines = [tf.data.Dataset.from_tensor_slices(texts).batch(2).map(
+    lambda block: tokenizer.tokenize(block).to_tensor(-1)) for _ in range(3)]  # counts, train, eval
+read = [[batch.tolist() for batch in pipeline.as_numpy_iterator()] for pipeline in pipelines]
+print(json.dumps({"graphs": len(built), "read": read}))
+"""
+
+
+def test_a_keras_hub_tokenizer_is_one_graph_for_every_pipeline_of_a_process(tmp_path):
+    """A run's tf.data pipelines (token counts, training, evaluation) call one graph of a
+    keras-hub tokenizer rather than each tracing its own (seconds apiece for a byte-pair
+    tokenizer), and its ids are the merges' own."""
+    (tmp_path / "vocab.json").write_text(json.dumps(
+        {"a": 0, "b": 1, "ab": 2, "Ġ": 3, "Ġa": 4, "Ġb": 5, "Ġab": 6, "<|endoftext|>": 7}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nĠ a\nĠ b\nĠa b\n")
+    out = run_command([sys.executable, "-c", ONE_TOKENIZER_GRAPH, str(tmp_path)]).stdout
+    result = json.loads(out.splitlines()[-1])
+    assert result["graphs"] == 1, result
+    # "ab", "Ġ", "ab" | "b", "a", "Ġa" | "b": as keras-hub's byte-pair tokenizer splits and
+    # merges them, in batches of 2 padded with -1, the same in every pipeline
+    assert all(read == [[[2, 3, 2], [1, 0, 4]], [[1]]] for read in result["read"]), result

@@ -121,7 +121,7 @@ def _bytes(texts):
 def _wrap(name, layer) -> Tokenizer:
     eos = getattr(layer, "end_token_id", None)
     if eos is None:
-        vocabulary = layer.get_vocabulary()
+        vocabulary = list(layer.get_vocabulary())  # a byte-pair tokenizer's is dict keys
         eos = next((vocabulary.index(p) for p in _EOS_PIECES if p in vocabulary), None)
     if eos is None:
         raise UserError(f"the tokenizer {name} has no end-of-sequence token (none of "
