@@ -439,20 +439,24 @@ texts = ["ab ab", "ba a", "b"]
 pipelines = [tf.data.Dataset.from_tensor_slices(texts).batch(2).map(
     lambda block: tokenizer.tokenize(block).to_tensor(-1)) for _ in range(3)]  # counts, train, eval
 read = [[batch.tolist() for batch in pipeline.as_numpy_iterator()] for pipeline in pipelines]
-print(json.dumps({"graphs": len(built), "read": read}))
+eager = tokenizer.tokenize(tf.constant(texts)).to_list()  # a prompt's call, as GRPO's
+print(json.dumps({"graphs": len(built), "read": read, "eager": eager}))
 """
 
 
 def test_a_keras_hub_tokenizer_is_one_graph_for_every_pipeline_of_a_process(tmp_path):
     """A run's tf.data pipelines (token counts, training, evaluation) call one graph of a
     keras-hub tokenizer rather than each tracing its own (seconds apiece for a byte-pair
-    tokenizer), and its ids are the merges' own."""
+    tokenizer), and its ids are the merges' own. An eager call gets the same graph and its
+    ragged ids on the jax engine too (keras-hub's eager call there gives Python lists)."""
     (tmp_path / "vocab.json").write_text(json.dumps(
         {"a": 0, "b": 1, "ab": 2, "Ġ": 3, "Ġa": 4, "Ġb": 5, "Ġab": 6, "<|endoftext|>": 7}))
     (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nĠ a\nĠ b\nĠa b\n")
-    out = run_command([sys.executable, "-c", ONE_TOKENIZER_GRAPH, str(tmp_path)]).stdout
+    out = run_command([sys.executable, "-c", ONE_TOKENIZER_GRAPH, str(tmp_path)],
+                      env={"KERAS_BACKEND": "jax"}).stdout  # as the jax engine sets it
     result = json.loads(out.splitlines()[-1])
     assert result["graphs"] == 1, result
     # "ab", "Ġ", "ab" | "b", "a", "Ġa" | "b": as keras-hub's byte-pair tokenizer splits and
     # merges them, in batches of 2 padded with -1, the same in every pipeline
     assert all(read == [[[2, 3, 2], [1, 0, 4]], [[1]]] for read in result["read"]), result
+    assert result["eager"] == [[2, 3, 2], [1, 0, 4], [1]], result

@@ -130,15 +130,15 @@ def _wrap(name, layer) -> Tokenizer:
     def ids(texts):
         return tf.cast(layer.tokenize(texts), tf.int32)
 
-    # Inside tf.data, one graph of the tokenizer for the process: a run's pipelines (the token
-    # counts, training, evaluation) call it rather than each building its own, which took
-    # seconds apiece for a byte-pair tokenizer. keras-hub's tokenizers (and TensorFlow Text's
-    # ops under them) are graph code already, so AutoGraph does not rewrite them: that took
-    # as long again (a byte-pair tokenizer's trace, 10.8 s with it, 5.9 s without).
-    graph = tf.function(ids, input_signature=[tf.TensorSpec([None], tf.string)], autograph=False)
-
-    def tokenize(texts):
-        return ids(texts) if tf.executing_eagerly() else graph(texts)
+    # One graph of the tokenizer for the process: a run's pipelines (the token counts,
+    # training, evaluation) call it rather than each building its own, which took seconds
+    # apiece for a byte-pair tokenizer. keras-hub's tokenizers (and TensorFlow Text's ops
+    # under them) are graph code already, so AutoGraph does not rewrite them: that took as
+    # long again (a byte-pair tokenizer's trace, 10.8 s with it, 5.9 s without). An eager
+    # call goes through it too: called eagerly on another Keras backend than TensorFlow,
+    # keras-hub 0.32 turns the ids into Python lists (a dense tensor for one text, an error
+    # for texts of different lengths), where the graph gives the ragged tensor on every backend.
+    tokenize = tf.function(ids, input_signature=[tf.TensorSpec([None], tf.string)], autograph=False)
     start = getattr(layer, "start_token_id", None)
     start = None if start is None else int(start)
     return Tokenizer(name, int(layer.vocabulary_size()), int(eos), tokenize, start,
