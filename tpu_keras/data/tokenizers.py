@@ -18,8 +18,7 @@ token, where the tokenizer has one). `fingerprint` names the tokenizer's
 exact vocabulary, so counts made with one are never read for another.
 
 All of them tokenize a whole block of documents at once inside tf.data
-(graph ops: keras-hub tokenizers are TensorFlow preprocessing layers), a
-keras-hub tokenizer through one graph per process that every pipeline calls.
+(graph ops: keras-hub tokenizers are TensorFlow preprocessing layers).
 """
 
 # Imported inside functions: keras-hub (optional: absent on a plain install), and
@@ -130,14 +129,10 @@ def _wrap(name, layer) -> Tokenizer:
     def ids(texts):
         return tf.cast(layer.tokenize(texts), tf.int32)
 
-    # One graph of the tokenizer for the process: a run's pipelines (the token counts,
-    # training, evaluation) call it rather than each building its own, which took seconds
-    # apiece for a byte-pair tokenizer. keras-hub's tokenizers (and TensorFlow Text's ops
-    # under them) are graph code already, so AutoGraph does not rewrite them: that took as
-    # long again (a byte-pair tokenizer's trace, 10.8 s with it, 5.9 s without). An eager
-    # call goes through it too: called eagerly on another Keras backend than TensorFlow,
-    # keras-hub 0.32 turns the ids into Python lists (a dense tensor for one text, an error
-    # for texts of different lengths), where the graph gives the ragged tensor on every backend.
+    # One graph for the process, which every pipeline (token counts, training, evaluation)
+    # calls instead of tracing its own; keras-hub's code is graph code, so AutoGraph is off.
+    # Eager calls use it too: keras-hub 0.32's eager call on the jax backend gives Python
+    # lists, the graph ragged ids on both engines. Why and the figures: docs/design.md.
     tokenize = tf.function(ids, input_signature=[tf.TensorSpec([None], tf.string)], autograph=False)
     start = getattr(layer, "start_token_id", None)
     start = None if start is None else int(start)
