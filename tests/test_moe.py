@@ -40,8 +40,16 @@ def test_sparse_layer_is_keras_hubs_bank_at_top_k_over_e_of_its_flops():
     assert capacity["mesh_dropped"] == capacity["mesh_by_hand"] > 0, capacity
     for output in ("output", "dropless_output", "mesh_output", "mesh_dropless_output"):
         assert capacity[output] <= 1e-5 * capacity["scale"], (output, capacity)
+    for mesh, checks in found["exchange"].items():  # each copy to its expert's device and back
+        assert checks["output"] <= 1e-5 * checks["scale"] and checks["gradients"] < 1e-5, (mesh, checks)
+        assert checks["per_expert"] == checks["by_hand_per_expert"], (mesh, checks)
     flops = found["flops"]  # compiled for a TPU v5e chip: within 1.25x of top_k / E of the dense bank's
     assert flops["ratio"] <= 1.25 * flops["top_k_over_experts"], flops
+    # On a TPU the expert axis exchanges copies by ragged all-to-all, and sends less than the gather
+    exchange, gather = found["tpu_exchange"]["all_to_all"], found["tpu_exchange"]["gather"]
+    assert exchange["ragged_all_to_all"] >= 2 and gather["ragged_all_to_all"] == 0, found["tpu_exchange"]
+    assert exchange["sent"]["all_to_all"] > 0 and exchange["sent"]["total"] < gather["sent"]["total"], \
+        found["tpu_exchange"]
 
 
 def test_a_copy_rebuilt_in_the_same_process_names_its_unnamed_layers_as_the_model_did():

@@ -395,6 +395,25 @@ def test_collective_bytes_are_read_from_each_replica_group_form():
     assert sent["total"] == sent["all_gather"] + sent["all_reduce"] + sent["reduce_scatter"]
 
 
+def test_a_ragged_all_to_all_counts_the_copies_a_device_holds_not_its_buffer():
+    """A mixture of experts' exchange: the forward's result and the return's operand are
+    buffers of every copy the axis could send one device; what moves is the copies it holds,
+    less its own share."""
+    from tpu_keras.planning import compiled_traffic
+    hlo = "\n".join([
+        "  %copies = bf16[4096,1024]{1,0} fusion(%x), kind=kLoop",
+        "  %arrived = bf16[32768,1024]{1,0} ragged-all-to-all(%copies, %buffer, %a, %b, %c, %d), "
+        "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}",
+        "  %products = bf16[32768,1024]{1,0} fusion(%arrived), kind=kLoop",
+        "  ROOT %back = bf16[4096,1024]{1,0} ragged-all-to-all(%products, %zeros, %e, %f, %g, %h), "
+        "channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}",
+    ])
+    sent = compiled_traffic.sent_per_device(hlo, devices=8)
+    assert sent["all_to_all"] == sent["total"] == 2 * 4096 * 1024 * 2 * 7 / 8
+    rows = compiled_traffic.listed(hlo, devices=8)
+    assert [(r["op"], r["shape"], r["count"]) for r in rows] == [("ragged-all-to-all", "bf16[4096,1024]", 2)]
+
+
 def test_collectives_that_span_slices_are_split_hierarchically():
     from tpu_keras.planning import compiled_traffic
     hlo = "\n".join([

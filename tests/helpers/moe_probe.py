@@ -12,6 +12,12 @@ Prints one line, `MOE {json}`:
   the same router logits, with and without a padding mask;
 - `capacity`: copies dropped under a capacity factor, against a count by hand, and the
   output against the dense bank's over the kept copies, on one device and on fsdp 2 x expert 2;
+- `exchange`: dropless by all-to-all (the TPU's `ragged_all_to_all`, computed here by
+  `moe.gathered_all_to_all`) on fsdp 2 x expert 2, expert 4 and expert 2 x model 2 (with
+  gpt-oss's biases): the output against the dense bank's, the gradients against the gather's;
+- `tpu_exchange`: the layer's forward and backward compiled for a TPU v5e-8 (libtpu) on an
+  expert axis of 8, by all-to-all (the default there) and by the gather: the collectives and
+  the bytes each device sends;
 - `flops`: XLA's cost analysis of the forward layer compiled for one TPU v5e chip (libtpu),
   sparse against dense, at 8 experts with top 2.
 """
@@ -160,6 +166,73 @@ def capacity_drops() -> dict:
             "mesh_by_hand": int((1 - kept(2)).sum()), "scale": float(np.max(np.abs(np.asarray(full))))}
 
 
+def exchanged() -> dict:
+    """Dropless on three expert meshes, each copy sent to its expert's device and back
+    (`_exchanged`): the output against the dense bank, the gradients against the gather's."""
+    experts = jnp.asarray(np.stack([rng.choice(EXPERTS, TOP_K, replace=False, p=np.r_[.3, .2, np.full(6, .5 / 6)])
+                                    for _ in range(TOKENS)]), jnp.int32)  # uneven: ragged slices
+    weights = jnp.asarray(rng.uniform(0.2, 0.8, experts.shape), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(TOKENS, HIDDEN)), jnp.float32)
+    shapes = ((EXPERTS, HIDDEN, UNITS), (EXPERTS, HIDDEN, UNITS), (EXPERTS, UNITS, HIDDEN),
+              (EXPERTS, UNITS), (EXPERTS, UNITS), (EXPERTS, HIDDEN))
+    biased = moe.Bank(*(jnp.asarray(rng.normal(size=s), jnp.float32) / 8 for s in shapes))
+    plain = moe.Bank(*biased[:3])
+
+    def step(exchange):
+        def loss(x, weights, bank):
+            out, per_expert, _ = moe.experts_of(x, weights, experts, bank, moe._silu_glu, EXPERTS,
+                                                exchange=exchange)
+            return jnp.sum(jnp.sin(out)), (out, per_expert)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    result = {}
+    for names, shape, bank in ((("fsdp", "expert"), (2, 2), plain), (("expert",), (4,), plain),
+                               (("expert", "model"), (2, 2), biased)):
+        mesh = keras.distribution.DeviceMesh(shape, names, jax.devices()[:4])
+        with keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh),
+                                              batch_dim_name=names[0]).scope():
+            (_, (out, per_expert)), grads = step(moe.gathered_all_to_all)(x, weights, bank)
+            _, gathered = step(False)(x, weights, bank)
+        dense = moe.served(x, weights, experts, bank, moe._silu_glu, EXPERTS)
+        result[" x ".join(f"{n} {s}" for n, s in zip(names, shape))] = {
+            "output": gap(out, dense), "scale": float(np.max(np.abs(np.asarray(dense)))),
+            "gradients": max(gap(a, b) / max(float(np.max(np.abs(np.asarray(b)))), 1e-6)
+                             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(gathered))),
+            "per_expert": [int(c) for c in per_expert],
+            "by_hand_per_expert": [int(c) for c in np.bincount(np.asarray(experts).reshape(-1), minlength=EXPERTS)]}
+    return result
+
+
+def tpu_exchange() -> dict:
+    """The layer's forward and backward (E=8, k=2) compiled for a TPU v5e-8 on an expert axis
+    of 8: by all-to-all (the default on a TPU) and by the gather, each device's collectives."""
+    from tpu_keras.cluster import libtpu
+    from tpu_keras.planning import compiled_traffic
+    hidden, units, tokens = 512, 1024, 8 * 512
+    mesh = keras.distribution.DeviceMesh((8,), ("expert",), libtpu.devices("v5litepod-8"))
+    split = jax.sharding.NamedSharding(mesh.backend_mesh, jax.sharding.PartitionSpec("expert"))
+    arrays = (jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16, sharding=split),
+              jax.ShapeDtypeStruct((tokens, TOP_K), jnp.float32, sharding=split),
+              jax.ShapeDtypeStruct((tokens, TOP_K), jnp.int32, sharding=split),
+              moe.Bank(*(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=split) for s in
+                         ((8, hidden, units), (8, hidden, units), (8, units, hidden)))))
+
+    def gradients(exchange):
+        def loss(x, weights, experts, bank):
+            out = moe.experts_of(x, weights, experts, bank, moe._silu_glu, 8, exchange=exchange)[0]
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 3))
+
+    found = {}
+    with keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh),
+                                          batch_dim_name="expert").scope():
+        for name, exchange in (("all_to_all", None), ("gather", False)):
+            text = jax.jit(gradients(exchange)).lower(*arrays).compile().as_text()
+            found[name] = {"ragged_all_to_all": text.count("ragged-all-to-all("),
+                           "sent": compiled_traffic.sent_per_device(text, 8)}
+    return found
+
+
 def tpu_flops() -> dict:
     """The forward Qwen3-MoE layer (E=8, k=2), keras-hub's dense bank and the sparse one,
     compiled for one TPU v5e chip: XLA's FLOPs of each."""
@@ -190,7 +263,8 @@ def tpu_flops() -> dict:
 x = jnp.asarray(rng.normal(size=(2, TOKENS // 2, HIDDEN)), jnp.float32)
 result = {"tiled": tiled_against_ragged(),
           "blocks": {name: against_dense(layer, x) for name, layer in made_blocks().items()},
-          "aux": aux_against_transformers(), "capacity": capacity_drops()}
+          "aux": aux_against_transformers(), "capacity": capacity_drops(), "exchange": exchanged()}
 if "--no-tpu" not in sys.argv:
     result["flops"] = tpu_flops()
+    result["tpu_exchange"] = tpu_exchange()
 print("MOE " + json.dumps(result), flush=True)

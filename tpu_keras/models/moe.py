@@ -16,11 +16,15 @@ keras-hub call as the fallback for what this path does not cover (a
 backend other than jax).
 
 On a mesh with an `expert` axis each device holds E / expert of the experts
-(`ADAPTERS` name the weights; the families' layout rules split them): a
-`jax.shard_map` gathers the tokens of the devices along `expert`, computes
-the rows of its own experts, and sums the results back to the tokens' own
-devices (`psum_scatter`). The units of each expert may be split over `model`
-as well (their partial sums are added over it).
+(`ADAPTERS` name the weights; the families' layout rules split them), inside
+a `jax.shard_map`. Dropless on a TPU, each device sends each copy of its
+tokens to the device holding the copy's expert, and gets the products back,
+by `jax.lax.ragged_all_to_all` (`_exchanged`): a device sends T x k rows,
+not the axis's tokens. XLA:CPU has no such collective, so elsewhere (and
+under a capacity) a device gathers the tokens of the devices along
+`expert`, computes the rows of its own experts, and sums the results back
+to the tokens' own devices (`psum_scatter`). The units of each expert may
+be split over `model` as well (their partial sums are added over it).
 
 Dropless by default, as transformers computes the layer: static shapes
 then hold every copy a device's experts could be sent. A capacity factor c
@@ -481,9 +485,14 @@ def traced_as_on_a_tpu(expert_axis: int = 1):
 
 
 def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: int,
-               capacity_factor: float = 0.0, tiled: Optional[bool] = None):
+               capacity_factor: float = 0.0, tiled: Optional[bool] = None,
+               exchange=None):
     """(output (T, H), tokens per expert (E,), dropped copies ()): each token's experts'
-    outputs, weighted. On a mesh with an `expert` axis, over `shard_map` (module docstring)."""
+    outputs, weighted. On a mesh with an `expert` axis, over `shard_map` (module docstring).
+    `exchange`: the ragged all-to-all that carries a dropless layer's copies over the expert
+    axis, or False for the gather of the axis's tokens; by default (None)
+    `jax.lax.ragged_all_to_all` on a TPU and the gather elsewhere. `gathered_all_to_all`
+    computes the TPU's exchange on any device."""
     import jax
     from jax.sharding import PartitionSpec
     distribution = keras.distribution.distribution()
@@ -493,10 +502,14 @@ def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: in
             return _one_device_of_the_axis(tokens, weights, experts, bank, activation, num_experts,
                                            capacity_factor, _AS_ON_A_TPU[-1])
         tiled = False
-    if tiled is None:  # by the devices the step is compiled for (a TPU's in `plan`, from a CPU)
-        device = mesh.devices.flat[0] if mesh is not None else (jax.config.jax_default_device
-                                                                 or jax.devices()[0])
-        tiled = getattr(device, "platform", "cpu") != "tpu"
+    # by the devices the step is compiled for (a TPU's in `plan`, from a CPU)
+    device = mesh.devices.flat[0] if mesh is not None else (jax.config.jax_default_device
+                                                             or jax.devices()[0])
+    on_tpu = getattr(device, "platform", "cpu") == "tpu"
+    if tiled is None:
+        tiled = not on_tpu
+    if exchange is None:
+        exchange = jax.lax.ragged_all_to_all if on_tpu else False
     if mesh is None or math.prod(mesh.shape.values()) == 1:
         return _local(tokens, weights, experts, bank, activation=activation, num_experts=num_experts,
                       capacity_factor=capacity_factor, axes=None, tiled=tiled)
@@ -513,6 +526,9 @@ def experts_of(tokens, weights, experts, bank: Bank, activation, num_experts: in
     body = functools.partial(_local, activation=activation, num_experts=num_experts,
                              capacity_factor=capacity_factor, axes=(by_expert, units, batch_axes),
                              tiled=tiled)
+    if by_expert is not None and exchange and not capacity_factor:
+        body = functools.partial(_exchanged, activation=activation, num_experts=num_experts,
+                                 axes=(by_expert, units, batch_axes), tiled=tiled, exchange=exchange)
     return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, kernels),
                          out_specs=(rows, PartitionSpec(), PartitionSpec()),
                          check_vma=False)(tokens, weights, experts, bank)
@@ -571,6 +587,66 @@ def _local(tokens, weights, experts, bank: Bank, *, activation, num_experts: int
         per_expert = jax.lax.psum(per_expert, others) if others else per_expert
         dropped = jax.lax.psum(dropped, others) if others else dropped
     return combined, per_expert, dropped
+
+
+def _exchanged(tokens, weights, experts, bank: Bank, *, activation, num_experts: int, axes,
+               tiled: bool, exchange: Callable):
+    """`_local`'s dropless share by all-to-all: each copy of this device's tokens goes to the
+    device of its expert along the axis (`exchange`, ragged_all_to_all's signature, one slice
+    per expert), lands among that expert's rows from every device, is multiplied there and
+    comes back to be weighted and summed. Static at every copy the axis's devices could send
+    to this device's experts, as `_rows`."""
+    import jax
+    import jax.numpy as jnp
+    by_expert, units, batch_axes = axes
+    me = jax.lax.axis_index(by_expert)
+    count, top_k = experts.shape
+    held = bank.gate.shape[0]
+    choices = jnp.reshape(experts, (-1,))
+    order = jnp.argsort(choices, stable=True)  # my copies by expert
+    per_expert = jnp.bincount(choices, length=num_experts)
+    counts = jax.lax.all_gather(per_expert, by_expert)  # (device, expert): every device's copies
+    starts = jnp.cumsum(counts, axis=1) - counts  # where each device's copies of an expert start
+    before = jnp.cumsum(counts, axis=0) - counts  # an expert's copies on the devices before
+    totals = jnp.reshape(jnp.sum(counts, axis=0), (-1, held))  # (device, its expert): the rows
+    group = jnp.reshape(jnp.cumsum(totals, axis=1) - totals, (-1,))  # an expert's first row there
+    own = me * held + jnp.arange(held)  # my experts
+    mine = jnp.reshape(counts[:, own], (-1,))  # (device x my expert,): the copies each sends me
+    rows = counts.shape[0] * count * top_k
+    arrived = exchange(tokens[order // top_k], jnp.zeros((rows, tokens.shape[1]), tokens.dtype),
+                       starts[me], per_expert, group + before[me], mine, axis_name=by_expert)
+    sizes = totals[me]
+    expert = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right"), 0, held - 1)
+    multiply = lambda x, kernels: grouped_matmul(x, kernels, sizes.astype(jnp.int32), tiled)
+    out = _feedforward(arrived, bank, activation, multiply, expert, units)
+    # Back: each device's products, from where they arrived to where its copies started.
+    back = exchange(out, jnp.zeros((count * top_k, out.shape[1]), out.dtype),
+                    jnp.reshape(group[own][None, :] + before[:, own], (-1,)), mine,
+                    jnp.reshape(starts[:, own], (-1,)), per_expert, axis_name=by_expert)
+    scale = jnp.reshape(weights, (-1,))[order]
+    combined = jnp.zeros(tokens.shape, out.dtype).at[order // top_k].add(back * scale[:, None].astype(out.dtype))
+    return combined, jax.lax.psum(per_expert, batch_axes), jnp.zeros((), jnp.int32)
+
+
+def gathered_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                        axis_name):
+    """`jax.lax.ragged_all_to_all`'s result, made of all-gathers: what a TPU's collective
+    computes, on devices whose compiler has none (XLA:CPU). Every device gathers every
+    operand and takes the slices sent to it; for checking `_exchanged` off a TPU."""
+    import jax
+    import jax.numpy as jnp
+    me, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+    each = input_offsets.shape[0] // devices  # slices a device sends each device
+    everything = jax.lax.all_gather(operand, axis_name)  # (sender, rows, ...)
+    start, size, at = (jnp.reshape(jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(v, axis_name),
+                                                                  me * each, each, axis=1), (-1,))
+                       for v in (input_offsets, send_sizes, output_offsets))  # (sender x slice,)
+    row = jnp.arange(output.shape[0])
+    inside = (row[None, :] >= at[:, None]) & (row[None, :] < (at + size)[:, None])  # (slice, row)
+    piece = jnp.argmax(inside, axis=0)
+    source = jnp.clip(start[piece] + row - at[piece], 0, operand.shape[0] - 1)
+    taken = everything[piece // each, source]
+    return jnp.where(jnp.any(inside, axis=0).reshape((-1,) + (1,) * (output.ndim - 1)), taken, output)
 
 
 def _rows(tokens, order, offset, *, sorted_experts, sizes, bank: Bank, activation, top_k: int, units,

@@ -7,7 +7,10 @@ makes XLA split the stream, then gather it before every matmul). Each
 collective's bytes come from its result's shape, its group size from its
 `replica_groups`, and the same ring arithmetic as the plan's: all-gather
 (n-1)/n of the result, reduce-scatter (n-1) x the result (a shard),
-all-reduce twice (n-1)/n. A collective inside a loop counts once. With
+all-reduce twice (n-1)/n. A ragged all-to-all (a mixture of experts'
+exchange on an expert axis) sends a data-dependent part of its buffers,
+counted at (n-1)/n of the smaller of its operand and result: the copies a
+device holds, when its tokens choose the experts evenly. A collective inside a loop counts once. With
 several slices, what crosses between them is counted apart
 (`network.hierarchical`), from which devices each group holds.
 """
@@ -20,7 +23,10 @@ import numpy as np
 from tpu_keras.planning import network
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(-start)?\(")
+_RAGGED = "ragged-all-to-all"  # counted as an all-to-all
+_LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join((_RAGGED,) + _OPS)
+                   + r")(-start)?\((?P<first>%?[\w.\-]+)?")
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z]+\d*\[[\d,]*\])", re.M)
 _MEGASCALE = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+send\(.*_xla_megascale_transfer_type="
                         r'"(?P<kind>[A-Z_]+)"')
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
@@ -40,7 +46,7 @@ def sent_per_device(hlo_text: str, devices: int, slices: int = 1) -> dict:
     if slices > 1:
         sent.update({f"{op.replace('-', '_')}_across_slices": 0.0 for op in _OPS})
     for each in _each(hlo_text, devices, slices):
-        key = each["op"].replace("-", "_")
+        key = ("all-to-all" if each["op"] == _RAGGED else each["op"]).replace("-", "_")
         sent[key] += each["inside"]
         if each["across"]:
             sent[f"{key}_across_slices"] += each["across"]
@@ -79,6 +85,7 @@ def listed(hlo_text: str, devices: int, slices: int = 1) -> list[dict]:
 def _each(hlo_text: str, devices: int, slices: int):
     """One dict per collective instruction of the program: kind, shape, bytes, group."""
     per_slice = devices // slices
+    shapes = None  # each array instruction's result shape, by name: a ragged all-to-all's operand
     for line in hlo_text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # '/*index=5*/' inside tuple shapes
         found = _LINE.search(line)
@@ -89,6 +96,12 @@ def _each(hlo_text: str, devices: int, slices: int):
             continue
         op, shape = found.group("op"), found.group("shape")
         nbytes = _bytes(shape)
+        if op == _RAGGED:
+            if shapes is None:
+                shapes = {m.group("name"): m.group("shape") for m in _DEFINED.finditer(hlo_text)}
+            operand = shapes.get((found.group("first") or "").lstrip("%"))
+            if operand and _bytes(operand) < nbytes:
+                shape, nbytes = operand, _bytes(operand)
         if op == "collective-permute":
             pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split(
                 "source_target_pairs=", 1)[-1])]
@@ -98,7 +111,8 @@ def _each(hlo_text: str, devices: int, slices: int):
             group = _groups(line, devices)[0]
             n = len(group)
             spanned = len({d // per_slice for d in group})
-        inside, across = network.hierarchical(op, nbytes, max(1, n // spanned), spanned)
+        moved = nbytes * network.ring(n) if op == _RAGGED else nbytes  # its own copies stay
+        inside, across = network.hierarchical(op, moved, max(1, n // spanned), spanned)
         yield {"op": op, "shape": _plain(shape), "result_bytes": nbytes, "group_size": n,
                "slices_spanned": spanned, "inside": inside, "across": across}
 

@@ -416,8 +416,8 @@ WHY_SENT = {
     "all_reduce": ("the compiler sums across devices otherwise than the plan's one all-reduce "
                    "per gradient and per split layer output (it may reduce-scatter instead, or "
                    "sum a layer's outputs at another point)"),
-    "all_to_all": "the plan counts no all-to-all: the compiler moves data between devices "
-                  "where one layout meets another",
+    "all_to_all": "the plan counts no all-to-all: a mixture of experts' exchange of tokens on "
+                  "the expert axis, or the compiler moving data where one layout meets another",
     "collective_permute": "the plan counts no collective permute: the compiler passes data "
                           "between neighbours (a windowed matmul's pieces, a reshard)",
 }
