@@ -229,6 +229,26 @@ def test_moe_bad_inputs_are_one_line(tmp_path):
     # On the tf engine: mesh.resolve's "mesh.expert=2 needs the jax engine" (test_mesh_and_rules.py).
 
 
+@pytest.mark.slow
+def test_each_moe_familys_lora_step_compiles_for_a_tpu_with_its_experts_exchanged_by_all_to_all(tmp_path):
+    """`plan --measure` compiles each family's LoRA step for a v5e-8 on expert 2 x fsdp 2 x model 2
+    (libtpu): it fits, and its copies reach their experts by ragged all-to-all."""
+    calls = {}
+    for name in FAMILIES:
+        hf_pretrained.write(tmp_path / name, name)
+        calls[name] = ["--config=configs/finetune.py", "--tpu=v5litepod-8", "--measure",
+                       f"--config.model.name=keras_hub:{hf_pretrained.TASKS[name]}",
+                       f"--config.model.preset={tmp_path / name}", "--config.mesh.expert=2",
+                       "--config.mesh.fsdp=2", "--config.mesh.model=2", "--config.train.batch_size=8",
+                       "--config.model.context_length=64"]
+    plans = run_in_one_process("tpu_keras.plan", calls, timeout=900)
+    assert sorted(plans) == sorted(FAMILIES), sorted(plans)
+    for name, result in plans.items():
+        assert result.returncode == 0, (name, result.stdout[-3000:], result.stderr[-3000:])
+        assert "fits by the TPU compiler: yes" in result.stdout, (name, result.stdout[-3000:])
+        assert re.search(r"ragged-all-to-all .* over +2 devices", result.stdout), (name, result.stdout[-3000:])
+
+
 def test_lora_on_the_experts_is_refused_on_the_tf_engine_which_computes_them_densely():
     """keras-hub's dense bank (the tf engine's) reads the experts' weights alone: a LoRA of
     them would not be applied, so PEFT's target_parameters there is one line."""
