@@ -37,8 +37,9 @@ def test_moe_families_on_expert_meshes_train_a_lora_peft_reads(mesh, tmp_path, d
             else:
                 assert relative(result, name, checks["keras_hub"]) <= TRANSFORMERS, (name, checks)
             assert checks["peft_config"]["target_modules"] == ["q_proj", "v_proj"], (name, checks)
-            # gpt-oss's run adapts its experts too, as PEFT's target_parameters (hf_probe.EXPERT_PARAMETERS)
-            experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if name == "gpt_oss" else None
+            # These runs adapt their experts too, as PEFT's target_parameters (hf_probe.EXPERT_PARAMETERS)
+            experts = (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+                       if name in ("gpt_oss", "qwen3_moe", "qwen3_5_moe_text") else None)
             assert checks["peft_config"]["target_parameters"] == experts, (name, checks["peft_config"])
             toolkit, peft = checks["trainable"]["lora"]  # the same factors as PEFT's, experts included
             assert toolkit == peft, (name, checks["trainable"])

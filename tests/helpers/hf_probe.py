@@ -139,7 +139,8 @@ def config_differences(folder, checkpoint):
 # The LoRA runs' targets, in PEFT's names.
 LORA_TARGETS = {"lora": "q_proj,v_proj", "lora_all": "all-linear"}
 # A `NAME:lora` run of these also adapts the experts' stacked weights (PEFT's target_parameters).
-EXPERT_PARAMETERS = {"gpt_oss": "mlp.experts.gate_up_proj,mlp.experts.down_proj"}
+EXPERT_PARAMETERS = {name: "mlp.experts.gate_up_proj,mlp.experts.down_proj"
+                     for name in ("gpt_oss", "qwen3_moe", "qwen3_5_moe_text")}
 
 
 def config_for(name, checkpoint, lora_rank=0, lora_targets="", quantize="", **backbone):

@@ -41,15 +41,28 @@ KEY = "lora_target_parameters"  # the model.* key: PEFT's target_parameters
 @dataclasses.dataclass(frozen=True)
 class ExpertTarget(Target):
     """A stacked expert weight LoRA can adapt: `module` PEFT's parameter name
-    ('mlp.experts.gate_up_proj'), `layer` the Keras experts layer's path, `transformers` the
+    ('mlp.experts.gate_up_proj'), `layer` the Keras experts layer's path ({n}: the number
+    Keras adds to an unnamed layer's name after the first, '_1'), `transformers` the
     transformers module holding it ('model.layers.{i}.mlp.experts'), `variable` the layer's
-    weight, (E, in, out)."""
+    weight's name, (E, in, out) (transformers' parameter holds the same, or its transpose:
+    PEFT reads either by the true input features), `attribute` the layer's attribute holding
+    it where that is not `variable`."""
 
     variable: str = ""
+    attribute: str = ""
+
+    @property
+    def held(self) -> str:
+        """The layer's attribute holding the weight."""
+        return self.attribute or self.variable
+
+    @property
+    def pattern(self) -> str:
+        return super().pattern.replace(re.escape("{n}"), r"(?:_\d+)?")
 
     @property
     def kernel(self) -> str:
-        return f"{self.layer.replace('{i}', '0')}/{self.variable}"
+        return f"{self.layer.replace('{i}', '0').replace('{n}', '')}/{self.variable}"
 
 
 def chosen(kwargs: dict, targets: Sequence[ExpertTarget], family: str) -> tuple[str, ...]:
@@ -62,8 +75,8 @@ def chosen(kwargs: dict, targets: Sequence[ExpertTarget], family: str) -> tuple[
     for name in given:
         if name not in known:
             where = (f"choose from {', '.join(known)}" if known else
-                     f"the {family} family names no stacked expert weights (PEFT adapts those of "
-                     "gpt-oss); drop it")
+                     f"the {family} family names no stacked expert weights (the toolkit adapts those "
+                     "of gpt-oss, Qwen3-MoE and Qwen 3.5's MoE); drop it")
             raise UserError(f"model.{KEY} has {name!r}, which is not an expert weight LoRA can adapt; "
                             f"{where}")
     if given and keras.backend.backend() != "jax":
@@ -102,18 +115,18 @@ def attach(model, targets: Sequence[ExpertTarget], settings: Settings) -> list:
 
 
 def _adapt(layer, target: ExpertTarget, settings: Settings) -> None:
-    experts, inputs, outputs = (int(n) for n in getattr(layer, target.variable).shape)
+    experts, inputs, outputs = (int(n) for n in getattr(layer, target.held).shape)
     adapter = getattr(layer, "_tpu_keras_lora", None) or ExpertsAdapter(settings)
     bound = 1 / math.sqrt(inputs)  # PEFT's kaiming_uniform_(a=sqrt(5)) of lora_A (r * E, in)
     layer._tracker.unlock()
-    setattr(layer, f"{target.variable}_lora_a", layer.add_weight(
+    setattr(layer, f"{target.held}_lora_a", layer.add_weight(
         name=f"{target.variable}_lora_a", shape=(experts, inputs, settings.rank), dtype="float32",
         initializer=keras.initializers.RandomUniform(-bound, bound)))
-    setattr(layer, f"{target.variable}_lora_b", layer.add_weight(
+    setattr(layer, f"{target.held}_lora_b", layer.add_weight(
         name=f"{target.variable}_lora_b", shape=(experts, settings.rank, outputs), dtype="float32",
         initializer="zeros"))
     layer._tracker.lock()
-    adapter.targets[target.variable] = target
+    adapter.targets[target.held] = target
     object.__setattr__(layer, "_tpu_keras_lora", adapter)
 
 
@@ -128,7 +141,7 @@ def is_factor(path: str) -> bool:
 
 
 def weight(layer, name: str):
-    """The layer's stacked weight `name` as the step multiplies by it: with its update merged
+    """The layer's stacked weight (the attribute `name`) as the step multiplies by it: with its update merged
     in where it is adapted and switched on, in the weight's own dtype."""
     value = keras.ops.convert_to_tensor(getattr(layer, name))
     adapter = getattr(layer, "_tpu_keras_lora", None)

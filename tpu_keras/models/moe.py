@@ -111,12 +111,13 @@ def _gpt_oss_glu(gate, up, alpha=1.702, limit=7.0):
 
 
 def _halves(layer, dtype) -> Bank:
-    """Qwen3-MoE's and Qwen 3.5's bank: gate and up fused along the units, gate first."""
+    """Qwen3-MoE's and Qwen 3.5's bank: gate and up fused along the units, gate first (their
+    LoRA updates merged in, `expert_lora`)."""
     bank = layer.expert_bank
-    gate_up = _value(bank._expert_feedforward_gate_dense, dtype)
+    gate_up = _value(expert_lora.weight(bank, "_expert_feedforward_gate_dense"), dtype)
     units = gate_up.shape[-1] // 2
     return Bank(gate_up[..., :units], gate_up[..., units:],
-                _value(bank._expert_feedforward_output_dense, dtype))
+                _value(expert_lora.weight(bank, "_expert_feedforward_output_dense"), dtype))
 
 
 def _mixtral_bank(layer, dtype) -> Bank:

@@ -9,6 +9,7 @@ projections `...experts.{e}.{gate,up,down}_proj.weight` (Mixtral's `w1`,
 """
 
 # Imported inside functions: keras (optional to import here: only exports need it).
+from tpu_keras.models.expert_lora import ExpertTarget
 from tpu_keras.parallelism import Rule, replicated
 
 
@@ -68,3 +69,14 @@ def fused_bank_weights(bank, prefix: str) -> dict:
     return {**per_expert(gate_up[..., :units], f"{prefix}.experts.{{}}.gate_proj.weight"),
             **per_expert(gate_up[..., units:], f"{prefix}.experts.{{}}.up_proj.weight"),
             **per_expert(bank._expert_feedforward_output_dense, f"{prefix}.experts.{{}}.down_proj.weight")}
+
+
+def fused_bank_targets(block: str) -> tuple:
+    """PEFT's `target_parameters` on a fused bank (Qwen3-MoE's, Qwen 3.5's: gate and up
+    (E, H, 2F), the gate first, the output (E, F, H)) under the block layer `block`:
+    transformers 5 holds them as `mlp.experts.gate_up_proj` (E, 2F, H), the gate first, and
+    `down_proj` (E, H, F), the same weights transposed."""
+    return tuple(ExpertTarget(f"mlp.experts.{name}", f"{block}/experts", "model.layers.{i}.mlp.experts",
+                              variable=variable, attribute=f"_{variable}")
+                 for name, variable in (("gate_up_proj", "expert_feedforward_gate_dense"),
+                                        ("down_proj", "expert_feedforward_output_dense")))

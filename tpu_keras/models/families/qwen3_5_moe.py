@@ -17,7 +17,8 @@ writes. Export: keras-hub 0.32 has no transformers exporter for the model;
 the config and weights maps are the toolkit's, each expert written apart, as
 transformers 5 writes them. LoRA: `qwen3_5`'s names on the attention and the
 linear attention (PEFT has no defaults for the model; ours are `q_proj`,
-`v_proj`).
+`v_proj`), and PEFT's `target_parameters` on the experts
+(`experts.fused_bank_targets`).
 """
 
 # Imported inside functions: keras (optional to import here: only exports need it).
@@ -137,6 +138,7 @@ FAMILY = register(Family(
     layout=layout,
     ties=qwen3_5.TIES[:1] + qwen3_5.TIES[2:],
     lora_targets=qwen3_5.LORA_TARGETS[:4] + qwen3_5.LORA_TARGETS[7:],
+    expert_targets=experts.fused_bank_targets("transformer_layer_{i}/sparse_moe_block"),
     attention=("Qwen3_5Attention",),
     fused_attention=("Qwen3_5Attention",),
     delta_nets=("Qwen3_5GatedDeltaNet",),

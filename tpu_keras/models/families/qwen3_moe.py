@@ -10,7 +10,8 @@ Reading: the Hub's checkpoints say `num_experts`, transformers 5's
 save_pretrained writes `num_local_experts`; keras-hub 0.32's converter reads
 the former alone (`config_aliases`). Dense MLP layers between the experts
 (`mlp_only_layers`, `decoder_sparse_step`), which no released size has, are
-refused. LoRA: PEFT's names on the attention projections; keras-hub 0.32 has
+refused. LoRA: PEFT's names on the attention projections, and its
+`target_parameters` on the experts (`experts.fused_bank_targets`); keras-hub 0.32 has
 no transformers exporter for the model, so the config and weights maps are the
 toolkit's (each expert written apart, as transformers 5 writes them).
 """
@@ -100,6 +101,7 @@ FAMILY = register(Family(
     layout=layout,
     ties=llama.TIES[:1],
     lora_targets=llama.LORA_TARGETS[:4],
+    expert_targets=experts.fused_bank_targets("transformer_layer_{i}/qwen3_sparse_moe_block{n}"),
     transformers_config=transformers_config,
     transformers_weights=transformers_weights,
     transformers_tokenizer=qwen3.transformers_tokenizer,
