@@ -141,8 +141,8 @@ def is_factor(path: str) -> bool:
 
 
 def weight(layer, name: str):
-    """The layer's stacked weight (the attribute `name`) as the step multiplies by it: with its update merged
-    in where it is adapted and switched on, in the weight's own dtype."""
+    """The layer's stacked weight (its attribute `name`) as the step multiplies by it: with its
+    update merged in where it is adapted and switched on, in the weight's own dtype."""
     value = keras.ops.convert_to_tensor(getattr(layer, name))
     adapter = getattr(layer, "_tpu_keras_lora", None)
     if not isinstance(adapter, ExpertsAdapter) or name not in adapter.targets or not adapter.on:
